@@ -1,0 +1,15 @@
+"""pallas_gemm: the fastest GEMM on NVIDIA GPUs as one jittable JAX function.
+
+    out = pallas_gemm.gemm(a, b)                    # picks the fastest backend here
+    pallas_gemm.backends()                          # {name: None | why it cannot run}
+
+Backends, one module each: `xla` (jnp.dot; reference and CPU path), `triton` (Pallas,
+Triton lowering; Ampere and newer), `mosaic` (Pallas Mosaic GPU: TMA + wgmma; Hopper),
+`cuda` (hand-written register-tiled SGEMM as an XLA FFI custom call).
+"""
+
+from pallas_gemm.api import BACKENDS, BackendUnavailableError, backends, gemm
+from pallas_gemm.tuning import autotune
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "gemm"]
+__version__ = "0.1.0"

@@ -1,0 +1,619 @@
+"""Hopper (sm_90) GEMM written in Pallas on the Mosaic GPU backend.
+
+Design (one CTA per SM, persistent):
+  * Grid: ``num_sms`` CTAs; each walks the flattened (batch, m_tiles, n_tiles)
+    space with ``plgpu.nd_loop`` (strided by the CTA count). Within a batch entry
+    the output tiles are visited in the order given by ``Config.tile_order``:
+    ``plgpu.planar_snake`` bands of ``grid_tile_width`` tiles along
+    ``grid_minor_dim``, so CTAs that run together share A rows / B columns in L2.
+  * K pipeline: ``plgpu.emit_pipeline_warp_specialized``. A producer warpgroup
+    issues TMA loads of (block_m, block_k) A tiles and (block_k, block_n) B
+    tiles into a ``stages``-deep ring of swizzled shared-memory buffers
+    (``plgpu.BlockSpec`` + tiling/swizzle transforms); ``num_compute_wgs``
+    consumer warpgroups each own a slice of the CTA tile (split along
+    ``wg_split``) and run ``plgpu.wgmma`` into an f32 register accumulator.
+  * Epilogue (consumer warpgroups, overlapped with the producer already
+    prefetching the next tile): the accumulator is scaled by alpha, beta*C is
+    added (C fetched by TMA into shared memory), the result is cast to the out
+    dtype, written to a double-buffered shared-memory slot and stored with TMA
+    in (epi_block_m, epi_block_n) sub-tiles.
+
+Shapes, edges and layouts (costs in parentheses):
+  * Ragged M, N, K: TMA loads zero-fill out-of-bounds parts of a tile and TMA
+    stores clip them, so aligned inputs are never copied.
+  * TMA needs every global row stride to be a multiple of 16 bytes. An operand
+    whose row is not (e.g. bf16 with 4097 columns) has only its rows padded with
+    zeros to the next multiple of 16 bytes by ``jnp.pad`` (one extra read+write
+    of that operand); a misaligned output is computed into a padded buffer and
+    sliced (one extra read+write of the output).
+  * Batch: folded into the persistent tile loop (no Python loop, one launch).
+    batch_b == 1 shares one B among all batch entries with no copy.
+  * transpose_a / transpose_b with 16-bit inputs: native. The shared-memory tile
+    is loaded in the stored layout and handed to wgmma through ``.T``, which
+    wgmma supports for 16-bit types (no copy).
+  * f32 inputs run as TF32 (refused for Precision.HIGHEST). wgmma reads 32-bit
+    operands only K-major, so B is consumed as (N, K) and A as (M, K): with
+    transpose_b=False (or transpose_a=True) that operand is copied once with
+    ``jnp.swapaxes`` (one extra read+write of it, ~8% of a 4096^3 TF32 GEMM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Literal
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+import numpy as np
+
+NAME = "mosaic"
+
+# Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SMEM_BYTES_PER_BLOCK = 232448
+# Mosaic GPU reserves this much for cross-warp reductions (CompilerParams).
+_RESERVED_SMEM_BYTES = 128 * 4 * 4
+# TMA: global strides (all but the innermost) must be multiples of 16 bytes.
+_TMA_ALIGN_BYTES = 16
+# SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
+_INTERPRET_NUM_SMS = 4
+# Registers per thread left to the producer warpgroup (setmaxnreg).
+_PRODUCER_REGISTERS = 40
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
+                     jnp.dtype(jnp.float16))
+
+
+# ----------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Tuning parameters of the Mosaic GPU kernel.
+
+  block_m, block_n: the CTA output tile. It is split among the consumer
+    warpgroups along ``wg_split``; each warpgroup's part is a wgmma accumulator
+    of (block_m / num_compute_wgs, block_n) or (block_m, block_n /
+    num_compute_wgs) f32 values.
+  block_k: K per pipeline step. block_k * itemsize must be a multiple of 32
+    bytes (swizzle); 64 (16-bit) or 32 (f32) gives the 128-byte swizzle.
+  stages: depth of the TMA ring (``max_concurrent_steps``).
+  num_compute_wgs: consumer warpgroups (1 or 2); one producer warpgroup is added.
+  wg_split: "m" or "n", the dimension of the CTA tile split among warpgroups.
+  grid_minor_dim, grid_tile_width: output tile order (``plgpu.planar_snake``):
+    bands of ``grid_tile_width`` tiles along ``grid_minor_dim``.
+  epi_block_m, epi_block_n: sub-tile of the epilogue (shared memory -> TMA
+    store), double-buffered per consumer warpgroup.
+  wgmma_wait: wgmma groups left in flight at the end of a K step (0 or 1). 1
+    overlaps consecutive wgmmas and delays the release of a stage by one step.
+  num_sms: CTAs of the persistent grid. None: the device's SM count on GPU, 4
+    in interpret mode.
+  """
+
+  block_m: int = 128
+  block_n: int = 256
+  block_k: int = 64
+  stages: int = 4
+  num_compute_wgs: int = 2
+  wg_split: Literal["m", "n"] = "n"
+  grid_minor_dim: Literal["m", "n"] = "n"
+  grid_tile_width: int = 8
+  epi_block_m: int = 64
+  epi_block_n: int = 64
+  wgmma_wait: int = 0
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    def fail(field, why):
+      raise ValueError(
+          f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
+
+    for field in ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
+                  "grid_tile_width", "epi_block_m", "epi_block_n"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        fail(field, "must be a positive int")
+    if self.num_compute_wgs not in (1, 2):
+      fail("num_compute_wgs", "must be 1 or 2 (1 producer + at most 2 consumer"
+           " warpgroups fit the register file with these accumulators)")
+    if self.wg_split not in ("m", "n"):
+      fail("wg_split", "must be 'm' or 'n'")
+    if self.grid_minor_dim not in ("m", "n"):
+      fail("grid_minor_dim", "must be 'm' or 'n'")
+    if self.wgmma_wait not in (0, 1):
+      fail("wgmma_wait", "must be 0 or 1")
+    if self.stages <= self.wgmma_wait:
+      fail("stages", f"must exceed wgmma_wait={self.wgmma_wait} (a stage is"
+           " released only after its wgmma completed)")
+    if self.num_sms is not None and (
+        not isinstance(self.num_sms, int) or self.num_sms < 1):
+      fail("num_sms", "must be None or a positive int")
+    wg_m, wg_n = self.wg_block_m, self.wg_block_n
+    split = self.block_m if self.wg_split == "m" else self.block_n
+    if split % self.num_compute_wgs:
+      fail(f"block_{self.wg_split}", f"must divide evenly among"
+           f" num_compute_wgs={self.num_compute_wgs} warpgroups")
+    if wg_m % 64:
+      fail("block_m", f"gives a warpgroup tile of {wg_m} rows; wgmma needs a"
+           " multiple of 64 rows per warpgroup")
+    if wg_n % 8 or wg_n > 256:
+      fail("block_n", f"gives a warpgroup tile of {wg_n} columns; wgmma needs"
+           " a multiple of 8, at most 256")
+    if self.block_m > 256 or self.block_n > 256:
+      fail("block_m" if self.block_m > 256 else "block_n",
+           "a TMA box dimension is at most 256 elements")
+    if self.block_k % 8 or self.block_k > 256:
+      fail("block_k", "must be a multiple of 8 (wgmma K step) and at most 256")
+    if self.epi_block_m % 64 or wg_m % self.epi_block_m:
+      fail("epi_block_m", f"must be a multiple of 64 (wgmma register layout)"
+           f" dividing the warpgroup tile's {wg_m} rows")
+    if self.epi_block_n % 16 or wg_n % self.epi_block_n:
+      fail("epi_block_n", f"must be a multiple of 16 (a swizzled smem row is"
+           f" at least 32 bytes) dividing the warpgroup tile's {wg_n} columns")
+    if self.block_n % 16:
+      fail("block_n", "must be a multiple of 16 (a swizzled smem row of B is"
+           " at least 32 bytes)")
+
+  @property
+  def wg_block_m(self) -> int:
+    """Rows of one consumer warpgroup's accumulator."""
+    if self.wg_split == "m":
+      return self.block_m // self.num_compute_wgs
+    return self.block_m
+
+  @property
+  def wg_block_n(self) -> int:
+    """Columns of one consumer warpgroup's accumulator."""
+    if self.wg_split == "n":
+      return self.block_n // self.num_compute_wgs
+    return self.block_n
+
+  @property
+  def out_slots(self) -> int:
+    """Epilogue buffers per warpgroup (one if a single sub-tile covers it)."""
+    sub_tiles = (self.wg_block_m // self.epi_block_m) * (
+        self.wg_block_n // self.epi_block_n)
+    return min(2, sub_tiles)
+
+  replace = dataclasses.replace
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
+               k: int | None = None) -> int:
+  """Shared memory one CTA of the kernel allocates (an upper bound).
+
+  c_dtype: dtype of C when C is read and differs from out_dtype (it then needs
+  its own buffer; C of the out dtype is staged in the output buffer).
+  k: the problem's K, which caps the ring at ceil(K / block_k) stages.
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  stages = config.stages
+  if k is not None:
+    stages = min(stages, -(-k // config.block_k))
+  ring = stages * (config.block_m * config.block_k
+                   + config.block_k * config.block_n) * itemsize
+  epi = config.epi_block_m * config.epi_block_n
+  out = config.num_compute_wgs * config.out_slots * epi * jnp.dtype(
+      out_dtype).itemsize
+  c = 0 if c_dtype is None else (
+      config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
+  barriers = 8 * (2 * stages + config.num_compute_wgs)
+  # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
+  return (sum(_round_up(x, 1024) for x in (ring, out, c) if x)
+          + barriers + _RESERVED_SMEM_BYTES)
+
+
+def check_layout(config: Config, dtype, *, a_k_major: bool,
+                 b_k_major: bool) -> None:
+  """Raises ValueError if the config's tiles do not fit the smem swizzle.
+
+  A warpgroup's slice of a shared-memory tile along its minor (contiguous)
+  dimension must start on a swizzle atom (128 bytes), and every minor dimension
+  must hold at least 32 bytes (the smallest swizzle).
+  """
+  itemsize = jnp.dtype(dtype).itemsize
+  if config.block_k * itemsize % 32:
+    raise ValueError(
+        f"Config.block_k={config.block_k} gives {config.block_k * itemsize}"
+        f"-byte rows for {jnp.dtype(dtype).name}; swizzled smem rows need a"
+        " multiple of 32 bytes")
+  if config.num_compute_wgs > 1:
+    if config.wg_split == "n" and not b_k_major:
+      minor, what = config.wg_block_n, "wg_block_n (block_n / num_compute_wgs)"
+    elif config.wg_split == "m" and not a_k_major:
+      minor, what = config.wg_block_m, "wg_block_m (block_m / num_compute_wgs)"
+    else:
+      return
+    if minor * itemsize % 128:
+      raise ValueError(
+          f"Config: {what}={minor} splits a shared-memory tile along its"
+          f" contiguous dimension at {minor * itemsize} bytes for"
+          f" {jnp.dtype(dtype).name}; the split must fall on a 128-byte"
+          " swizzle atom (use a wider tile or the other wg_split)")
+
+
+def check_smem_budget(config: Config, dtype, out_dtype, c_dtype=None,
+                      k: int | None = None) -> None:
+  """Raises ValueError if the kernel would not fit an sm_90 block's smem."""
+  used = smem_bytes(config, dtype, out_dtype, c_dtype, k)
+  if used > SMEM_BYTES_PER_BLOCK:
+    raise ValueError(
+        f"Config {config} needs {used} bytes of shared memory for"
+        f" dtype={jnp.dtype(dtype).name}, out_dtype={jnp.dtype(out_dtype).name}"
+        + (f", c_dtype={jnp.dtype(c_dtype).name}" if c_dtype is not None else "")
+        + f"; sm_90 allows {SMEM_BYTES_PER_BLOCK} per block (shared-memory"
+        " budget: stages*(block_m+block_n)*block_k*itemsize + epilogue"
+        " buffers). Lower stages, block_k, the block tile or the epi_block.")
+
+
+def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
+                   c_dtype=None) -> Config:
+  """Picks a config by shape and dtype (fits the shared-memory budget).
+
+  out_dtype defaults to dtype; c_dtype is the dtype of a C that differs from
+  out_dtype (None: no C, or C of the out dtype).
+  """
+  dtype = jnp.dtype(dtype)
+  out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+  block_k = 128 // dtype.itemsize  # 128-byte rows: the widest swizzle.
+  if max(m, n) <= 64 or (m <= 128 and n <= 128):
+    # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
+    block_n = min(128, _round_up(n, 16))
+    cfg = Config(block_m=64, block_n=block_n, block_k=block_k, stages=4,
+                 num_compute_wgs=1, wg_split="n", epi_block_m=64,
+                 epi_block_n=_largest_divisor(block_n, 64, 16),
+                 grid_tile_width=4)
+  elif m <= 64:
+    # Skinny M (e.g. 16 x 8192 x 8192): 64-row tiles, wide N, deep ring.
+    cfg = Config(block_m=64, block_n=256, block_k=block_k, stages=6,
+                 num_compute_wgs=2, wg_split="n", epi_block_m=64,
+                 epi_block_n=64)
+  else:
+    # 128 x 256 CTA tile, two consumer warpgroups of 128 x 128 each.
+    cfg = Config(block_m=128, block_n=256, block_k=block_k, stages=4,
+                 num_compute_wgs=2, wg_split="n", epi_block_m=64,
+                 epi_block_n=64, grid_minor_dim="n", grid_tile_width=8)
+  # Shrink the epilogue, then the ring, until it fits.
+  while smem_bytes(cfg, dtype, out_dtype, c_dtype, k) > SMEM_BYTES_PER_BLOCK:
+    if cfg.epi_block_n > 32 or (cfg.epi_block_n > 8 and cfg.stages <= 2):
+      cfg = cfg.replace(epi_block_n=cfg.epi_block_n // 2)
+    elif cfg.stages > 2:
+      cfg = cfg.replace(stages=cfg.stages - 1)
+    else:
+      break
+  return cfg
+
+
+def _largest_divisor(x: int, at_most: int, multiple_of: int) -> int:
+  for d in range(at_most, 0, -multiple_of):
+    if x % d == 0:
+      return d
+  return multiple_of
+
+
+# ----------------------------------------------------------------------------
+# Availability
+# ----------------------------------------------------------------------------
+
+
+def unavailable_reason() -> str | None:
+  """None when the kernel can run here: an sm_90 GPU, or a CPU (interpret)."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError as e:  # no backend at all
+    return f"no JAX device: {e}"
+  if device.platform == "cpu":
+    return None  # Mosaic GPU interpret mode runs on the CPU.
+  if device.platform != "gpu":
+    return f"Mosaic GPU needs an NVIDIA GPU, the default device is {device.platform}"
+  cc = getattr(device, "compute_capability", None)
+  if cc is None or str(cc) not in ("9.0", "9.0a"):
+    return (f"the kernel uses wgmma, which needs sm_90 (Hopper); the device"
+            f" {device.device_kind} has compute capability {cc}")
+  return None
+
+
+def supports(dtype, precision) -> str | None:
+  """None when the kernel can compute this dtype/precision, else why not."""
+  dtype = jnp.dtype(dtype)
+  if dtype not in _SUPPORTED_DTYPES:
+    return f"dtype {dtype.name} is not supported (float32, bfloat16, float16)"
+  if dtype == jnp.float32 and _is_highest(precision):
+    return ("float32 with Precision.HIGHEST needs IEEE fp32 products; wgmma"
+            " computes 32-bit inputs as TF32")
+  return None
+
+
+def _is_highest(precision) -> bool:
+  if isinstance(precision, (tuple, list)):
+    return any(_is_highest(p) for p in precision)
+  return precision in (lax.Precision.HIGHEST, "highest", "float32")
+
+
+# ----------------------------------------------------------------------------
+# Kernel body
+# ----------------------------------------------------------------------------
+
+
+def _swizzle_transforms(minor_elems: int, dtype):
+  """Tiling + swizzle for a smem tile whose last dim has minor_elems elements."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor_elems * bits)
+  swizzle_elems = swizzle * 8 // bits
+  return (plgpu.TilingTransform((8, swizzle_elems)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
+            k: int, batch: int, a_k_major: bool, b_k_major: bool,
+            b_shared: bool, alpha: float, beta: float, c_separate: bool):
+  """One persistent CTA.
+
+  a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
+  b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
+  c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N.
+  """
+  cfg = config
+  dtype = a_gmem.dtype
+  out_dtype = out_gmem.dtype
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
+  epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
+  m_tiles, n_tiles, k_iters = pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)
+  num_wgs = cfg.num_compute_wgs
+
+  a_block = (bm, bk) if a_k_major else (bk, bm)
+  b_block = (bn, bk) if b_k_major else (bk, bn)
+  a_transforms = _swizzle_transforms(a_block[1], dtype)
+  b_transforms = _swizzle_transforms(b_block[1], dtype)
+  out_transforms = _swizzle_transforms(epi_n, out_dtype)
+
+  def get_pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body,
+        grid=(k_iters,),
+        memory_registers=_PRODUCER_REGISTERS,
+        in_specs=[
+            plgpu.BlockSpec(  # A tile: (bm, bk) or (bk, bm)
+                a_block,
+                (lambda kk: (0, kk)) if a_k_major else (lambda kk: (kk, 0)),
+                transforms=a_transforms,
+                delay_release=cfg.wgmma_wait,
+            ),
+            plgpu.BlockSpec(  # B tile: (bn, bk) or (bk, bn)
+                b_block,
+                (lambda kk: (0, kk)) if b_k_major else (lambda kk: (kk, 0)),
+                transforms=b_transforms,
+                delay_release=cfg.wgmma_wait,
+            ),
+        ],
+        wg_axis="wg",
+        num_compute_wgs=num_wgs,
+        max_concurrent_steps=cfg.stages,
+        compute_context=compute_context,
+    )
+
+  def a_window(bi, mi):  # rows [mi*bm, +bm) of batch bi, all K
+    ms = pl.ds(mi * bm, bm)
+    return a_gmem.at[bi, ms, :] if a_k_major else a_gmem.at[bi, :, ms]
+
+  def b_window(bi, ni):  # columns [ni*bn, +bn) of batch bi, all K
+    bb = 0 if b_shared else bi
+    ns = pl.ds(ni * bn, bn)
+    return b_gmem.at[bb, ns, :] if b_k_major else b_gmem.at[bb, :, ns]
+
+  def _epilogue(acc, bi, row0, col0, wg, out_smem, c_smem, c_barrier):
+    # Wait until this warpgroup's previous tile stores no longer read smem.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    step = 0
+    for ei in range(wg_m // epi_m):
+      for ej in range(wg_n // epi_n):
+        slot = step % cfg.out_slots
+        step += 1
+        es_m = slice(ei * epi_m, (ei + 1) * epi_m)
+        es_n = slice(ej * epi_n, (ej + 1) * epi_n)
+        out_window = out_gmem.at[bi, pl.ds(row0 + ei * epi_m, epi_m),
+                                 pl.ds(col0 + ej * epi_n, epi_n)]
+        # The slot's store from two sub-tiles ago must have read it.
+        plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
+        val = acc[es_m, es_n]
+        if alpha != 1.0:
+          val = val * jnp.float32(alpha)
+        if c_gmem is not None:
+          c_window = c_gmem.at[bi, pl.ds(row0 + ei * epi_m, epi_m),
+                               pl.ds(col0 + ej * epi_n, epi_n)]
+          c_dst = c_smem.at[wg] if c_separate else out_smem.at[wg, slot]
+          plgpu.copy_gmem_to_smem(c_window, c_dst, c_barrier.at[wg])
+          plgpu.barrier_wait(c_barrier.at[wg])
+          c_val = c_dst[...].astype(jnp.float32)
+          if beta != 1.0:
+            c_val = c_val * jnp.float32(beta)
+          val = val + c_val
+        out_smem[wg, slot] = val.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_window)
+
+  ignore = lambda *_, **__: None
+  zero = jnp.int32(0)
+  scoped = dict(
+      pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
+          a_window(zero, zero), b_window(zero, zero)),
+      out_smem=plgpu.SMEM((num_wgs, cfg.out_slots, epi_m, epi_n), out_dtype,
+                          transforms=out_transforms),
+  )
+  if c_gmem is not None:
+    scoped["c_barrier"] = plgpu.Barrier(num_barriers=num_wgs)
+    if c_separate:
+      scoped["c_smem"] = plgpu.SMEM(
+          (num_wgs, epi_m, epi_n), c_gmem.dtype,
+          transforms=_swizzle_transforms(epi_n, c_gmem.dtype))
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(pipeline_allocs, out_smem, c_barrier=None, c_smem=None):
+    wg = lax.axis_index("wg")
+    minor = 0 if cfg.grid_minor_dim == "m" else 1
+
+    @plgpu.nd_loop((batch, m_tiles * n_tiles), collective_axes="sm")
+    def _tile_loop(loop_info: plgpu.NDLoopInfo):
+      bi, lin = loop_info.index
+      mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor,
+                                  cfg.grid_tile_width)
+      # This warpgroup's part of the CTA tile, in CTA-tile coordinates.
+      if cfg.wg_split == "m":
+        wg_m0, wg_n0 = wg * wg_m, 0
+      else:
+        wg_m0, wg_n0 = 0, wg * wg_n
+      wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
+
+      def mma_body(_, a_smem, b_smem, acc_ref):
+        if a_k_major:
+          a_op = a_smem.at[wg_ms, :] if cfg.wg_split == "m" else a_smem
+        else:
+          a_op = (a_smem.at[:, wg_ms] if cfg.wg_split == "m" else a_smem).T
+        if b_k_major:
+          b_op = (b_smem.at[wg_ns, :] if cfg.wg_split == "n" else b_smem).T
+        else:
+          b_op = b_smem.at[:, wg_ns] if cfg.wg_split == "n" else b_smem
+        plgpu.wgmma(acc_ref, a_op, b_op)  # (wg_m, bk) @ (bk, wg_n)
+        plgpu.wgmma_wait(cfg.wgmma_wait)
+        return acc_ref
+
+      def compute_context(eval_pipeline):
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          eval_pipeline(acc_ref)
+          acc = acc_ref[...]  # (wg_m, wg_n) f32
+          _epilogue(acc, bi, mi * bm + wg_m0, ni * bn + wg_n0, wg, out_smem,
+                    c_smem, c_barrier)
+
+      get_pipeline(mma_body, compute_context)(
+          a_window(bi, mi), b_window(bi, ni), allocations=pipeline_allocs)
+
+  del _scope  # run_scoped ran it
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+def _pad_minor_to_tma(x: jax.Array) -> jax.Array:
+  """Pads the last dim with zeros so the row stride is 16-byte aligned."""
+  mult = _TMA_ALIGN_BYTES // x.dtype.itemsize
+  pad = _round_up(x.shape[-1], mult) - x.shape[-1]
+  if pad == 0:
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def _num_sms(config: Config, interpret: bool) -> int:
+  if config.num_sms is not None:
+    return config.num_sms
+  if interpret:
+    return _INTERPRET_NUM_SMS
+  device = jax.devices()[0]
+  if device.platform == "cpu":
+    raise ValueError("interpret=False needs a GPU; on the CPU pass interpret=True")
+  return device.core_count
+
+
+def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
+         transpose_b: bool, precision, out_dtype, config: Config,
+         interpret: bool) -> jax.Array:
+  """alpha * op(a) @ op(b) + beta * c on Hopper (see the backend contract).
+
+  a: (batch, M, K), or (batch, K, M) if transpose_a
+  b: (batch_b, K, N), or (batch_b, N, K) if transpose_b; batch_b in {1, batch}
+  c: None or (batch, M, N)
+  """
+  dtype = jnp.dtype(a.dtype)
+  if (why := supports(dtype, precision)) is not None:
+    raise ValueError(f"a.dtype / precision: {why}")
+  if b.dtype != dtype:
+    raise ValueError(f"b.dtype={b.dtype} must equal a.dtype={dtype}")
+  if a.ndim != 3 or b.ndim != 3:
+    raise ValueError(f"a and b must be 3-D, got a.shape={a.shape},"
+                     f" b.shape={b.shape}")
+  batch = a.shape[0]
+  m, k = (a.shape[2], a.shape[1]) if transpose_a else (a.shape[1], a.shape[2])
+  n, k_b = (b.shape[1], b.shape[2]) if transpose_b else (b.shape[2], b.shape[1])
+  if k_b != k:
+    raise ValueError(f"K mismatch: op(a) has K={k}, op(b) has K={k_b}"
+                     f" (a.shape={a.shape}, b.shape={b.shape},"
+                     f" {transpose_a=}, {transpose_b=})")
+  if b.shape[0] not in (1, batch):
+    raise ValueError(f"b.shape[0]={b.shape[0]} must be 1 or batch={batch}")
+  out_dtype = jnp.dtype(out_dtype)
+  if beta == 0.0:
+    c = None  # BLAS semantics: C is not read when beta == 0.
+  if c is not None and c.shape != (batch, m, n):
+    raise ValueError(f"c.shape={c.shape}, expected {(batch, m, n)}")
+
+  # Operand layouts. 16-bit wgmma reads either major order from smem; 32-bit
+  # (TF32) needs both operands K-major, so copy the one that is not.
+  a_k_major = not transpose_a
+  b_k_major = transpose_b
+  if dtype.itemsize == 4:
+    if not a_k_major:
+      a, a_k_major = jnp.swapaxes(a, 1, 2), True
+    if not b_k_major:
+      b, b_k_major = jnp.swapaxes(b, 1, 2), True
+
+  if c is not None:
+    if not jnp.issubdtype(c.dtype, jnp.floating) or c.dtype.itemsize > 4:
+      c = c.astype(jnp.float32)
+    c = _pad_minor_to_tma(c)
+  c_separate = c is not None and c.dtype != out_dtype
+  check_layout(config, dtype, a_k_major=a_k_major, b_k_major=b_k_major)
+  check_smem_budget(config, dtype, out_dtype,
+                    c.dtype if c_separate else None, k)
+
+  a = _pad_minor_to_tma(a)
+  b = _pad_minor_to_tma(b)
+  out_mult = _TMA_ALIGN_BYTES // out_dtype.itemsize
+  n_out = _round_up(n, out_mult)
+
+  num_sms = _num_sms(config, interpret)
+  kernel_body = functools.partial(
+      _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
+      b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
+      alpha=float(alpha), beta=float(beta), c_separate=c_separate)
+  if c is None:
+    body = lambda a_gmem, b_gmem, out_gmem: kernel_body(
+        a_gmem, b_gmem, None, out_gmem)
+    operands = (a, b)
+  else:
+    body = kernel_body
+    operands = (a, b, c)
+  body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
+
+  call = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((batch, m, n_out), out_dtype),
+      grid=(num_sms,),
+      grid_names=("sm",),
+      num_threads=config.num_compute_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )
+  if interpret:
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+      out = call(*operands)
+  else:
+    out = call(*operands)
+  if n_out != n:
+    out = out[:, :, :n]
+  return out

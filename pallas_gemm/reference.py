@@ -1,0 +1,60 @@
+"""The one reference and the one tolerance table, shared by tests and benchmarks."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+
+def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False):
+  """alpha * op(a) @ op(b) + beta * c in float64 NumPy (BLAS semantics: beta == 0 ignores c)."""
+  a64 = np.asarray(a, dtype=np.float64)
+  b64 = np.asarray(b, dtype=np.float64)
+  if transpose_a:
+    a64 = np.swapaxes(a64, -1, -2)
+  if transpose_b:
+    b64 = np.swapaxes(b64, -1, -2)
+  out = alpha * np.matmul(a64, b64)
+  if c is not None and beta != 0.0:
+    out = out + beta * np.asarray(c, dtype=np.float64)
+  return out
+
+
+# Normwise relative error ||out - ref|| / ||ref|| allowed, as base + per_sqrt_k * sqrt(K):
+# rounding of the products/accumulation, which grows like a random walk over K.
+_COMPUTE_TOL = {
+    "ieee": (1e-6, 1e-7),   # fp32 FFMA: 1e-5 at K = 8192 (issue 3's bound)
+    "tf32": (1e-3, 1e-5),   # inputs rounded to 10 mantissa bits: ~3e-4 measured at 4096
+    "16bit": (1e-5, 1e-6),  # bf16/f16 products are exact in f32; tensor-core accumulation
+}
+# ... plus the final rounding to the output dtype (half an ulp, normwise below that).
+_OUTPUT_TOL = {"float32": 0.0, "bfloat16": 8e-3, "float16": 1e-3}
+
+
+def compute_class(dtype, precision) -> str:
+  if np.dtype(dtype).itemsize == 2:
+    return "16bit"
+  return "ieee" if precision == jax.lax.Precision.HIGHEST else "tf32"
+
+
+def tolerance(dtype, precision, k: int, out_dtype=None) -> float:
+  """The relative-error bound for a GEMM of inputs `dtype` over a contraction of length k."""
+  base, per_sqrt_k = _COMPUTE_TOL[compute_class(dtype, precision)]
+  out = np.dtype(out_dtype if out_dtype is not None else dtype).name
+  return base + per_sqrt_k * math.sqrt(max(k, 1)) + _OUTPUT_TOL[out]
+
+
+def relative_error(out, ref) -> float:
+  """||out - ref|| / ||ref|| in float64; NaN anywhere in out (where ref is finite) gives inf."""
+  out64 = np.asarray(out, dtype=np.float64)
+  ref64 = np.asarray(ref, dtype=np.float64)
+  if out64.shape != ref64.shape:
+    raise ValueError(f"shape mismatch: out {out64.shape} vs reference {ref64.shape}")
+  if not np.array_equal(np.isfinite(out64), np.isfinite(ref64)):
+    return math.inf
+  finite = np.isfinite(ref64)
+  denom = np.linalg.norm(ref64[finite])
+  err = np.linalg.norm((out64 - ref64)[finite])
+  return float(err / denom) if denom > 0 else float(err)

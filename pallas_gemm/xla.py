@@ -1,0 +1,46 @@
+"""XLA backend: `lax.dot_general` (cuBLAS on GPU, Eigen on CPU). The reference and CPU path."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+NAME = "xla"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """XLA picks its own kernel (cuBLAS heuristics + autotuning); nothing to configure."""
+
+
+def default_config(m, n, k, dtype) -> Config:
+  del m, n, k, dtype
+  return Config()
+
+
+def unavailable_reason() -> str | None:
+  return None
+
+
+def supports(dtype, precision) -> str | None:
+  del dtype, precision
+  return None
+
+
+def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype, config,
+         interpret):
+  del config, interpret
+  a_op = jnp.swapaxes(a, 1, 2) if transpose_a else a    # (batch, M, K); XLA folds the transpose
+  b_op = jnp.swapaxes(b, 1, 2) if transpose_b else b    # (batch_b, K, N)
+  if b_op.shape[0] == 1:  # shared B: one (batch*M, K) @ (K, N) product, no broadcast copy
+    acc = jnp.matmul(a_op, b_op[0], precision=precision, preferred_element_type=jnp.float32)
+  else:
+    acc = jax.lax.dot_general(a_op, b_op, (((2,), (1,)), ((0,), (0,))), precision=precision,
+                              preferred_element_type=jnp.float32)
+  if alpha != 1.0:
+    acc = alpha * acc
+  if c is not None and beta != 0.0:
+    acc = acc + beta * c.astype(jnp.float32)
+  return acc.astype(out_dtype)

@@ -1,0 +1,61 @@
+"""Shared fixtures; every skip decision of the suite is made here, in `skip_reason`."""
+
+import os
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+import pallas_gemm
+from pallas_gemm import api
+
+ON_GPU = jax.default_backend() == "gpu"
+# Fresh random inputs every run; the seed is printed so a failure can be replayed.
+SEED = int(os.environ.get("PALLAS_GEMM_TEST_SEED", np.random.SeedSequence().entropy % 2**31))
+
+
+def pytest_report_header(config):
+  return [f"pallas_gemm: jax {jax.__version__}, default backend {jax.default_backend()}, "
+          f"seed {SEED} (PALLAS_GEMM_TEST_SEED replays)",
+          f"pallas_gemm backends: {pallas_gemm.backends()}"]
+
+
+def pytest_collection_modifyitems(config, items):
+  if ON_GPU:
+    return
+  skip = pytest.mark.skip(reason="needs an NVIDIA GPU (no GPU here); run benchmarks/device_run.sh")
+  for item in items:
+    if "gpu" in item.keywords:
+      item.add_marker(skip)
+
+
+def skip_reason(backend: str, dtype=None, precision=None) -> str | None:
+  """Why `backend` cannot run this case here, or None. The only place tests decide skips."""
+  reason = pallas_gemm.backends()[backend]
+  if reason is not None:
+    return f"backend {backend} unavailable: {reason}"
+  if dtype is not None:
+    reason = api._backend_module(backend).supports(np.dtype(dtype), precision)
+    if reason is not None:
+      return f"backend {backend} does not support {np.dtype(dtype)}/{precision}: {reason}"
+  return None
+
+
+@pytest.fixture(params=api.BACKENDS)
+def backend(request):
+  reason = skip_reason(request.param)
+  if reason:
+    pytest.skip(reason)
+  return request.param
+
+
+@pytest.fixture
+def rng(request):
+  # One stream per test, derived from the session seed and the test's name.
+  return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+def random(rng, shape, dtype):
+  """Standard-normal values (never zeros), rounded to `dtype`, as a NumPy array."""
+  return np.array(jax.numpy.asarray(rng.standard_normal(shape, dtype=np.float32), dtype))

@@ -1,0 +1,58 @@
+"""Bad input: a ValueError/TypeError that names the argument, before anything is traced."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_gemm
+import pallas_gemm.triton
+import pallas_gemm.xla
+from pallas_gemm import gemm
+
+A = jnp.ones((4, 8), jnp.float32)
+B = jnp.ones((8, 5), jnp.float32)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(a=jnp.ones((8,))), ValueError, r"a must have rank >= 2.*\(8,\)"),
+    (dict(b=jnp.ones((8,))), ValueError, r"b must have rank >= 2.*\(8,\)"),
+    (dict(b=jnp.ones((7, 5))), ValueError, r"K=8.*K=7"),
+    (dict(b=jnp.ones((8, 5)), transpose_b=True), ValueError, r"contracting dimensions differ"),
+    (dict(a=jnp.ones((2, 4, 8)), b=jnp.ones((3, 8, 5))), ValueError, r"batch dimensions of b"),
+    (dict(c=jnp.ones((4, 6)), beta=1.0), ValueError, r"c must broadcast to the output shape \(4, 5\)"),
+    (dict(beta=1.0), ValueError, r"beta=1.0 needs c"),
+    (dict(a=jnp.ones((4, 8), jnp.int32)), TypeError, r"a.dtype must be one of .*int32"),
+    (dict(b=np.ones((8, 5), np.float64)), TypeError, r"b.dtype must be one of .*float64"),
+    (dict(a=[[1.0]]), TypeError, r"a must be an array.*list"),
+    (dict(c=jnp.ones((4, 5), jnp.int32), beta=1.0), TypeError, r"c must be a floating-point"),
+    (dict(alpha=jnp.float32(2.0)), TypeError, r"alpha must be a Python float"),
+    (dict(beta="1"), TypeError, r"beta must be a Python float"),
+    (dict(transpose_a=1), TypeError, r"transpose_a must be a bool"),
+    (dict(out_dtype=jnp.int8), TypeError, r"out_dtype must be one of .*int8"),
+    (dict(precision="ultra"), ValueError, r"precision must be None, 'default'"),
+    (dict(precision=3), TypeError, r"precision must be None, a str"),
+    (dict(backend="cublas"), ValueError, r"backend must be 'auto' or one of .*'cublas'"),
+    (dict(backend="triton", config=pallas_gemm.xla.Config()), TypeError,
+     r"config must be a pallas_gemm.triton.Config"),
+    (dict(interpret="yes"), TypeError, r"interpret must be None or a bool"),
+])
+def test_bad_input(kwargs, error, match):
+  args = dict(a=A, b=B)
+  args.update(kwargs)
+  a, b = args.pop("a"), args.pop("b")
+  with pytest.raises(error, match=match):
+    gemm(a, b, **args)
+
+
+def test_config_that_does_not_fit():
+  with pytest.raises(ValueError, match="block_m"):
+    pallas_gemm.triton.Config(block_m=48, block_n=64, block_k=32)
+
+
+def test_unavailable_backend_says_why():
+  status = pallas_gemm.backends()
+  assert set(status) == set(pallas_gemm.BACKENDS) and status["xla"] is None
+  for name, reason in status.items():
+    if reason is not None:
+      with pytest.raises(pallas_gemm.BackendUnavailableError, match=name):
+        gemm(A, B, backend=name)

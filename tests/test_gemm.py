@@ -1,0 +1,211 @@
+"""The backend-independent suite: every test runs once per backend (the `backend` fixture).
+
+On a CPU the Pallas backends run in interpret mode on small shapes; tests marked `gpu`
+run the full-size and ragged-edge cases on the device machine (benchmarks/device_run.sh).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from conftest import ON_GPU, random, skip_reason
+from pallas_gemm import gemm
+from pallas_gemm.reference import reference, relative_error, tolerance
+
+HIGHEST = jax.lax.Precision.HIGHEST
+BF16 = jnp.bfloat16
+# (dtype, precision): IEEE f32, TF32-allowed f32, and the two 16-bit types.
+DTYPES = [(np.float32, HIGHEST), (np.float32, None), (BF16, None), (np.float16, None)]
+DTYPE_IDS = ["f32-highest", "f32-default", "bf16", "f16"]
+# Shapes (M, N, K) that divide no tile: 1, 7, 129, skinny, K-light.
+SMALL_SHAPES = [(1, 1, 1), (7, 129, 33), (129, 7, 65), (64, 64, 64), (1, 200, 40), (33, 70, 1)]
+
+
+def check(backend, m, n, k, dtype, precision, rng, *, batch=(), shared_b=False, transpose_a=False,
+          transpose_b=False, alpha=1.0, beta=0.0, c_shape=None, out_dtype=None, fn=None):
+  """Runs one GEMM through the front door and compares it with the float64 reference."""
+  reason = skip_reason(backend, dtype, precision)
+  if reason:
+    pytest.skip(reason)
+  a = random(rng, batch + ((k, m) if transpose_a else (m, k)), dtype)
+  b = random(rng, (() if shared_b else batch) + ((n, k) if transpose_b else (k, n)), dtype)
+  c = None if c_shape is None else random(rng, c_shape, np.float32)
+  call = fn or (lambda a, b, c: gemm(
+      a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a, transpose_b=transpose_b,
+      precision=precision, out_dtype=out_dtype, backend=backend))
+  out = call(jnp.asarray(a), jnp.asarray(b), None if c is None else jnp.asarray(c))
+  expected_dtype = np.dtype(out_dtype or dtype)
+  assert out.shape == batch + (m, n) and out.dtype == expected_dtype, (out.shape, out.dtype)
+  ref = reference(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
+                  transpose_b=transpose_b)
+  err = relative_error(out, ref)
+  tol = tolerance(dtype, precision, k, out_dtype)
+  assert err <= tol, f"relative error {err:.3g} > {tol:.3g} ({backend}, {m}x{n}x{k}, {np.dtype(dtype)})"
+  return out
+
+
+@pytest.mark.parametrize("dtype,precision", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("m,n,k", SMALL_SHAPES)
+def test_shapes(backend, m, n, k, dtype, precision, rng):
+  check(backend, m, n, k, dtype, precision, rng)
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dtype,precision", [DTYPES[0], DTYPES[2]], ids=["f32-highest", "bf16"])
+def test_transposes(backend, transpose_a, transpose_b, dtype, precision, rng):
+  check(backend, 40, 72, 24, dtype, precision, rng, transpose_a=transpose_a,
+        transpose_b=transpose_b)
+
+
+@pytest.mark.parametrize("shared_b", [False, True])
+def test_batched(backend, shared_b, rng):
+  check(backend, 17, 24, 40, BF16, None, rng, batch=(2, 3), shared_b=shared_b)
+
+
+@pytest.mark.parametrize("c_shape", [(3, 20, 36), (36,)], ids=["full-c", "bias"])
+def test_alpha_beta(backend, c_shape, rng):
+  check(backend, 20, 36, 16, np.float32, HIGHEST, rng, batch=(3,), alpha=-0.5, beta=2.0,
+        c_shape=c_shape)
+  check(backend, 20, 36, 16, BF16, None, rng, batch=(3,), alpha=1.5, beta=-1.0, c_shape=c_shape,
+        out_dtype=np.float32)
+
+
+def test_beta_zero_does_not_read_c(backend, rng):
+  if skip_reason(backend, BF16):
+    pytest.skip(skip_reason(backend, BF16))
+  a, b = random(rng, (16, 8), BF16), random(rng, (8, 24), BF16)
+  out = gemm(a, b, jnp.full((16, 24), jnp.nan), beta=0.0, backend=backend)
+  assert bool(jnp.all(jnp.isfinite(out)))  # BLAS: beta == 0 means C is not read
+
+
+@pytest.mark.parametrize("out_dtype", [np.float32, np.float16])
+def test_out_dtype(backend, out_dtype, rng):
+  check(backend, 24, 40, 32, BF16, None, rng, out_dtype=out_dtype)
+
+
+def test_jit_and_vmap(backend, rng):
+  dtype = BF16
+  if skip_reason(backend, dtype):
+    pytest.skip(skip_reason(backend, dtype))
+  a, b = random(rng, (3, 12, 20), dtype), random(rng, (3, 20, 28), dtype)
+  c = random(rng, (3, 12, 28), np.float32)
+  f = jax.jit(lambda a, b, c: gemm(a, b, c, alpha=2.0, beta=0.5, backend=backend,
+                                   out_dtype=np.float32))
+  tol = tolerance(dtype, None, 20, np.float32)
+  ref = reference(a, b, c, alpha=2.0, beta=0.5)
+  assert relative_error(f(a, b, c), ref) <= tol
+  assert relative_error(jax.vmap(f)(a, b, c), ref) <= tol
+  # vmap over a with b shared (in_axes None), and over b with a shared.
+  assert relative_error(jax.vmap(f, in_axes=(0, None, 0))(a, b[0], c),
+                        reference(a, b[0], c, alpha=2.0, beta=0.5)) <= tol
+  assert relative_error(jax.vmap(f, in_axes=(None, 0, 0))(a[0], b, c),
+                        reference(a[0], b, c, alpha=2.0, beta=0.5)) <= tol
+  # vmap of an already-batched call: the vmapped axis folds into the batch axis.
+  g = jax.vmap(lambda a, b: gemm(a, b, backend=backend, out_dtype=np.float32))
+  a4, b4 = random(rng, (2, 3, 12, 20), dtype), random(rng, (2, 3, 20, 28), dtype)
+  assert relative_error(g(a4, b4), reference(a4, b4)) <= tol
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b,shared_b", [
+    (False, False, False), (True, True, False), (False, False, True), (True, False, True)])
+def test_grad_matches_analytic(backend, transpose_a, transpose_b, shared_b, rng):
+  """Gradients of <W, gemm(a, b, c)> against float64 closed forms, for every backend."""
+  dtype, precision = np.float32, (HIGHEST if not skip_reason(backend, np.float32, HIGHEST) else None)
+  if skip_reason(backend, dtype, precision):
+    pytest.skip(skip_reason(backend, dtype, precision))
+  m, n, k, alpha, beta = 12, 20, 16, 1.5, -0.5
+  a = random(rng, (2,) + ((k, m) if transpose_a else (m, k)), dtype)
+  b = random(rng, (() if shared_b else (2,)) + ((n, k) if transpose_b else (k, n)), dtype)
+  c, w = random(rng, (2, m, n), dtype), random(rng, (2, m, n), dtype)
+
+  def loss(a, b, c):
+    out = gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a, transpose_b=transpose_b,
+               precision=precision, backend=backend)
+    return jnp.sum(out * w)
+
+  da, db, dc = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(a, b, c)
+  w64, a64, b64 = (x.astype(np.float64) for x in (w, a, b))
+  op_a = np.swapaxes(a64, -1, -2) if transpose_a else a64
+  op_b = np.swapaxes(b64, -1, -2) if transpose_b else b64
+  d_op_a = alpha * w64 @ np.swapaxes(op_b, -1, -2)
+  d_op_b = alpha * np.swapaxes(op_a, -1, -2) @ w64
+  if shared_b:
+    d_op_b = d_op_b.sum(axis=0)
+  tol = tolerance(dtype, precision, max(m, n, 2 * m))
+  assert relative_error(da, np.swapaxes(d_op_a, -1, -2) if transpose_a else d_op_a) <= tol
+  assert relative_error(db, np.swapaxes(d_op_b, -1, -2) if transpose_b else d_op_b) <= tol
+  assert relative_error(dc, beta * w64) <= tol
+
+
+def test_check_grads(backend, rng):
+  """jax.test_util.check_grads (reverse mode, numerical) where IEEE f32 is available."""
+  if skip_reason(backend, np.float32, HIGHEST):
+    pytest.skip(skip_reason(backend, np.float32, HIGHEST))
+  a, b = random(rng, (2, 6, 5), np.float32), random(rng, (5, 7), np.float32)
+  c = random(rng, (2, 6, 7), np.float32)
+  f = lambda a, b, c: gemm(a, b, c, alpha=0.7, beta=1.3, precision=HIGHEST, backend=backend)
+  check_grads(f, (a, b, c), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("shape_a,shape_b", [((0, 8), (8, 5)), ((4, 8), (8, 0)), ((4, 0), (0, 5)),
+                                             ((0, 4, 8), (0, 8, 5))])
+def test_zero_size(backend, shape_a, shape_b):
+  a, b = jnp.ones(shape_a, jnp.float32), jnp.ones(shape_b, jnp.float32)
+  out_shape = shape_a[:-1] + shape_b[-1:]
+  c = jnp.full(out_shape, 3.0)
+  out = gemm(a, b, c, beta=2.0, backend=backend)
+  assert out.shape == out_shape
+  np.testing.assert_array_equal(out, np.full(out_shape, 6.0))  # empty K: the sum is 0
+
+
+def test_nan_inf_propagate(backend, rng):
+  if skip_reason(backend, np.float32, None):
+    pytest.skip(skip_reason(backend, np.float32, None))
+  a, b = random(rng, (9, 6), np.float32), random(rng, (6, 10), np.float32)
+  a[2, 3], a[5, 1], b[4, 7] = np.nan, np.inf, -np.inf
+  out = np.asarray(gemm(a, b, backend=backend))
+  with np.errstate(invalid="ignore"):
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+  np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+  np.testing.assert_array_equal(np.isposinf(out), np.isposinf(ref))
+  np.testing.assert_array_equal(np.isneginf(out), np.isneginf(ref))
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+
+def poison_allocator(nbytes):
+  """Fill and free a NaN buffer so the next allocation likely reuses it: unwritten outputs show."""
+  jnp.full((nbytes // 4 + 1,), jnp.nan, jnp.float32).block_until_ready().delete()
+
+
+GPU_SHAPES = [(4097, 4097, 4097), (129, 4097, 1025), (4096, 4096, 4096), (1000, 1000, 1000),
+              (16, 8192, 4096), (7, 129, 4097), (2048, 2048, 8192), (4103, 257, 129)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("m,n,k", GPU_SHAPES)
+def test_gpu_large_and_ragged(backend, m, n, k, dtype, precision, rng):
+  poison_allocator(4 * m * n)
+  check(backend, m, n, k, dtype, precision, rng)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, False), (False, True),
+                                                     (True, True)])
+@pytest.mark.parametrize("dtype,precision", [DTYPES[0], DTYPES[1], DTYPES[2]],
+                         ids=["f32-highest", "f32-default", "bf16"])
+def test_gpu_transposed_batched_epilogue(backend, transpose_a, transpose_b, dtype, precision, rng):
+  poison_allocator(4 * 3 * 1031 * 517)
+  check(backend, 1031, 517, 777, dtype, precision, rng, batch=(3,), transpose_a=transpose_a,
+        transpose_b=transpose_b, alpha=0.5, beta=-2.0, c_shape=(3, 1031, 517))
+  check(backend, 520, 264, 1000, dtype, precision, rng, batch=(2,), shared_b=True,
+        transpose_a=transpose_a, transpose_b=transpose_b)
+
+
+@pytest.mark.gpu
+def test_gpu_runs_on_gpu():
+  assert ON_GPU and jax.devices()[0].platform == "gpu"
