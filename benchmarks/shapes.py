@@ -1,6 +1,7 @@
 """The benchmark's problems: shape categories and dtype/precision variants (tests reuse these).
 
-`--full` (GPU) runs FULL; the default run (any machine, ~1-2 min on a CPU) runs SMALL.
+`--full` (GPU) runs FULL, `--gpu-default` MEDIUM; the default run (any machine, ~1-2 min
+on a CPU) runs SMALL.
 Each category lists the dtype variants it is measured in: 16-bit formats and TF32 are
 what users run large GEMMs in, IEEE f32 is slow (67 TFLOP/s peak) so it gets a subset,
 and f16 mirrors bf16's kernels so it gets the square + ragged sweeps only. That keeps
@@ -85,6 +86,14 @@ SMALL: dict[str, tuple[list[Shape], list[str]]] = {
     "square": ([Shape("square", s, s, s) for s in (128, 256, 512)], ["f32-highest", "f32-default", "bf16"]),
     "ragged": ([Shape("ragged", 257, 129, 100)], ["f32-highest", "bf16"]),
     "batched": ([Shape("batched", 64, 64, 64, batch=8)], ["f32-highest", "bf16"]),
+}
+
+# `--gpu-default`: a ~2-minute GPU check of the regimes that matter most.
+MEDIUM: dict[str, tuple[list[Shape], list[str]]] = {
+    "square": ([Shape("square", s, s, s) for s in (1024, 4096, 8192)], ALL),
+    "ragged": ([Shape("ragged", 4097, 4097, 4097)], HALF_AND_TF32),
+    "skinny": ([Shape("skinny", 16, 8192, 8192)], ["bf16"]),
+    "batched": ([Shape("batched", 1024, 1024, 1024, batch=16)], ["bf16"]),
 }
 
 # On a CPU the Pallas backends run in the interpreter (a Python loop over grid steps):

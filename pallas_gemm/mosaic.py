@@ -21,11 +21,14 @@ Design (one CTA per SM, persistent):
 Shapes, edges and layouts (costs in parentheses):
   * Ragged M, N, K: TMA loads zero-fill out-of-bounds parts of a tile and TMA
     stores clip them, so aligned inputs are never copied.
-  * TMA needs every global row stride to be a multiple of 16 bytes. An operand
-    whose row is not (e.g. bf16 with 4097 columns) has only its rows padded with
-    zeros to the next multiple of 16 bytes by ``jnp.pad`` (one extra read+write
-    of that operand); a misaligned output is computed into a padded buffer and
-    sliced (one extra read+write of the output).
+  * Mosaic GPU describes a swizzled TMA through a tiled view of the whole
+    global array, (rows/8, cols/swizzle_elems, 8, swizzle_elems), so an
+    operand's last two dims must be multiples of (8, swizzle_elems) (64
+    elements for 16-bit, 32 for f32), which also gives TMA's 16-byte row
+    stride. An operand that is not (e.g. bf16 4097 x 4097) is zero-padded by
+    ``jnp.pad`` (one extra read+write of it); a misaligned output is computed
+    into a padded buffer and sliced (one extra read+write of the output).
+    Operands already aligned are passed through untouched.
   * Batch: folded into the persistent tile loop (no Python loop, one launch).
     batch_b == 1 shares one B among all batch entries with no copy.
   * transpose_a / transpose_b with 16-bit inputs: native. The shared-memory tile
@@ -57,8 +60,6 @@ NAME = "mosaic"
 SMEM_BYTES_PER_BLOCK = 232448
 # Mosaic GPU reserves this much for cross-warp reductions (CompilerParams).
 _RESERVED_SMEM_BYTES = 128 * 4 * 4
-# TMA: global strides (all but the innermost) must be multiples of 16 bytes.
-_TMA_ALIGN_BYTES = 16
 # SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
 _INTERPRET_NUM_SMS = 4
 # Registers per thread left to the producer warpgroup (setmaxnreg).
@@ -192,8 +193,8 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
                k: int | None = None) -> int:
   """Shared memory one CTA of the kernel allocates (an upper bound).
 
-  c_dtype: dtype of C when C is read and differs from out_dtype (it then needs
-  its own buffer; C of the out dtype is staged in the output buffer).
+  c_dtype: dtype of C, None when C is not read. A C of the out dtype is staged
+  in the output buffer; another dtype needs its own buffer.
   k: the problem's K, which caps the ring at ceil(K / block_k) stages.
   """
   itemsize = jnp.dtype(dtype).itemsize
@@ -205,7 +206,7 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
   epi = config.epi_block_m * config.epi_block_n
   out = config.num_compute_wgs * config.out_slots * epi * jnp.dtype(
       out_dtype).itemsize
-  c = 0 if c_dtype is None else (
+  c = 0 if not _c_separate(c_dtype, out_dtype) else (
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
   barriers = 8 * (2 * stages + config.num_compute_wgs)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
@@ -227,6 +228,16 @@ def check_layout(config: Config, dtype, *, a_k_major: bool,
         f"Config.block_k={config.block_k} gives {config.block_k * itemsize}"
         f"-byte rows for {jnp.dtype(dtype).name}; swizzled smem rows need a"
         " multiple of 32 bytes")
+  a_minor = config.block_k if a_k_major else config.block_m
+  b_minor = config.block_k if b_k_major else config.block_n
+  a_swizzle = plgpu.find_swizzle(a_minor * itemsize * 8)
+  b_swizzle = plgpu.find_swizzle(b_minor * itemsize * 8)
+  if a_swizzle != b_swizzle:
+    raise ValueError(
+        f"Config: the A tile's contiguous dim ({a_minor} elements) gets a"
+        f" {a_swizzle}-byte swizzle but the B tile's ({b_minor}) a {b_swizzle}"
+        "-byte one; wgmma needs both operands with the same swizzle (make"
+        " block_n/block_m/block_k a multiple of 128 bytes)")
   if config.num_compute_wgs > 1:
     if config.wg_split == "n" and not b_k_major:
       minor, what = config.wg_block_n, "wg_block_n (block_n / num_compute_wgs)"
@@ -260,15 +271,16 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
                    c_dtype=None) -> Config:
   """Picks a config by shape and dtype (fits the shared-memory budget).
 
-  out_dtype defaults to dtype; c_dtype is the dtype of a C that differs from
-  out_dtype (None: no C, or C of the out dtype).
+  out_dtype defaults to dtype; c_dtype is C's dtype (None: no C). Both change
+  the epilogue's shared memory, so pass them when they are known.
   """
   dtype = jnp.dtype(dtype)
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
   block_k = 128 // dtype.itemsize  # 128-byte rows: the widest swizzle.
   if max(m, n) <= 64 or (m <= 128 and n <= 128):
     # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
-    block_n = min(128, _round_up(n, 16))
+    # B's block must keep the 128-byte swizzle of A (wgmma needs one swizzle).
+    block_n = min(128, _round_up(n, 128 // dtype.itemsize))
     cfg = Config(block_m=64, block_n=block_n, block_k=block_k, stages=4,
                  num_compute_wgs=1, wg_split="n", epi_block_m=64,
                  epi_block_n=_largest_divisor(block_n, 64, 16),
@@ -292,6 +304,10 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
     else:
       break
   return cfg
+
+
+def _c_separate(c_dtype, out_dtype) -> bool:
+  return c_dtype is not None and jnp.dtype(c_dtype) != jnp.dtype(out_dtype)
 
 
 def _largest_divisor(x: int, at_most: int, multiple_of: int) -> int:
@@ -509,13 +525,30 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
 # ----------------------------------------------------------------------------
 
 
-def _pad_minor_to_tma(x: jax.Array) -> jax.Array:
-  """Pads the last dim with zeros so the row stride is 16-byte aligned."""
-  mult = _TMA_ALIGN_BYTES // x.dtype.itemsize
-  pad = _round_up(x.shape[-1], mult) - x.shape[-1]
-  if pad == 0:
+def _tma_tile(minor_elems: int, dtype) -> tuple[int, int]:
+  """The (rows, cols) tile of the smem transform for a given block minor dim."""
+  tiling, _ = _swizzle_transforms(minor_elems, dtype)
+  return tiling.tiling
+
+
+def _tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
+  return _round_up(rows, tile[0]), _round_up(cols, tile[1])
+
+
+def _pad_for_tma(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+  """Zero-pads the last two dims of x up to multiples of the TMA tile.
+
+  Mosaic GPU issues a tiled+swizzled TMA through a view of the whole global
+  array as (rows / 8, cols / swizzle_elems, 8, swizzle_elems), so both dims of
+  the array (not just of the block) must be multiples of the tile (a multiple
+  of the swizzle width also makes the row stride 16-byte aligned). Aligned
+  arrays are returned as they are; others cost one read+write (jnp.pad).
+  """
+  rows, cols = x.shape[-2:]
+  pr, pc = _tma_padded_shape(rows, cols, tile)
+  if (pr, pc) == (rows, cols):
     return x
-  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pr - rows), (0, pc - cols)])
 
 
 def _num_sms(config: Config, interpret: bool) -> int:
@@ -574,16 +607,24 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if c is not None:
     if not jnp.issubdtype(c.dtype, jnp.floating) or c.dtype.itemsize > 4:
       c = c.astype(jnp.float32)
-    c = _pad_minor_to_tma(c)
-  c_separate = c is not None and c.dtype != out_dtype
+  c_dtype = None if c is None else c.dtype
+  c_separate = _c_separate(c_dtype, out_dtype)
+  if (smem_bytes(config, dtype, out_dtype, c_dtype, k) > SMEM_BYTES_PER_BLOCK
+      and config == default_config(m, n, k, dtype)):
+    # The shape default assumed out_dtype == dtype and no C of another dtype:
+    # re-pick it knowing both, instead of failing a call that gave no config.
+    config = default_config(m, n, k, dtype, out_dtype=out_dtype,
+                            c_dtype=c_dtype)
   check_layout(config, dtype, a_k_major=a_k_major, b_k_major=b_k_major)
-  check_smem_budget(config, dtype, out_dtype,
-                    c.dtype if c_separate else None, k)
+  check_smem_budget(config, dtype, out_dtype, c_dtype, k)
 
-  a = _pad_minor_to_tma(a)
-  b = _pad_minor_to_tma(b)
-  out_mult = _TMA_ALIGN_BYTES // out_dtype.itemsize
-  n_out = _round_up(n, out_mult)
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  a = _pad_for_tma(a, _tma_tile(bk if a_k_major else bm, dtype))
+  b = _pad_for_tma(b, _tma_tile(bk if b_k_major else bn, dtype))
+  if c is not None:
+    c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype))
+  m_out, n_out = _tma_padded_shape(
+      m, n, _tma_tile(config.epi_block_n, out_dtype))
 
   num_sms = _num_sms(config, interpret)
   kernel_body = functools.partial(
@@ -601,7 +642,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
   call = plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((batch, m, n_out), out_dtype),
+      out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
       grid=(num_sms,),
       grid_names=("sm",),
       num_threads=config.num_compute_wgs + 1,
@@ -614,6 +655,6 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       out = call(*operands)
   else:
     out = call(*operands)
-  if n_out != n:
-    out = out[:, :, :n]
+  if (m_out, n_out) != (m, n):
+    out = out[:, :m, :n]
   return out

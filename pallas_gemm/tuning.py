@@ -130,7 +130,7 @@ _warned: set[str] = set()
 
 def clear_memory_cache() -> None:
   _cache_entries.clear()
-  _load_table.cache_clear()
+  _load_table_at.cache_clear()
   _warned.clear()
 
 
@@ -193,8 +193,12 @@ def _store_cache_entry(key: str, entry: dict[str, Any]) -> pathlib.Path:
   return path
 
 
+def _load_table() -> dict[tuple, dict]:
+  return _load_table_at(TABLE_PATH)  # looked up at call time, so tests can point elsewhere
+
+
 @functools.lru_cache(maxsize=None)
-def _load_table(path: pathlib.Path = TABLE_PATH) -> dict[tuple, dict]:
+def _load_table_at(path: pathlib.Path) -> dict[tuple, dict]:
   data = _read_json(path, "tuned table")
   index = {}
   if data is None:
@@ -292,9 +296,10 @@ def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=Non
   return tuned if tuned is not None else module.default_config(m, n, k, np.dtype(dtype))
 
 
-def validate_table(path: pathlib.Path = TABLE_PATH) -> list[str]:
+def validate_table(path: pathlib.Path | None = None) -> list[str]:
   """Problems with the shipped table (empty list when every entry builds its backend's Config)."""
-  data = json.loads(pathlib.Path(path).read_text())
+  path = TABLE_PATH if path is None else pathlib.Path(path)
+  data = json.loads(path.read_text())
   problems = []
   if data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), list):
     return [f"{path}: needs {{'version': {CACHE_VERSION}, 'entries': [...]}}"]
@@ -475,6 +480,11 @@ def _check_can_autotune():
     raise RuntimeError(
         f"pallas_gemm.autotune needs an NVIDIA GPU (JAX's default backend is "
         f"{jax.default_backend()!r}); timings on a CPU say nothing about GPU tiles")
+  try:  # the CUPTI hooks come with jaxlib's Mosaic GPU bindings
+    from jax._src.lib import mosaic_gpu  # noqa: F401, PLC0415
+  except ImportError as e:
+    raise RuntimeError(f"pallas_gemm.autotune times kernels with CUPTI, which needs "
+                       f"jaxlib's Mosaic GPU bindings: {e}") from e
 
 
 def autotune(m: int, n: int, k: int, dtype, *, backend: str, precision=None, batch: int = 1,

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Everything the GPU machine is for, in one call (see README "On the GPU machine"):
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [bench] [full] [tune]
+# (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
+set -uo pipefail
+OUT=${OUT:-/tmp/pallas_gemm_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+stages=${*:-build test sanitize bench}
+has() { [[ " $stages " == *" $1 "* ]]; }
+log() { echo "== $(date +%T) $*"; }
+
+if has build; then
+  log build
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
+  python3 -m pip install --no-build-isolation --no-deps -e . \
+      -Ccmake.define.PALLAS_GEMM_PTXAS_VERBOSE=ON -Cbuild.verbose=true >"$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+  # Registers / spills / stack per kernel instance, sm_90 only.
+  grep -A2 "for 'sm_90'" "$OUT/build.log" | grep -E "Compiling|registers|spill" | tail -30 || true
+  python3 -c "import pallas_gemm; print(pallas_gemm.backends())"
+fi
+
+if has test; then
+  log tests
+  timeout 420 python3 -m pytest -q -x -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+
+if has sanitize; then
+  log compute-sanitizer
+  for tool in memcheck racecheck; do
+    timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_cuda.py \
+      >"$OUT/sanitize_$tool.log" 2>&1
+    echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
+  done
+fi
+
+if has bench; then
+  log benchmark
+  timeout 400 python3 -m benchmarks --gpu-default --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
+if has full; then
+  log full benchmark
+  timeout 540 python3 -m benchmarks --full --out "$OUT/full" 2>&1 | tee "$OUT/full.log" | tail -80
+fi
+if has tune; then
+  log autotune
+  timeout 300 python3 -m benchmarks --autotune --out "$OUT/tune" 2>&1 | tee "$OUT/tune.log" | tail -30
+fi

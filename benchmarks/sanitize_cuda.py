@@ -1,0 +1,40 @@
+"""Small and ragged `backend="cuda"` GEMMs for compute-sanitizer (memcheck, racecheck).
+
+Run as: compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cuda.py
+Exits non-zero if any result is wrong, so a clean sanitizer run also means a correct one.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_gemm import gemm
+from pallas_gemm.reference import reference, relative_error, tolerance
+
+# Edges in every direction, misaligned leading dims (odd N/K), transposes, batch, beta.
+CASES = [(1, 1, 1), (7, 129, 33), (129, 7, 65), (257, 130, 9), (64, 64, 64), (300, 520, 17)]
+
+
+def main():
+  rng = np.random.default_rng(0)
+  worst = 0.0
+  for m, n, k in CASES:
+    for ta, tb in ((False, False), (True, False), (False, True), (True, True)):
+      a = rng.standard_normal((2,) + ((k, m) if ta else (m, k)), dtype=np.float32)
+      b = rng.standard_normal((2,) + ((n, k) if tb else (k, n)), dtype=np.float32)
+      c = rng.standard_normal((2, m, n), dtype=np.float32)
+      out = gemm(a, b, c, alpha=0.5, beta=-1.5, transpose_a=ta, transpose_b=tb, backend="cuda")
+      err = relative_error(out, reference(a, b, c, alpha=0.5, beta=-1.5, transpose_a=ta,
+                                          transpose_b=tb))
+      worst = max(worst, err)
+      if not err <= tolerance(np.float32, jax.lax.Precision.HIGHEST, k):
+        print(f"WRONG {m}x{n}x{k} ta={ta} tb={tb}: relative error {err:.3g}")
+        return 1
+  print(f"{len(CASES) * 4} cases correct, worst relative error {worst:.3g}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

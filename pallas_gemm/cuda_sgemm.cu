@@ -1,0 +1,821 @@
+// Register-tiled FP32 GEMM (SGEMM) for NVIDIA GPUs as an XLA FFI custom call.
+//
+// out[i] = alpha * op(A[i]) @ op(B[i / b_div]) + beta * C[i]   for every batch entry i,
+// where op(A) is M×K, op(B) is K×N, and every matrix is row-major (C order).
+// The Python twin is pallas_gemm/cuda.py.
+//
+// Design (the seeds' kernel, seed 000, generalised to any shape, layout and batch):
+//   * A thread block computes a BM×BN output tile (256×128 in the main configuration);
+//     blocks walk the output tiles along a generalised Hilbert curve, so the blocks
+//     resident at one time share rows of A and columns of B in L2.
+//   * op(A) and op(B) are consumed in K-slices of BK: a BK×BM slice of op(A)^T and a
+//     BK×BN slice of op(B) per stage, copied with cp.async through a STAGES-deep ring.
+//     Both operands are stored k-major in shared memory (sA[k][m], sB[k][n]) so one k
+//     step reads four consecutive m (or n) as one 128-bit load.
+//       - Global memory that is already k-major (A when transpose_a, B when not
+//         transpose_b) is copied 16 bytes at a time (4 bytes at a time when the
+//         leading dimension or the base pointer is not 16-byte aligned).
+//       - Global memory that is K-contiguous (A when not transpose_a, B when
+//         transpose_b) is transposed on the way in with 4-byte cp.async. Rows are
+//         padded by 4 floats so the transposed writes of a warp hit 32 different banks.
+//     So the usual C = A @ B (row-major) transposes A and copies B straight; that is
+//     the mirror image of the seed, which is column-major and transposes B.
+//   * Each warp owns a WM×WN sub-tile. The warps of one warp-row load that row's slice
+//     of A and the warps of one warp-column load that column's slice of B, then sync
+//     with named barriers (bar.sync id, count) among only those warps rather than with
+//     __syncthreads over the block.
+//   * Each thread accumulates TM×TN outputs in registers from TM/4 float4 fragments of A
+//     and TN/4 float4 fragments of B per k step. The fragments of one thread are
+//     32 (or 16) floats apart, so a warp's 128-bit shared loads are contiguous and free
+//     of bank conflicts.
+//   * Edges: cp.async with a source size below the copy size zero-fills the rest, so the
+//     tail K-slice and the ragged M/N edges load zeros; the epilogue masks its stores.
+//   * beta == 0 never reads C (NaN in C does not leak). Offsets use 64-bit integers.
+//
+// Layers (as in jax's examples/ffi): device code -> typed launchers -> FFI handler.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#define PALLAS_GEMM_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace pallas_gemm {
+
+// ---------------------------------------------------------------------------
+// Tile order: generalised Hilbert curve ("gilbert", J. Červený; the index-to-point
+// form by abetusk, BSD-2-Clause), written as a loop because every recursive call is
+// a tail call. It is a bijection from [0, w*h) onto the w×h grid for any w, h >= 1,
+// and consecutive indices are neighbours (one diagonal step at most when w and h
+// are both odd). Host and device run the same code; the host copy is exported for
+// the CPU test.
+// ---------------------------------------------------------------------------
+
+__host__ __device__ inline int Sign(int v) { return (v > 0) - (v < 0); }
+__host__ __device__ inline int Abs(int v) { return v < 0 ? -v : v; }
+
+// Point (x, y) of the w×h grid at position idx along the curve. Requires
+// 0 <= idx < w*h <= INT32_MAX.
+__host__ __device__ inline void GilbertD2XY(int idx, int w, int h, int* x_out,
+                                            int* y_out) {
+  int x = 0, y = 0;
+  // (ax, ay): major axis, (bx, by): minor axis of the current sub-rectangle.
+  int ax, ay, bx, by;
+  if (w >= h) {
+    ax = w; ay = 0; bx = 0; by = h;
+  } else {
+    ax = 0; ay = h; bx = w; by = 0;
+  }
+  int cur = 0;
+  while (true) {
+    const int ww = Abs(ax + ay);
+    const int hh = Abs(bx + by);
+    const int dax = Sign(ax), day = Sign(ay);  // unit major direction
+    const int dbx = Sign(bx), dby = Sign(by);  // unit minor direction
+    const int di = idx - cur;
+    if (hh == 1) {
+      x += dax * di; y += day * di;
+      break;
+    }
+    if (ww == 1) {
+      x += dbx * di; y += dby * di;
+      break;
+    }
+    // Floor division by 2 (arithmetic shift), as in the reference.
+    int ax2 = ax >> 1, ay2 = ay >> 1;
+    int bx2 = bx >> 1, by2 = by >> 1;
+    const int w2 = Abs(ax2 + ay2);
+    const int h2 = Abs(bx2 + by2);
+    if (2 * ww > 3 * hh) {
+      // Long rectangle: split the major axis in two.
+      if ((w2 & 1) && ww > 2) {  // prefer even steps
+        ax2 += dax; ay2 += day;
+      }
+      const int nxt = cur + Abs((ax2 + ay2) * (bx + by));
+      if (idx < nxt) {
+        ax = ax2; ay = ay2;
+        continue;
+      }
+      cur = nxt;
+      x += ax2; y += ay2;
+      ax -= ax2; ay -= ay2;
+      continue;
+    }
+    if ((h2 & 1) && hh > 2) {  // prefer even steps
+      bx2 += dbx; by2 += dby;
+    }
+    // Standard case: one step up, one long step across, one step down.
+    int nxt = cur + Abs((bx2 + by2) * (ax2 + ay2));
+    if (idx < nxt) {
+      const int tax = ax2, tay = ay2;
+      ax = bx2; ay = by2;
+      bx = tax; by = tay;
+      continue;
+    }
+    cur = nxt;
+    nxt = cur + Abs((ax + ay) * ((bx - bx2) + (by - by2)));
+    if (idx < nxt) {
+      x += bx2; y += by2;
+      bx -= bx2; by -= by2;
+      continue;
+    }
+    cur = nxt;
+    x += (ax - dax) + (bx2 - dbx);
+    y += (ay - day) + (by2 - dby);
+    const int nax = -bx2, nay = -by2;
+    const int nbx = -(ax - ax2), nby = -(ay - ay2);
+    ax = nax; ay = nay; bx = nbx; by = nby;
+  }
+  *x_out = x;
+  *y_out = y;
+}
+
+// ---------------------------------------------------------------------------
+// Problem description, passed by value in the kernel parameter space.
+// ---------------------------------------------------------------------------
+
+struct GemmArgs {
+  const float* a;          // batch entry 0 of A: (M, K), or (K, M) when transpose_a
+  const float* b;          // batch entry 0 of B: (K, N), or (N, K) when transpose_b
+  const float* c;          // batch entry 0 of C: (M, N); never read when beta == 0
+  float* out;              // (batch, M, N)
+  int m, n, k;             // each < 2^31 - 256 (checked by the handler)
+  int64_t lda, ldb;        // elements between consecutive stored rows of A, B
+  int64_t batch;           // number of output matrices
+  int64_t b_div;           // output entry i uses B entry i / b_div (batch when B is shared)
+  float alpha, beta;
+  bool a_vec, b_vec;       // 16-byte copies allowed for a k-major A, B
+  bool out_vec;            // 16-byte loads of C / stores of out allowed
+};
+
+// ---------------------------------------------------------------------------
+// cp.async and named barriers.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t SmemAddress(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 4-byte copy; writes zero instead when !valid (no global read).
+__device__ __forceinline__ void CpAsync4(uint32_t dst_smem, const float* src_gmem,
+                                         bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_smem),
+               "l"(src_gmem), "r"(valid ? 4 : 0));
+}
+
+// 16-byte copy of which the first src_bytes come from global memory, the rest zero.
+__device__ __forceinline__ void CpAsync16(uint32_t dst_smem, const float* src_gmem,
+                                          int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_smem),
+               "l"(src_gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Barrier among `kThreads` threads (whole warps) that use the same id, one of
+// kFirst .. kFirst + kCount - 1. The id is warp-uniform; it is turned into an
+// immediate so that ptxas reserves only the barriers used (a register id makes it
+// reserve all 16 of the block).
+template <int kThreads, int kFirst, int kCount>
+__device__ __forceinline__ void NamedBarrier(int id) {
+  if constexpr (kCount == 1) {
+    asm volatile("bar.sync %0, %1;\n" ::"n"(kFirst), "n"(kThreads) : "memory");
+  } else {
+    if (id == kFirst) {
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kFirst), "n"(kThreads) : "memory");
+    } else {
+      NamedBarrier<kThreads, kFirst + 1, kCount - 1>(id);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Tile configuration.
+// ---------------------------------------------------------------------------
+
+template <int BM_, int BN_, int BK_, int WM_, int WN_, int TM_, int TN_, int STAGES_,
+          int MIN_BLOCKS_>
+struct TileConfig {
+  static constexpr int BM = BM_, BN = BN_, BK = BK_;  // block tile, K-slice
+  static constexpr int WM = WM_, WN = WN_;            // warp tile
+  static constexpr int TM = TM_, TN = TN_;            // thread tile
+  static constexpr int STAGES = STAGES_;              // cp.async ring depth
+  static constexpr int kMinBlocks = MIN_BLOCKS_;      // per SM, caps registers
+
+  static constexpr int kWarpsM = BM / WM, kWarpsN = BN / WN;
+  static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
+  static constexpr int kThreadsM = WM / TM;  // threads of a warp along m
+  static constexpr int kThreadsN = WN / TN;  // threads of a warp along n
+  static constexpr int kFragsM = TM / 4, kFragsN = TN / 4;  // float4 fragments
+  static constexpr int kPad = 4;  // floats; makes transposed stores conflict-free
+  static constexpr int kLdsA = BM + kPad;  // floats between k rows of sA
+  static constexpr int kLdsB = BN + kPad;  // floats between k rows of sB
+  static constexpr int kGroupA = 32 * kWarpsN;  // threads that load one warp-row of A
+  static constexpr int kGroupB = 32 * kWarpsM;  // threads that load one warp-column of B
+  static constexpr size_t kSmemBytes =
+      sizeof(float) * size_t(STAGES) * BK * (kLdsA + kLdsB);
+
+  static_assert(BM % WM == 0 && BN % WN == 0, "the block tile must be a grid of warp tiles");
+  static_assert(kWarpsM + kWarpsN <= 15,
+                "one named barrier per warp-row and per warp-column; ids 1..15 exist");
+  static_assert(kThreads <= 1024, "at most 1024 threads per block");
+  static_assert(WM % TM == 0 && WN % TN == 0, "the warp tile must be a grid of thread tiles");
+  static_assert(kThreadsM * kThreadsN == 32, "a warp tile holds exactly 32 thread tiles");
+  static_assert(TM % 4 == 0 && TN % 4 == 0,
+                "thread tiles are built from float4 fragments (128-bit shared loads)");
+  static_assert(BM % 32 == 0 && BN % 32 == 0,
+                "row strides of BM+4 / BN+4 floats spread a warp's transposed stores "
+                "over all 32 banks only when BM and BN are multiples of 32");
+  static_assert(kGroupA % BK == 0 && kGroupB % BK == 0,
+                "a K-contiguous operand is copied with k = thread % BK fixed per thread");
+  static_assert((BK * WM) % kGroupA == 0 && (BK * WN) % kGroupB == 0,
+                "the 4-byte copies of a slice divide evenly among its loading threads");
+  static_assert(kGroupA % WM == 0 && kGroupB % WN == 0,
+                "a k-major operand copied 4 bytes at a time keeps one column per thread");
+  static_assert((BK * WM / 4) % kGroupA == 0 && (BK * WN / 4) % kGroupB == 0,
+                "the 16-byte copies of a slice divide evenly among its loading threads");
+  static_assert(kGroupA % (WM / 4) == 0 && kGroupB % (WN / 4) == 0,
+                "a k-major operand copied 16 bytes at a time keeps one float4 column per thread");
+  static_assert(STAGES >= 2, "the cp.async ring needs one stage in use and one in flight");
+  static_assert(TM * TN <= 128, "more accumulators than this spill on a 255-register budget");
+};
+
+// ---------------------------------------------------------------------------
+// Global -> shared copy of one operand's K-slices for one thread.
+//
+// The operand is viewed as op(X): K × extent, where x indexes M (for A) or N (for B),
+// and is stored k-major in shared memory: s[k][x], kLds floats between k rows. Only
+// the kWidth columns of this thread's warp-row (A) or warp-column (B) are copied, by
+// the kGroup threads that share them.
+// kKContig: global memory holds x-rows of K contiguous floats (element (k, x) at
+// x*ld + k); otherwise k-rows of contiguous x (element (k, x) at k*ld + x).
+// The loader keeps only this thread's position; the problem constants (ld, extent,
+// K, the 16-byte flag) are re-read from the kernel parameters at each use, which
+// costs no registers across the main loop.
+// ---------------------------------------------------------------------------
+
+template <int BK, int kWidth, int kGroup, int kLds, bool kKContig>
+struct SliceLoader {
+  // Transposing copy (kKContig): thread t copies (k = t % BK, x = t / BK + i*kDx).
+  static constexpr int kDx = kGroup / BK;
+  static constexpr int kTransposeCopies = BK * kWidth / kGroup;
+  // 16-byte copy: float4 column t % (kWidth/4), k = t / (kWidth/4) + i*kDkVec.
+  static constexpr int kDkVec = kGroup / (kWidth / 4);
+  static constexpr int kVecCopies = BK * kWidth / (4 * kGroup);
+  // 4-byte k-major copy: column t % kWidth, k = t / kWidth + i*kDkScalar.
+  static constexpr int kDkScalar = kGroup / kWidth;
+  static constexpr int kScalarCopies = BK * kWidth / kGroup;
+
+  const float* gptr;  // this thread's first element of the next K-slice
+  uint32_t sdst;      // shared byte address of this thread's first copy in stage 0
+  int x;              // global x of this thread's first copy
+  int kk;             // k of this thread's first copy within a slice
+
+  // matrix: this batch entry's operand; x_origin: global x of the group's first
+  // column; s_col: its column in shared memory; t: rank in the group (< kGroup).
+  __device__ __forceinline__ SliceLoader(const float* matrix, int64_t ld, int x_origin,
+                                         int s_col, bool vec, int t,
+                                         const float* s_stage0) {
+    int xl;
+    if constexpr (kKContig) {
+      kk = t % BK;
+      xl = t / BK;
+      gptr = matrix + int64_t(x_origin + xl) * ld + kk;
+    } else {
+      if (vec) {
+        xl = 4 * (t % (kWidth / 4));
+        kk = t / (kWidth / 4);
+      } else {
+        xl = t % kWidth;
+        kk = t / kWidth;
+      }
+      gptr = matrix + int64_t(kk) * ld + (x_origin + xl);
+    }
+    x = x_origin + xl;
+    sdst = SmemAddress(s_stage0 + kk * kLds + s_col + xl);
+  }
+
+  // Issues the copies of the K-slice starting at global k0 into the stage at byte
+  // offset stage_bytes, then advances to the next slice. Elements outside the
+  // extent × k_total operand become zeros; their copies read nothing and point at
+  // `fallback` (a valid address) rather than past the end.
+  __device__ __forceinline__ void Load(uint32_t stage_bytes, int k0, int64_t ld,
+                                       int extent, int k_total, bool vec,
+                                       const float* fallback) {
+    const uint32_t dst = sdst + stage_bytes;
+    if constexpr (kKContig) {
+      const bool k_ok = k0 + kk < k_total;
+      const float* p = gptr;
+#pragma unroll
+      for (int i = 0; i < kTransposeCopies; ++i) {
+        const bool ok = k_ok && x + i * kDx < extent;
+        CpAsync4(dst + 4 * i * kDx, ok ? p : fallback, ok);
+        p += kDx * ld;
+      }
+      gptr += BK;
+    } else {
+      const float* p = gptr;
+      if (vec) {
+        const int bytes = 4 * max(0, min(4, extent - x));
+#pragma unroll
+        for (int i = 0; i < kVecCopies; ++i) {
+          const int n = k0 + kk + i * kDkVec < k_total ? bytes : 0;
+          CpAsync16(dst + 4 * i * kDkVec * kLds, n ? p : fallback, n);
+          p += kDkVec * ld;
+        }
+      } else {
+        const bool x_ok = x < extent;
+#pragma unroll
+        for (int i = 0; i < kScalarCopies; ++i) {
+          const bool ok = x_ok && k0 + kk + i * kDkScalar < k_total;
+          CpAsync4(dst + 4 * i * kDkScalar * kLds, ok ? p : fallback, ok);
+          p += kDkScalar * ld;
+        }
+      }
+      gptr += BK * ld;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The register-tiled kernel.
+// kAKContig = !transpose_a, kBKContig = transpose_b (see the file comment).
+// ---------------------------------------------------------------------------
+
+template <class Cfg, bool kAKContig, bool kBKContig>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+    SgemmTiledKernel(const GemmArgs args) {
+  constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
+  constexpr int WM = Cfg::WM, WN = Cfg::WN, TM = Cfg::TM, TN = Cfg::TN;
+  constexpr int STAGES = Cfg::STAGES;
+  constexpr int kLdsA = Cfg::kLdsA, kLdsB = Cfg::kLdsB;
+  constexpr int kStageBytesA = 4 * BK * kLdsA;
+  constexpr int kStageBytesB = 4 * BK * kLdsB;
+
+  extern __shared__ __align__(16) float smem[];
+  float* a_smem = smem;                            // (STAGES, BK, BM + 4)
+  float* b_smem = smem + STAGES * BK * kLdsA;      // (STAGES, BK, BN + 4)
+
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int warp_row = warp % Cfg::kWarpsM;  // which WM rows of the block tile
+  const int warp_col = warp / Cfg::kWarpsM;  // which WN columns of the block tile
+  // Named barrier 0 is __syncthreads; rows take 1..kWarpsM, columns the next kWarpsN.
+  const int row_barrier = 1 + warp_row;
+  const int col_barrier = 1 + Cfg::kWarpsM + warp_col;
+  // Thread position in the warp tile: fragment f of A covers rows
+  // f*4*kThreadsM + 4*lane_m + {0..3}; fragment f of B covers columns
+  // f*4*kThreadsN + 4*lane_n + {0..3}.
+  const int lane_m = lane % Cfg::kThreadsM;
+  const int lane_n = lane / Cfg::kThreadsM;
+  // Rank of this thread within the group that loads its warp-row / warp-column.
+  const int t_in_row = warp_col * 32 + lane;
+  const int t_in_col = warp_row * 32 + lane;
+
+  const int tiles_n = (args.n + BN - 1) / BN;
+  const int tiles_m = (args.m + BM - 1) / BM;
+  int tile_n, tile_m;
+  GilbertD2XY(blockIdx.x, tiles_n, tiles_m, &tile_n, &tile_m);
+  const int block_m0 = tile_m * BM;
+  const int block_n0 = tile_n * BN;
+  const int num_slices = (args.k + BK - 1) / BK;
+  const int64_t mn = int64_t(args.m) * args.n;
+  const int64_t a_size = int64_t(args.m) * args.k;
+  const int64_t b_size = int64_t(args.k) * args.n;
+
+  // gridDim.y is capped at 65535, so a larger batch loops.
+  for (int64_t bi = blockIdx.y; bi < args.batch; bi += gridDim.y) {
+    SliceLoader<BK, WM, Cfg::kGroupA, kLdsA, kAKContig> a_loader(
+        args.a + bi * a_size, args.lda, block_m0 + warp_row * WM, warp_row * WM,
+        args.a_vec, t_in_row, a_smem);
+    SliceLoader<BK, WN, Cfg::kGroupB, kLdsB, kBKContig> b_loader(
+        args.b + (bi / args.b_div) * b_size, args.ldb, block_n0 + warp_col * WN,
+        warp_col * WN, args.b_vec, t_in_col, b_smem);
+    // Copies the next K-slice of A and B (global k0) into `stage`.
+    auto load_slice = [&](int stage, int k0) {
+      a_loader.Load(stage * kStageBytesA, k0, args.lda, args.m, args.k, args.a_vec, args.a);
+      b_loader.Load(stage * kStageBytesB, k0, args.ldb, args.n, args.k, args.b_vec, args.b);
+    };
+
+    // Prologue: the first STAGES-1 slices in flight (empty groups keep the count).
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) {
+      if (s < num_slices) load_slice(s, s * BK);
+      CpAsyncCommit();
+    }
+
+    float acc[TM][TN];
+#pragma unroll
+    for (int i = 0; i < TM; ++i) {
+#pragma unroll
+      for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
+    }
+
+    const float* a_frag_smem = a_smem + warp_row * WM + 4 * lane_m;
+    const float* b_frag_smem = b_smem + warp_col * WN + 4 * lane_n;
+    int read_stage = 0;
+    int write_stage = STAGES - 1;
+    for (int slice = 0; slice < num_slices; ++slice) {
+      // Slice `slice` has landed for this thread; the barriers extend that to the
+      // warps that copied the rest of this warp's A rows and B columns, and tell
+      // them all that the stage written below (read one iteration ago) is free.
+      CpAsyncWait<STAGES - 2>();
+      NamedBarrier<Cfg::kGroupA, 1, Cfg::kWarpsM>(row_barrier);
+      NamedBarrier<Cfg::kGroupB, 1 + Cfg::kWarpsM, Cfg::kWarpsN>(col_barrier);
+
+      if (slice + STAGES - 1 < num_slices) load_slice(write_stage, (slice + STAGES - 1) * BK);
+      CpAsyncCommit();
+
+      const float* a_stage = a_frag_smem + read_stage * BK * kLdsA;  // (BK, WM) view
+      const float* b_stage = b_frag_smem + read_stage * BK * kLdsB;  // (BK, WN) view
+#pragma unroll
+      for (int k = 0; k < BK; ++k) {
+        float a_reg[TM];  // (TM,) rows of op(A) at this k
+        float b_reg[TN];  // (TN,) columns of op(B) at this k
+#pragma unroll
+        for (int f = 0; f < Cfg::kFragsM; ++f) {
+          *reinterpret_cast<float4*>(&a_reg[4 * f]) = *reinterpret_cast<const float4*>(
+              a_stage + k * kLdsA + f * 4 * Cfg::kThreadsM);
+        }
+#pragma unroll
+        for (int f = 0; f < Cfg::kFragsN; ++f) {
+          *reinterpret_cast<float4*>(&b_reg[4 * f]) = *reinterpret_cast<const float4*>(
+              b_stage + k * kLdsB + f * 4 * Cfg::kThreadsN);
+        }
+#pragma unroll
+        for (int i = 0; i < TM; ++i) {
+#pragma unroll
+          for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a_reg[i], b_reg[j], acc[i][j]);
+        }
+      }
+      read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
+      write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
+    }
+
+    // Write-back: out = alpha * acc + beta * C, 16 bytes at a time where aligned.
+    float* out_mat = args.out + bi * mn;
+    const float* c_mat = args.c + bi * mn;
+#pragma unroll
+    for (int fm = 0; fm < Cfg::kFragsM; ++fm) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = block_m0 + warp_row * WM + fm * 4 * Cfg::kThreadsM + 4 * lane_m + r;
+        if (row >= args.m) continue;
+        float* out_row = out_mat + int64_t(row) * args.n;
+        const float* c_row = c_mat + int64_t(row) * args.n;
+#pragma unroll
+        for (int fn = 0; fn < Cfg::kFragsN; ++fn) {
+          const int col = block_n0 + warp_col * WN + fn * 4 * Cfg::kThreadsN + 4 * lane_n;
+          const float* v = &acc[4 * fm + r][4 * fn];
+          if (args.out_vec && col < args.n) {  // n % 4 == 0, so col + 3 < n too
+            float4 o = make_float4(args.alpha * v[0], args.alpha * v[1],
+                                   args.alpha * v[2], args.alpha * v[3]);
+            if (args.beta != 0.0f) {
+              const float4 cv = *reinterpret_cast<const float4*>(c_row + col);
+              o.x = fmaf(args.beta, cv.x, o.x);
+              o.y = fmaf(args.beta, cv.y, o.y);
+              o.z = fmaf(args.beta, cv.z, o.z);
+              o.w = fmaf(args.beta, cv.w, o.w);
+            }
+            *reinterpret_cast<float4*>(out_row + col) = o;
+          } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              if (col + j < args.n) {
+                float o = args.alpha * v[j];
+                if (args.beta != 0.0f) o = fmaf(args.beta, c_row[col + j], o);
+                out_row[col + j] = o;
+              }
+            }
+          }
+        }
+      }
+    }
+    // The next batch entry's prologue overwrites stages other warps may still read.
+    if (bi + gridDim.y < args.batch) __syncthreads();
+  }
+}
+
+// ---------------------------------------------------------------------------
+// The seeds' textbook shared-memory kernel (TILE×TILE threads, one output each),
+// kept as the baseline the benchmark compares against. Correct for any shape.
+// ---------------------------------------------------------------------------
+
+template <int TILE>
+__global__ void __launch_bounds__(TILE* TILE)
+    SgemmTextbookKernel(const GemmArgs args, bool transpose_a, bool transpose_b) {
+  __shared__ float a_tile[TILE][TILE];  // (TILE rows of M, TILE of K)
+  __shared__ float b_tile[TILE][TILE];  // (TILE of K, TILE columns of N)
+  const int tiles_n = (args.n + TILE - 1) / TILE;
+  const int row = (blockIdx.x / tiles_n) * TILE + threadIdx.y;
+  const int col = (blockIdx.x % tiles_n) * TILE + threadIdx.x;
+  const int64_t a_size = int64_t(args.m) * args.k;
+  const int64_t b_size = int64_t(args.k) * args.n;
+  const int64_t mn = int64_t(args.m) * args.n;
+  for (int64_t bi = blockIdx.y; bi < args.batch; bi += gridDim.y) {
+    const float* a = args.a + bi * a_size;
+    const float* b = args.b + (bi / args.b_div) * b_size;
+    float sum = 0.0f;
+    for (int k0 = 0; k0 < args.k; k0 += TILE) {
+      const int ka = k0 + threadIdx.x;
+      const int kb = k0 + threadIdx.y;
+      a_tile[threadIdx.y][threadIdx.x] =
+          (row < args.m && ka < args.k)
+              ? a[transpose_a ? int64_t(ka) * args.lda + row : int64_t(row) * args.lda + ka]
+              : 0.0f;
+      b_tile[threadIdx.y][threadIdx.x] =
+          (kb < args.k && col < args.n)
+              ? b[transpose_b ? int64_t(col) * args.ldb + kb : int64_t(kb) * args.ldb + col]
+              : 0.0f;
+      __syncthreads();
+#pragma unroll
+      for (int k = 0; k < TILE; ++k) sum += a_tile[threadIdx.y][k] * b_tile[k][threadIdx.x];
+      __syncthreads();
+    }
+    if (row < args.m && col < args.n) {
+      const int64_t o = bi * mn + int64_t(row) * args.n + col;
+      float v = args.alpha * sum;
+      if (args.beta != 0.0f) v = fmaf(args.beta, args.c[o], v);
+      args.out[o] = v;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Typed launchers.
+// ---------------------------------------------------------------------------
+
+constexpr int64_t kMaxGridY = 65535;
+
+template <class Cfg, bool kAKContig, bool kBKContig>
+cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
+  auto* kernel = SgemmTiledKernel<Cfg, kAKContig, kBKContig>;
+  if constexpr (Cfg::kSmemBytes > 48 * 1024) {
+    // Opt in to more than 48 KB of dynamic shared memory, once per device.
+    static std::atomic<uint64_t> opted_in{0};
+    int device = 0;
+    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+    if (bit == 0 || !(opted_in.load(std::memory_order_relaxed) & bit)) {
+      if (cudaError_t err = cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmemBytes));
+          err != cudaSuccess) {
+        return err;
+      }
+      opted_in.fetch_or(bit, std::memory_order_relaxed);
+    }
+  }
+  const int64_t tiles = int64_t((args.m + Cfg::BM - 1) / Cfg::BM) *
+                        ((args.n + Cfg::BN - 1) / Cfg::BN);
+  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(tiles), unsigned(std::min(args.batch, kMaxGridY)));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+constexpr int kTextbookTile = 32;
+
+cudaError_t LaunchTextbook(const GemmArgs& args, bool transpose_a, bool transpose_b,
+                           cudaStream_t stream) {
+  const int64_t tiles = int64_t((args.m + kTextbookTile - 1) / kTextbookTile) *
+                        ((args.n + kTextbookTile - 1) / kTextbookTile);
+  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(tiles), unsigned(std::min(args.batch, kMaxGridY)));
+  const dim3 block(kTextbookTile, kTextbookTile);
+  SgemmTextbookKernel<kTextbookTile><<<grid, block, 0, stream>>>(args, transpose_a,
+                                                                 transpose_b);
+  return cudaGetLastError();
+}
+
+// The compiled configurations, in the Python Config's field order:
+// block_m, block_n, block_k, warp_m, warp_n, thread_m, thread_n, stages.
+// pallas_gemm/cuda.py keeps the same list (a CPU test checks they agree).
+using Launcher = cudaError_t (*)(const GemmArgs&, cudaStream_t);
+struct TiledEntry {
+  int64_t fields[8];
+  Launcher launch[2][2];  // [a K-contiguous][b K-contiguous]
+};
+
+template <class Cfg>
+constexpr TiledEntry MakeEntry() {
+  return {{Cfg::BM, Cfg::BN, Cfg::BK, Cfg::WM, Cfg::WN, Cfg::TM, Cfg::TN, Cfg::STAGES},
+          {{LaunchTiled<Cfg, false, false>, LaunchTiled<Cfg, false, true>},
+           {LaunchTiled<Cfg, true, false>, LaunchTiled<Cfg, true, true>}}};
+}
+
+// The seeds' kernel: 256×128 block, 8 warps of 64×64, 8×16 per thread, 4 stages;
+// ~50 KB shared memory, one block per SM.
+using Config256x128 = TileConfig<256, 128, 8, 64, 64, 8, 16, 4, 1>;
+// For grids that would leave SMs idle: 8 warps of 64×32, 8×8 per thread, two blocks
+// per SM (registers capped at 128).
+using Config128x128 = TileConfig<128, 128, 8, 64, 32, 8, 8, 4, 2>;
+// Smaller still: 4 warps of 64×32, three blocks per SM (at four, the 128-register
+// cap spills).
+using Config128x64 = TileConfig<128, 64, 8, 64, 32, 8, 8, 4, 3>;
+
+const TiledEntry kTiledEntries[] = {
+    MakeEntry<Config256x128>(),
+    MakeEntry<Config128x128>(),
+    MakeEntry<Config128x64>(),
+};
+constexpr int kNumTiled = sizeof(kTiledEntries) / sizeof(kTiledEntries[0]);
+// The textbook kernel in the same vocabulary: a 32×32 block tile, K-slices of 32,
+// warps of 1×32, one output per thread, no pipeline.
+constexpr int64_t kTextbookFields[8] = {32, 32, 32, 1, 32, 1, 1, 1};
+
+// ---------------------------------------------------------------------------
+// FFI handler.
+// ---------------------------------------------------------------------------
+
+std::string DimsToString(ffi::Span<const int64_t> dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+ffi::Error SgemmImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> a,
+                     ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::F32> c,
+                     ffi::ResultBuffer<ffi::F32> out, float alpha, float beta,
+                     bool transpose_a, bool transpose_b, int64_t block_m,
+                     int64_t block_n, int64_t block_k, int64_t warp_m, int64_t warp_n,
+                     int64_t thread_m, int64_t thread_n, int64_t stages) {
+  const auto a_dims = a.dimensions();
+  const auto b_dims = b.dimensions();
+  const auto out_dims = out->dimensions();
+  const size_t rank = out_dims.size();
+  if (rank < 2 || a_dims.size() != rank || (b_dims.size() != rank && b_dims.size() != 2)) {
+    return ffi::Error::InvalidArgument(
+        "pallas_gemm_cuda_sgemm: expected a, b and out of one rank >= 2 (b may be 2-D), got a" +
+        DimsToString(a_dims) + ", b" + DimsToString(b_dims) + ", out" + DimsToString(out_dims));
+  }
+  const int64_t m = out_dims[rank - 2], n = out_dims[rank - 1];
+  const int64_t k = transpose_a ? a_dims[rank - 2] : a_dims[rank - 1];
+  const int64_t a_m = transpose_a ? a_dims[rank - 1] : a_dims[rank - 2];
+  const size_t rb = b_dims.size();
+  const int64_t b_k = transpose_b ? b_dims[rb - 1] : b_dims[rb - 2];
+  const int64_t b_n = transpose_b ? b_dims[rb - 2] : b_dims[rb - 1];
+  if (a_m != m || b_k != k || b_n != n) {
+    return ffi::Error::InvalidArgument(
+        "pallas_gemm_cuda_sgemm: shapes do not multiply: a" + DimsToString(a_dims) +
+        (transpose_a ? " (transposed)" : "") + ", b" + DimsToString(b_dims) +
+        (transpose_b ? " (transposed)" : "") + ", out" + DimsToString(out_dims));
+  }
+  // Leading dims are batch dims. Those of a must equal out's; those of b must be a
+  // prefix of them followed by 1s (e.g. (V, batch) vs (V, 1) under vmap), so that
+  // output entry i uses B entry i / b_div.
+  int64_t batch = 1;
+  for (size_t i = 0; i + 2 < rank; ++i) {
+    if (a_dims[i] != out_dims[i]) {
+      return ffi::Error::InvalidArgument("pallas_gemm_cuda_sgemm: batch dims of a" +
+                                         DimsToString(a_dims) + " differ from out" +
+                                         DimsToString(out_dims));
+    }
+    batch *= out_dims[i];
+  }
+  int64_t b_div = batch;
+  if (rb == rank) {
+    size_t p = 0;
+    while (p + 2 < rank && b_dims[p] == out_dims[p]) ++p;
+    b_div = 1;
+    for (size_t i = p; i + 2 < rank; ++i) {
+      if (b_dims[i] != 1) {
+        return ffi::Error::InvalidArgument(
+            "pallas_gemm_cuda_sgemm: batch dims of b" + DimsToString(b_dims) +
+            " are neither out's" + DimsToString(out_dims) + " nor a prefix of them then 1s");
+      }
+      b_div *= out_dims[i];
+    }
+  }
+  if (beta != 0.0f && c.element_count() != out->element_count()) {
+    return ffi::Error::InvalidArgument("pallas_gemm_cuda_sgemm: beta != 0 needs c shaped like out" +
+                                       DimsToString(out_dims) + ", got c" +
+                                       DimsToString(c.dimensions()));
+  }
+  constexpr int64_t kMaxDim = INT32_MAX - 256;  // block origins + offsets stay in int32
+  if (m > kMaxDim || n > kMaxDim || k > kMaxDim) {
+    return ffi::Error::InvalidArgument("pallas_gemm_cuda_sgemm: M, N and K must be below 2^31 - 256, got out" +
+                                       DimsToString(out_dims) + " with K = " + std::to_string(k));
+  }
+  if (out->element_count() == 0) return ffi::Error::Success();
+
+  GemmArgs args;
+  args.a = a.typed_data();
+  args.b = b.typed_data();
+  args.c = c.typed_data();
+  args.out = out->typed_data();
+  args.m = int(m);
+  args.n = int(n);
+  args.k = int(k);
+  args.lda = transpose_a ? m : k;
+  args.ldb = transpose_b ? k : n;
+  args.batch = batch;
+  args.b_div = b_div;
+  args.alpha = alpha;
+  args.beta = beta;
+  args.a_vec = args.lda % 4 == 0 && Aligned16(args.a);
+  args.b_vec = args.ldb % 4 == 0 && Aligned16(args.b);
+  args.out_vec = n % 4 == 0 && Aligned16(args.out) && (beta == 0.0f || Aligned16(args.c));
+
+  const int64_t fields[8] = {block_m, block_n, block_k, warp_m, warp_n,
+                             thread_m, thread_n, stages};
+  cudaError_t err = cudaErrorInvalidValue;
+  bool found = false;
+  if (std::equal(fields, fields + 8, kTextbookFields)) {
+    found = true;
+    err = LaunchTextbook(args, transpose_a, transpose_b, stream);
+  }
+  for (int i = 0; i < kNumTiled && !found; ++i) {
+    if (std::equal(fields, fields + 8, kTiledEntries[i].fields)) {
+      found = true;
+      err = kTiledEntries[i].launch[!transpose_a][transpose_b](args, stream);
+    }
+  }
+  if (!found) {
+    return ffi::Error::InvalidArgument(
+        "pallas_gemm_cuda_sgemm: no kernel compiled for block (" + std::to_string(block_m) +
+        ", " + std::to_string(block_n) + ", " + std::to_string(block_k) + "), warp (" +
+        std::to_string(warp_m) + ", " + std::to_string(warp_n) + "), thread (" +
+        std::to_string(thread_m) + ", " + std::to_string(thread_n) +
+        "), stages " + std::to_string(stages));
+  }
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("pallas_gemm_cuda_sgemm: CUDA error: ") +
+                                cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace pallas_gemm
+
+// Declared first so the symbol is exported despite -fvisibility=hidden.
+PALLAS_GEMM_EXPORT XLA_FFI_Error* PallasGemmCudaSgemm(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    PallasGemmCudaSgemm, pallas_gemm::SgemmImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream the computation runs on
+        .Arg<ffi::Buffer<ffi::F32>>()              // a: (..., M, K), or (..., K, M) when transpose_a
+        .Arg<ffi::Buffer<ffi::F32>>()              // b: (..., K, N), or (..., N, K) when transpose_b
+        .Arg<ffi::Buffer<ffi::F32>>()              // c: (..., M, N); any placeholder when beta == 0
+        .Ret<ffi::Buffer<ffi::F32>>()              // out: (..., M, N)
+        .Attr<float>("alpha")                      // scales op(a) @ op(b)
+        .Attr<float>("beta")                       // scales c; 0 means c is not read
+        .Attr<bool>("transpose_a")                 // a holds op(a) transposed
+        .Attr<bool>("transpose_b")                 // b holds op(b) transposed
+        .Attr<int64_t>("block_m")                  // block tile rows (BM)
+        .Attr<int64_t>("block_n")                  // block tile columns (BN)
+        .Attr<int64_t>("block_k")                  // K-slice depth (BK)
+        .Attr<int64_t>("warp_m")                   // warp tile rows (WM)
+        .Attr<int64_t>("warp_n")                   // warp tile columns (WN)
+        .Attr<int64_t>("thread_m")                 // thread tile rows (TM)
+        .Attr<int64_t>("thread_n")                 // thread tile columns (TN)
+        .Attr<int64_t>("stages"));                 // cp.async pipeline depth (STAGES)
+
+// ---------------------------------------------------------------------------
+// Host helpers for the Python twin and its CPU tests (ctypes).
+// ---------------------------------------------------------------------------
+
+PALLAS_GEMM_EXPORT int pallas_gemm_cuda_num_configs() { return pallas_gemm::kNumTiled + 1; }
+
+// Writes the 8 fields of compiled configuration i (the last one is the textbook kernel).
+// Returns 0, or -1 when i is out of range.
+PALLAS_GEMM_EXPORT int pallas_gemm_cuda_config(int i, int64_t* fields) {
+  if (i < 0 || i > pallas_gemm::kNumTiled) return -1;
+  const int64_t* src = i < pallas_gemm::kNumTiled ? pallas_gemm::kTiledEntries[i].fields
+                                                  : pallas_gemm::kTextbookFields;
+  std::copy(src, src + 8, fields);
+  return 0;
+}
+
+// The tile (row, col) that block idx of a rows×cols tile grid computes; the same
+// function the kernel runs. Returns 0, or -1 when the arguments are out of range.
+PALLAS_GEMM_EXPORT int pallas_gemm_cuda_hilbert(int64_t idx, int64_t rows, int64_t cols,
+                                                int64_t* row, int64_t* col) {
+  if (rows < 1 || cols < 1 || rows * cols > INT32_MAX || idx < 0 || idx >= rows * cols) {
+    return -1;
+  }
+  int x = 0, y = 0;
+  pallas_gemm::GilbertD2XY(int(idx), int(cols), int(rows), &x, &y);
+  *row = y;
+  *col = x;
+  return 0;
+}

@@ -1,0 +1,269 @@
+"""Tests specific to the Mosaic GPU backend (pallas_gemm/mosaic.py).
+
+Config validation, the shared-memory budget, default configs, and CPU
+interpret-mode correctness on small aligned and ragged shapes. The
+backend-independent suite covers the front door; these call ``mosaic.gemm``
+directly so that the kernel's own paths (warpgroup split, wgmma_wait, C of
+another dtype, misaligned rows) are exercised by name.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_gemm import mosaic
+
+Config = mosaic.Config
+
+# Max |error| / max |reference|, per input dtype (outputs rounded to out dtype).
+_TOLERANCE = {
+    jnp.dtype(jnp.bfloat16): 1e-2,
+    jnp.dtype(jnp.float16): 2e-3,
+    jnp.dtype(jnp.float32): 2e-3,  # TF32 on the GPU; interpret mode is exact.
+}
+
+
+def _tolerance(dtype, out_dtype):
+  return max(_TOLERANCE[jnp.dtype(dtype)], _TOLERANCE[jnp.dtype(out_dtype)])
+
+
+# ----------------------------------------------------------------------------
+# Config validation and the shared-memory budget
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(block_m=96, num_compute_wgs=1), "block_m"),  # not 64-row wgmma
+        (dict(block_n=264, num_compute_wgs=1), "block_n"),  # > 256
+        (dict(block_n=24, num_compute_wgs=1, epi_block_n=16), "block_n"),
+        (dict(block_k=60), "block_k"),
+        (dict(stages=0), "stages"),
+        (dict(stages=1, wgmma_wait=1), "stages"),
+        (dict(num_compute_wgs=3), "num_compute_wgs"),
+        (dict(wg_split="k"), "wg_split"),
+        (dict(grid_minor_dim="x"), "grid_minor_dim"),
+        (dict(grid_tile_width=0), "grid_tile_width"),
+        (dict(epi_block_m=32), "epi_block_m"),
+        (dict(epi_block_n=24), "epi_block_n"),
+        (dict(wgmma_wait=2), "wgmma_wait"),
+        (dict(num_sms=0), "num_sms"),
+    ],
+)
+def test_config_rejects_invalid_field(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    Config(**kwargs)
+
+
+def test_config_accepts_valid_variants():
+  Config(block_m=128, block_n=128, wg_split="m")  # 2 warpgroups x 64 rows
+  Config(block_m=256, block_n=128, wg_split="m", stages=3)
+  Config(block_m=64, block_n=16, num_compute_wgs=1, epi_block_n=16)
+
+
+def test_config_is_frozen_and_keyword_only():
+  cfg = Config()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.block_m = 64  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    Config(128)  # type: ignore[misc]
+
+
+def test_smem_budget_error_names_the_constraint():
+  cfg = Config(block_m=256, block_n=256, block_k=64, stages=4,
+               wg_split="m")  # 4 * 64 KiB ring alone exceeds 227 KiB
+  with pytest.raises(ValueError, match="232448"):
+    mosaic.check_smem_budget(cfg, jnp.bfloat16, jnp.bfloat16)
+  a = jnp.zeros((1, 256, 256), jnp.bfloat16)
+  with pytest.raises(ValueError, match="shared memory"):
+    mosaic.gemm(a, a, None, alpha=1.0, beta=0.0, transpose_a=False,
+                transpose_b=False, precision=None, out_dtype=np.dtype(
+                    jnp.bfloat16), config=cfg, interpret=True)
+
+
+def test_smem_budget_counts_short_k_and_c_buffer():
+  cfg = Config(block_m=256, block_n=256, block_k=64, stages=4, wg_split="m")
+  # With K = 64 the ring has one stage only, which fits.
+  mosaic.check_smem_budget(cfg, jnp.bfloat16, jnp.bfloat16, k=64)
+  big = Config(stages=4)  # 128x256x64: fits exactly with a bf16 epilogue
+  mosaic.check_smem_budget(big, jnp.bfloat16, jnp.bfloat16)
+  with pytest.raises(ValueError, match="c_dtype=float32"):
+    mosaic.check_smem_budget(big, jnp.bfloat16, jnp.bfloat16, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("out_dtype", [None, jnp.float32])
+@pytest.mark.parametrize("c_dtype", [None, jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "mnk", [(1, 1, 1), (16, 8192, 8192), (4096, 4096, 4096), (4097,) * 3])
+def test_default_config_fits(dtype, out_dtype, c_dtype, mnk):
+  cfg = mosaic.default_config(*mnk, dtype, out_dtype=out_dtype,
+                              c_dtype=c_dtype)
+  mosaic.check_smem_budget(cfg, dtype, out_dtype or dtype, c_dtype, mnk[2])
+  mosaic.check_layout(cfg, dtype, a_k_major=True, b_k_major=False)
+
+
+def test_supports():
+  assert mosaic.supports(jnp.bfloat16, None) is None
+  assert mosaic.supports(jnp.float16, jax.lax.Precision.HIGHEST) is None
+  assert mosaic.supports(jnp.float32, None) is None
+  assert mosaic.supports(jnp.float32, jax.lax.Precision.DEFAULT) is None
+  assert "TF32" in mosaic.supports(jnp.float32, jax.lax.Precision.HIGHEST)
+  assert "int8" in mosaic.supports(jnp.int8, None)
+
+
+def test_unavailable_reason_on_cpu_is_none():
+  if jax.devices()[0].platform != "cpu":
+    pytest.skip("checks the CPU (interpret mode) answer")
+  assert mosaic.unavailable_reason() is None
+
+
+# ----------------------------------------------------------------------------
+# Interpret-mode correctness (CPU)
+# ----------------------------------------------------------------------------
+
+
+def _check(batch, m, n, k, dtype=jnp.bfloat16, *, transpose_a=False,
+           transpose_b=False, alpha=1.0, beta=0.0, batch_b=None,
+           out_dtype=None, c_dtype=None, config=None, seed=0):
+  rng = np.random.default_rng(seed)
+  batch_b = batch if batch_b is None else batch_b
+  a_shape = (batch, k, m) if transpose_a else (batch, m, k)
+  b_shape = (batch_b, n, k) if transpose_b else (batch_b, k, n)
+  a = jnp.asarray(rng.standard_normal(a_shape), dtype)
+  b = jnp.asarray(rng.standard_normal(b_shape), dtype)
+  c = None
+  if beta != 0.0:
+    c = jnp.asarray(rng.standard_normal((batch, m, n)), c_dtype or dtype)
+  out_dtype = np.dtype(out_dtype or dtype)
+  if config is None:
+    config = mosaic.default_config(
+        m, n, k, dtype, out_dtype=out_dtype,
+        c_dtype=None if c is None else c.dtype).replace(num_sms=3)
+  out = mosaic.gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
+                    transpose_b=transpose_b, precision=None,
+                    out_dtype=out_dtype, config=config, interpret=True)
+  assert out.shape == (batch, m, n) and out.dtype == out_dtype
+
+  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
+  a64, b64 = f64(a), f64(b)
+  if transpose_a:
+    a64 = a64.transpose(0, 2, 1)
+  if transpose_b:
+    b64 = b64.transpose(0, 2, 1)
+  ref = alpha * (a64 @ b64)
+  if c is not None:
+    ref = ref + beta * f64(c)
+  err = np.abs(f64(out) - ref).max() / max(np.abs(ref).max(), 1e-30)
+  assert err <= _tolerance(dtype, out_dtype), (err, config)
+
+
+def test_aligned_bf16():
+  _check(1, 128, 128, 64)
+
+
+def test_ragged_bf16_two_warpgroups():
+  # 130x200x70 with a 128x256 CTA tile: ragged M, N and K (TMA fill/clip).
+  _check(1, 130, 200, 70, config=Config(num_sms=3))
+
+
+def test_ragged_split_m_more_tiles_than_sms():
+  _check(1, 300, 150, 70, config=Config(
+      block_m=128, block_n=128, wg_split="m", num_sms=2, grid_tile_width=2,
+      grid_minor_dim="m"))
+
+
+def test_wgmma_wait_one_deep_k():
+  _check(1, 150, 150, 300, config=Config(
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2))
+
+
+def test_batched_and_shared_b():
+  _check(3, 70, 72, 40)
+  _check(3, 70, 72, 40, batch_b=1)
+
+
+@pytest.mark.parametrize("transpose_a, transpose_b",
+                         [(True, False), (False, True), (True, True)])
+def test_transposed_f16(transpose_a, transpose_b):
+  _check(2, 130, 136, 72, jnp.float16, transpose_a=transpose_a,
+         transpose_b=transpose_b)
+
+
+def test_alpha_beta_c_same_dtype():
+  _check(1, 100, 90, 50, alpha=0.5, beta=-1.5)
+
+
+def test_alpha_beta_c_other_dtype_f32_out():
+  _check(2, 100, 90, 50, alpha=1.5, beta=0.5, out_dtype=jnp.float32,
+         c_dtype=jnp.bfloat16)
+  _check(1, 100, 90, 50, alpha=1.5, beta=0.5, out_dtype=jnp.bfloat16,
+         c_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("transpose_a, transpose_b",
+                         [(False, False), (True, True)])
+def test_f32_as_tf32(transpose_a, transpose_b):
+  _check(1, 130, 200, 70, jnp.float32, transpose_a=transpose_a,
+         transpose_b=transpose_b)
+
+
+def test_misaligned_rows_are_padded():
+  # bf16 rows of 67 and 97 elements are not 16-byte aligned (TMA rule).
+  _check(1, 65, 67, 97, transpose_a=True)
+  _check(1, 1, 1, 1, jnp.float32, alpha=2.0, beta=1.0)
+
+
+def test_default_config_replaced_when_c_dtype_needs_more_smem():
+  # The shape default (built for bf16 out, no C) is re-picked inside gemm for a
+  # float32 C instead of failing the shared-memory budget.
+  cfg = mosaic.default_config(300, 260, 64, jnp.bfloat16)
+  _check(1, 300, 260, 64, alpha=1.0, beta=1.0, c_dtype=jnp.float32,
+         config=cfg)
+
+
+def test_swizzle_mismatch_is_rejected():
+  # bf16 B tile of 32 columns gets a 64-byte swizzle, A's 64-wide K a 128-byte.
+  cfg = Config(block_m=64, block_n=32, num_compute_wgs=1, epi_block_n=32)
+  with pytest.raises(ValueError, match="swizzle"):
+    mosaic.check_layout(cfg, jnp.bfloat16, a_k_major=True, b_k_major=False)
+
+
+# ----------------------------------------------------------------------------
+# Lowering for sm_90 (runs on the CPU: Mosaic GPU's layout inference, TMA and
+# wgmma checks run in Python at lowering time; interpret mode skips them).
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "batch, m, n, k, dtype, transpose_a, transpose_b, beta, out_dtype, c_dtype",
+    [
+        (1, 4096, 4096, 4096, jnp.bfloat16, False, False, 0.0, None, None),
+        (1, 4097, 4097, 4097, jnp.bfloat16, False, False, 0.0, None, None),
+        (2, 1000, 1000, 1000, jnp.float16, True, True, 1.0, None, None),
+        (1, 130, 200, 70, jnp.float32, False, False, 1.0, jnp.bfloat16,
+         jnp.float32),
+        (3, 16, 8192, 512, jnp.bfloat16, False, True, 0.0, jnp.float32, None),
+        (1, 1, 1, 1, jnp.bfloat16, True, False, 0.0, None, None),
+    ],
+)
+def test_lowers_for_sm90(batch, m, n, k, dtype, transpose_a, transpose_b, beta,
+                         out_dtype, c_dtype):
+  a = jax.ShapeDtypeStruct((batch, k, m) if transpose_a else (batch, m, k),
+                           dtype)
+  b = jax.ShapeDtypeStruct((1, n, k) if transpose_b else (1, k, n), dtype)
+  c = None if beta == 0.0 else jax.ShapeDtypeStruct((batch, m, n),
+                                                    c_dtype or dtype)
+  out_dtype = np.dtype(out_dtype or dtype)
+  config = mosaic.default_config(m, n, k, dtype, out_dtype=out_dtype,
+                                 c_dtype=c_dtype).replace(num_sms=132)
+  f = lambda a, b, c: mosaic.gemm(
+      a, b, c, alpha=1.5, beta=beta, transpose_a=transpose_a,
+      transpose_b=transpose_b, precision=None, out_dtype=out_dtype,
+      config=config, interpret=False)
+  text = jax.jit(f).trace(a, b, c).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
