@@ -15,20 +15,9 @@ import numpy as np
 import pytest
 
 from pallas_gemm import mosaic
+from pallas_gemm.reference import reference, relative_error, tolerance
 
 Config = mosaic.Config
-
-# Max |error| / max |reference|, per input dtype (outputs rounded to out dtype).
-_TOLERANCE = {
-    jnp.dtype(jnp.bfloat16): 1e-2,
-    jnp.dtype(jnp.float16): 2e-3,
-    jnp.dtype(jnp.float32): 2e-3,  # TF32 on the GPU; interpret mode is exact.
-}
-
-
-def _tolerance(dtype, out_dtype):
-  return max(_TOLERANCE[jnp.dtype(dtype)], _TOLERANCE[jnp.dtype(out_dtype)])
-
 
 # ----------------------------------------------------------------------------
 # Config validation and the shared-memory budget
@@ -149,17 +138,11 @@ def _check(batch, m, n, k, dtype=jnp.bfloat16, *, transpose_a=False,
                     out_dtype=out_dtype, config=config, interpret=True)
   assert out.shape == (batch, m, n) and out.dtype == out_dtype
 
-  f64 = lambda x: np.asarray(x.astype(jnp.float32), np.float64)
-  a64, b64 = f64(a), f64(b)
-  if transpose_a:
-    a64 = a64.transpose(0, 2, 1)
-  if transpose_b:
-    b64 = b64.transpose(0, 2, 1)
-  ref = alpha * (a64 @ b64)
-  if c is not None:
-    ref = ref + beta * f64(c)
-  err = np.abs(f64(out) - ref).max() / max(np.abs(ref).max(), 1e-30)
-  assert err <= _tolerance(dtype, out_dtype), (err, config)
+  f32 = lambda x: None if x is None else np.asarray(x.astype(jnp.float32))
+  ref = reference(f32(a), f32(b), f32(c), alpha=alpha, beta=beta, transpose_a=transpose_a,
+                  transpose_b=transpose_b)
+  err = relative_error(f32(out), ref)
+  assert err <= tolerance(dtype, None, k, out_dtype), (err, config)
 
 
 def test_aligned_bf16():

@@ -1,0 +1,306 @@
+"""The "cuda" backend: the seeds' register-tiled SGEMM as an XLA FFI custom call.
+
+Python twin of ``cuda_sgemm.cu`` (read its header for the kernel design). The shared
+library ``_cuda_sgemm.so`` is built by CMake at install time when nvcc is present;
+this module finds it, registers its handler with XLA for the CUDA platform, and calls
+it through ``jax.ffi.ffi_call``.
+
+float32 inputs only: the kernel multiplies with FFMA, which is IEEE fp32 whatever
+``precision`` asks for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+import os
+import pathlib
+import sys
+import sysconfig
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NAME = "cuda"
+
+# XLA custom-call target registered by this module.
+TARGET_NAME = "pallas_gemm_cuda_sgemm"
+# Environment variable naming the shared library explicitly (overrides the search).
+LIBRARY_ENV = "PALLAS_GEMM_CUDA_LIB"
+_LIBRARY_NAMES = ("_cuda_sgemm.so", "lib_cuda_sgemm.so")
+# Multiprocessors of the H100 / H200 the project targets; used when no GPU is visible.
+_DEFAULT_NUM_SMS = 132
+_CONFIG_FIELDS = (
+    "block_m", "block_n", "block_k", "warp_m", "warp_n", "thread_m", "thread_n", "stages")
+
+
+# ---------------------------------------------------------------------------
+# Configuration.
+# ---------------------------------------------------------------------------
+
+# The template instances compiled into cuda_sgemm.cu, as
+# (block_m, block_n, block_k, warp_m, warp_n, thread_m, thread_n, stages); the
+# library exports the same list (tests/test_cuda_plumbing.py checks they agree).
+_TILED = (
+    (256, 128, 8, 64, 64, 8, 16, 4),  # the seeds' kernel: 8 warps, 1 block per SM
+    (128, 128, 8, 64, 32, 8, 8, 4),   # 8 warps, 2 blocks per SM
+    (128, 64, 8, 64, 32, 8, 8, 4),    # 4 warps, 3 blocks per SM
+)
+# The textbook shared-memory kernel (32×32 threads, one output each), the baseline.
+_TEXTBOOK = (32, 32, 32, 1, 32, 1, 1, 1)
+_COMPILED = _TILED + (_TEXTBOOK,)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Tile sizes of the CUDA kernel; only combinations compiled into the library exist.
+
+  block_m × block_n: output tile of a thread block; block_k: depth of a K-slice;
+  warp_m × warp_n: output tile of a warp; thread_m × thread_n: output tile of a
+  thread (registers); stages: depth of the cp.async pipeline.
+
+  Fields left out are filled from the first compiled configuration that matches the
+  given ones (``Config()`` is the seeds' 256×128 kernel, ``Config(block_m=128,
+  block_n=64)`` the 128×64 one); ``TEXTBOOK`` is the textbook 32×32 kernel.
+  """
+
+  block_m: int | None = None
+  block_n: int | None = None
+  block_k: int | None = None
+  warp_m: int | None = None
+  warp_n: int | None = None
+  thread_m: int | None = None
+  thread_n: int | None = None
+  stages: int | None = None
+
+  def __post_init__(self):
+    given = {}
+    for name in _CONFIG_FIELDS:
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"Config.{name} must be a positive int, got {value!r}")
+      given[name] = int(value)
+    for i, name in enumerate(_CONFIG_FIELDS):
+      allowed = sorted({c[i] for c in _COMPILED})
+      if name in given and given[name] not in allowed:
+        raise ValueError(
+            f"Config.{name}={given[name]} is not compiled into the CUDA library "
+            f"(tile sizes are template parameters; values compiled: {allowed}); valid "
+            f"configs:\n{_valid_configs_text()}")
+    matches = [c for c in _COMPILED
+               if all(c[_CONFIG_FIELDS.index(name)] == v for name, v in given.items())]
+    if not matches:
+      text = ", ".join(f"{name}={v}" for name, v in given.items())
+      raise ValueError(
+          f"Config({text}) is not a combination compiled into the CUDA library (tile "
+          f"sizes are template parameters); valid configs:\n{_valid_configs_text()}")
+    for name, value in zip(_CONFIG_FIELDS, matches[0]):
+      object.__setattr__(self, name, value)
+
+  def astuple(self) -> tuple[int, ...]:
+    return tuple(getattr(self, name) for name in _CONFIG_FIELDS)
+
+  @property
+  def is_textbook(self) -> bool:
+    return self.astuple() == _TEXTBOOK
+
+
+def _valid_configs_text() -> str:
+  return "\n".join(
+      "  Config(" + ", ".join(f"{n}={v}" for n, v in zip(_CONFIG_FIELDS, c)) + ")"
+      for c in _COMPILED)
+
+
+CONFIGS = tuple(Config(**dict(zip(_CONFIG_FIELDS, c))) for c in _TILED)
+TEXTBOOK = Config(**dict(zip(_CONFIG_FIELDS, _TEXTBOOK)))
+
+
+@functools.cache
+def _num_sms() -> int:
+  if unavailable_reason() is None:
+    return jax.devices("cuda")[0].core_count
+  return _DEFAULT_NUM_SMS
+
+
+def default_config(m: int, n: int, k: int, dtype) -> Config:
+  """The largest block tile whose grid still gives about every SM a block."""
+  del k, dtype  # the tile choice depends only on the output grid; dtype is f32
+  num_sms = _num_sms()
+  for config in CONFIGS[:-1]:
+    blocks = math.ceil(m / config.block_m) * math.ceil(n / config.block_n)
+    if blocks >= 0.9 * num_sms:
+      return config
+  return CONFIGS[-1]
+
+
+# ---------------------------------------------------------------------------
+# The shared library.
+# ---------------------------------------------------------------------------
+
+
+def _candidate_paths() -> list[pathlib.Path]:
+  """Where the library may be: beside this file (regular install, in-tree build),
+  then in every pallas_gemm folder on the import path (scikit-build-core's editable
+  install puts compiled files in site-packages/pallas_gemm, not in the source tree)."""
+  dirs = [pathlib.Path(__file__).resolve().parent]
+  roots = [sysconfig.get_path("platlib"), sysconfig.get_path("purelib"), *sys.path]
+  for root in roots:
+    if root:
+      dirs.append(pathlib.Path(root).resolve() / "pallas_gemm")
+  seen = set()
+  paths = []
+  for d in dirs:
+    for name in _LIBRARY_NAMES:
+      path = d / name
+      if path not in seen:
+        seen.add(path)
+        paths.append(path)
+  return paths
+
+
+def _load_library() -> tuple[ctypes.CDLL | None, str | None]:
+  """Returns (library, None) or (None, why not)."""
+  explicit = os.environ.get(LIBRARY_ENV)
+  paths = [pathlib.Path(explicit)] if explicit else _candidate_paths()
+  found = [p for p in paths if p.is_file()]
+  if not found:
+    where = f"{LIBRARY_ENV}={explicit}" if explicit else ", ".join(
+        str(p.parent) for p in paths[::len(_LIBRARY_NAMES)])
+    return None, (
+        "the CUDA library _cuda_sgemm.so was not built (no CUDA compiler when "
+        f"pallas_gemm was installed?); looked in: {where}")
+  try:
+    lib = ctypes.CDLL(str(found[0]))
+  except OSError as e:
+    return None, f"could not load {found[0]}: {e}"
+  lib.pallas_gemm_cuda_num_configs.restype = ctypes.c_int
+  lib.pallas_gemm_cuda_config.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+  lib.pallas_gemm_cuda_config.restype = ctypes.c_int
+  lib.pallas_gemm_cuda_hilbert.argtypes = [
+      ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+      ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+  lib.pallas_gemm_cuda_hilbert.restype = ctypes.c_int
+  return lib, None
+
+
+_LIB, _LIB_ERROR = _load_library()
+LIBRARY_PATH: str | None = _LIB._name if _LIB is not None else None
+
+if _LIB is not None:
+  jax.ffi.register_ffi_target(
+      TARGET_NAME, jax.ffi.pycapsule(_LIB.PallasGemmCudaSgemm), platform="CUDA")
+
+
+def library_error() -> str | None:
+  """None when the shared library is loaded and its target registered, else why not."""
+  return _LIB_ERROR
+
+
+def compiled_configs() -> tuple[tuple[int, ...], ...]:
+  """The configurations the loaded library was compiled with (textbook last)."""
+  if _LIB is None:
+    raise RuntimeError(_LIB_ERROR)
+  out = []
+  fields = (ctypes.c_int64 * 8)()
+  for i in range(_LIB.pallas_gemm_cuda_num_configs()):
+    if _LIB.pallas_gemm_cuda_config(i, fields) != 0:
+      raise RuntimeError(f"pallas_gemm_cuda_config({i}) failed")
+    out.append(tuple(fields))
+  return tuple(out)
+
+
+def hilbert_tile(index: int, rows: int, cols: int) -> tuple[int, int]:
+  """The (row, col) tile that block `index` of a rows × cols grid computes."""
+  if _LIB is None:
+    raise RuntimeError(_LIB_ERROR)
+  row, col = ctypes.c_int64(), ctypes.c_int64()
+  if _LIB.pallas_gemm_cuda_hilbert(index, rows, cols, ctypes.byref(row), ctypes.byref(col)):
+    raise ValueError(f"hilbert_tile: index {index} outside a {rows}×{cols} grid")
+  return row.value, col.value
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+  if _LIB is None:
+    return _LIB_ERROR
+  try:
+    devices = jax.devices("cuda")
+  except RuntimeError as e:
+    return f"no CUDA GPU visible to jax ({e})"
+  capability = getattr(devices[0], "compute_capability", None)
+  if capability is not None and tuple(int(v) for v in str(capability).split(".")) < (8, 0):
+    return f"the CUDA kernel is compiled for compute capability >= 8.0, got {capability}"
+  return None
+
+
+def supports(dtype, precision) -> str | None:
+  del precision  # FFMA is IEEE fp32: at least as accurate as any precision asks
+  if jnp.dtype(dtype) != jnp.float32:
+    return f"the cuda backend computes float32 only, got {jnp.dtype(dtype).name}"
+  return None
+
+
+# ---------------------------------------------------------------------------
+# The public function.
+# ---------------------------------------------------------------------------
+
+
+def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool, transpose_b: bool,
+         precision, out_dtype, config: Config, interpret: bool) -> jax.Array:
+  """alpha * op(a) @ op(b) + beta * c with the CUDA kernel (see _contract.md).
+
+  a: (batch, M, K), or (batch, K, M) when transpose_a; b: (batch_b, K, N), or
+  (batch_b, N, K) when transpose_b, batch_b in {batch, 1}; c: None or (batch, M, N).
+  Transposes are read in place (no copies). Under vmap every leading dim is a batch
+  dim (vmap_method="broadcast_all").
+  """
+  if interpret:
+    raise ValueError("interpret=True: the cuda backend has no interpreter; it runs on "
+                     "an NVIDIA GPU only")
+  if (why := supports(a.dtype, precision)) is not None:
+    raise ValueError(f"a.dtype: {why}")
+  if b.dtype != a.dtype:
+    raise ValueError(f"b.dtype must equal a.dtype ({a.dtype}), got {b.dtype}")
+  if not isinstance(config, Config):
+    raise ValueError(f"config must be a pallas_gemm.cuda.Config, got {config!r}")
+  if _LIB is None:
+    raise RuntimeError(f"the cuda backend is unavailable: {_LIB_ERROR}")
+  if a.ndim != 3 or b.ndim != 3:
+    raise ValueError(f"a and b must be 3-D (batch first), got a{a.shape}, b{b.shape}")
+  batch = a.shape[0]
+  m, k = (a.shape[2], a.shape[1]) if transpose_a else (a.shape[1], a.shape[2])
+  k_b, n = (b.shape[2], b.shape[1]) if transpose_b else (b.shape[1], b.shape[2])
+  if k_b != k:
+    raise ValueError(f"inner dims differ: a{a.shape} (transpose_a={transpose_a}) has K={k}, "
+                     f"b{b.shape} (transpose_b={transpose_b}) has K={k_b}")
+  if b.shape[0] not in (batch, 1):
+    raise ValueError(f"b batch must be {batch} or 1, got b{b.shape}")
+  if c is None:
+    beta = 0.0
+    # Never read when beta == 0 (the kernel skips C), but the call needs a buffer.
+    c = jnp.zeros((1,), jnp.float32)
+  elif c.shape != (batch, m, n):
+    raise ValueError(f"c must have shape {(batch, m, n)}, got {c.shape}")
+  else:
+    c = c.astype(jnp.float32)
+  call = jax.ffi.ffi_call(
+      TARGET_NAME,
+      jax.ShapeDtypeStruct((batch, m, n), jnp.float32),
+      vmap_method="broadcast_all",
+  )
+  out = call(
+      a, b, c,
+      alpha=np.float32(alpha),
+      beta=np.float32(beta),
+      transpose_a=bool(transpose_a),
+      transpose_b=bool(transpose_b),
+      **{name: int(value) for name, value in zip(_CONFIG_FIELDS, config.astuple())},
+  )
+  if jnp.dtype(out_dtype) != jnp.float32:
+    out = out.astype(out_dtype)
+  return out

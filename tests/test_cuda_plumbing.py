@@ -1,0 +1,188 @@
+"""CPU checks of the CUDA backend's plumbing: library, registration, lowering, tile order, Config.
+
+The kernel itself runs only on the GPU (the shared suite in test_gemm.py covers it there);
+these tests need the compiled library but no GPU. They skip, saying why, only when the
+library was not built (no nvcc when pallas_gemm was installed).
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from pallas_gemm import cuda
+
+needs_library = pytest.mark.skipif(
+    cuda.library_error() is not None,
+    reason=f"CUDA library not built: {cuda.library_error()}")
+
+
+# --- The library ------------------------------------------------------------------------
+
+
+@needs_library
+def test_library_loads_and_exports_the_handler():
+  assert cuda.LIBRARY_PATH is not None
+  lib = cuda._LIB
+  assert lib.PallasGemmCudaSgemm is not None  # the FFI handler symbol
+  assert lib.pallas_gemm_cuda_num_configs() == len(cuda._COMPILED)
+
+
+@needs_library
+def test_compiled_configs_match_python_list():
+  # Config validation uses cuda._COMPILED; the handler dispatches on the C++ table.
+  assert cuda.compiled_configs() == cuda._COMPILED
+
+
+@needs_library
+def test_target_registered_for_cuda():
+  from jaxlib import xla_client  # noqa: PLC0415 - registry internals, no public query
+  if "CUDA" in xla_client._custom_callback_handler:
+    pytest.skip("a CUDA client is live: registrations go straight to it, nothing to inspect")
+  pending = [entry[0] for entry in xla_client._custom_callback.get("CUDA", [])]
+  assert cuda.TARGET_NAME in pending
+
+
+# --- Lowering for the GPU (on the CPU) ------------------------------------------------------
+
+
+def _lower(fn, *args) -> str:
+  return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@needs_library
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("transpose_b", [False, True])
+@pytest.mark.parametrize("with_c", [False, True])
+def test_lowers_to_custom_call(transpose_a, transpose_b, with_c):
+  m, n, k = 65, 17, 33
+  a = jax.ShapeDtypeStruct((2, k, m) if transpose_a else (2, m, k), np.float32)
+  b = jax.ShapeDtypeStruct((1, n, k) if transpose_b else (1, k, n), np.float32)  # shared b
+  c = jax.ShapeDtypeStruct((2, m, n), np.float16) if with_c else None
+  config = cuda.Config(block_m=128, block_n=64)
+
+  def f(a, b, c):
+    return cuda.gemm(a, b, c, alpha=0.5, beta=2.0 if with_c else 0.0,
+                     transpose_a=transpose_a, transpose_b=transpose_b, precision=None,
+                     out_dtype=np.dtype(np.float32), config=config, interpret=False)
+
+  text = _lower(f, a, b, c)
+  assert f"stablehlo.custom_call @{cuda.TARGET_NAME}" in text
+  assert f"transpose_a = {str(transpose_a).lower()}" in text
+  assert f"transpose_b = {str(transpose_b).lower()}" in text
+  assert "block_m = 128 : i64" in text and "block_n = 64 : i64" in text
+  assert f"beta = {'2.000000e+00' if with_c else '0.000000e+00'} : f32" in text
+  assert "stablehlo.transpose" not in text  # transposes are read in place
+
+
+@needs_library
+def test_lowers_under_vmap_with_leading_batch_dims():
+  # broadcast_all: the handler sees (V, batch, ...) operands and treats both as batch.
+  a = jax.ShapeDtypeStruct((3, 2, 40, 24), np.float32)
+  b = jax.ShapeDtypeStruct((3, 1, 24, 8), np.float32)
+
+  def f(a, b):
+    return cuda.gemm(a, b, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+                     precision=None, out_dtype=np.dtype(np.float32), config=cuda.Config(),
+                     interpret=False)
+
+  text = _lower(jax.vmap(f), a, b)
+  assert f"stablehlo.custom_call @{cuda.TARGET_NAME}" in text
+  assert "-> tensor<3x2x40x8xf32>" in text
+
+
+@needs_library
+def test_out_dtype_is_a_cast_after_the_call():
+  a = jax.ShapeDtypeStruct((1, 8, 8), np.float32)
+
+  def f(a):
+    return cuda.gemm(a, a, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+                     precision=None, out_dtype=np.dtype(jax.numpy.bfloat16),
+                     config=cuda.TEXTBOOK, interpret=False)
+
+  text = _lower(f, a)
+  assert f"stablehlo.custom_call @{cuda.TARGET_NAME}" in text
+  assert "bf16" in text
+
+
+# --- Tile order --------------------------------------------------------------------------
+
+
+@needs_library
+@pytest.mark.parametrize("rows,cols", [(5, 3), (3, 5), (17, 33), (33, 17), (1, 1), (64, 64),
+                                       (1, 7), (7, 1), (2, 2), (9, 9), (13, 100), (6, 5)])
+def test_hilbert_order_is_a_bijection_of_neighbours(rows, cols):
+  # The same function the kernel runs on the device (compiled __host__ __device__).
+  tiles = [cuda.hilbert_tile(i, rows, cols) for i in range(rows * cols)]
+  assert sorted(tiles) == [(r, c) for r in range(rows) for c in range(cols)]
+  for (r0, c0), (r1, c1) in zip(tiles, tiles[1:]):
+    assert max(abs(r1 - r0), abs(c1 - c0)) == 1, "consecutive blocks must be neighbours"
+
+
+@needs_library
+def test_hilbert_rejects_out_of_range():
+  with pytest.raises(ValueError, match="outside"):
+    cuda.hilbert_tile(15, 5, 3)
+
+
+# --- Config -------------------------------------------------------------------------------
+
+
+def test_config_default_is_the_seed_kernel():
+  assert cuda.Config().astuple() == (256, 128, 8, 64, 64, 8, 16, 4)
+
+
+def test_config_fills_unspecified_fields():
+  assert cuda.Config(block_m=128, block_n=64) == cuda.CONFIGS[2]
+  assert cuda.Config(block_m=32).is_textbook
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(block_m=96), "block_m=96 is not compiled"),
+    (dict(stages=3), "stages=3 is not compiled"),
+    (dict(block_m=256, block_n=64), "not a combination compiled"),
+    (dict(thread_n=0), "thread_n must be a positive int"),
+    (dict(block_k=8.0), "block_k must be a positive int"),
+    (dict(warp_m=True), "warp_m must be a positive int"),
+])
+def test_config_validation_errors(kwargs, match):
+  with pytest.raises(ValueError, match=match) as info:
+    cuda.Config(**kwargs)
+  if "compiled" in match:
+    assert "Config(block_m=256, block_n=128" in str(info.value)  # lists the valid ones
+
+
+def test_config_is_frozen_and_keyword_only():
+  config = cuda.Config()
+  with pytest.raises(AttributeError):
+    config.block_m = 128
+  with pytest.raises(TypeError):
+    cuda.Config(256)
+
+
+@pytest.mark.parametrize("m,n,expected", [
+    (4096, 4096, (256, 128)), (2048, 2048, (256, 128)), (1024, 2048, (128, 128)),
+    (1024, 1024, (128, 64)), (16, 8192, (128, 64)),
+])
+def test_default_config_fills_the_gpu(m, n, expected):
+  config = cuda.default_config(m, n, 512, np.float32)
+  assert (config.block_m, config.block_n) == expected
+
+
+def test_supports_float32_only():
+  assert cuda.supports(np.float32, jax.lax.Precision.HIGHEST) is None
+  assert cuda.supports(np.float32, None) is None
+  assert "float32 only" in cuda.supports(jax.numpy.bfloat16, None)
+  assert "float32 only" in cuda.supports(np.float16, None)
+
+
+def test_gemm_rejects_what_it_cannot_do():
+  a = jax.ShapeDtypeStruct((1, 8, 8), jax.numpy.bfloat16)
+  with pytest.raises(ValueError, match="a.dtype"):
+    cuda.gemm(a, a, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+              precision=None, out_dtype=np.dtype(np.float32), config=cuda.Config(),
+              interpret=False)
+  f32 = jax.ShapeDtypeStruct((1, 8, 8), np.float32)
+  with pytest.raises(ValueError, match="interpret"):
+    cuda.gemm(f32, f32, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+              precision=None, out_dtype=np.dtype(np.float32), config=cuda.Config(),
+              interpret=True)
