@@ -30,7 +30,10 @@
 //     of bank conflicts.
 //   * Edges: cp.async with a source size below the copy size zero-fills the rest, so the
 //     tail K-slice and the ragged M/N edges load zeros; the epilogue masks its stores.
-//   * beta == 0 never reads C (NaN in C does not leak). Offsets use 64-bit integers.
+//   * beta == 0 never reads C (NaN in C does not leak); cuda.py then passes a 1-element
+//     placeholder for C. Offsets use 64-bit integers; M, N, K are each below 2^31.
+//   * Batch: every leading dim is a batch dim (vmap_method="broadcast_all" adds them);
+//     B's leading dims may end in 1s (a B shared across the batch: stride 0 in effect).
 //
 // Layers (as in jax's examples/ffi): device code -> typed launchers -> FFI handler.
 
@@ -444,8 +447,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       const float* b_stage = b_frag_smem + read_stage * BK * kLdsB;  // (BK, WN) view
 #pragma unroll
       for (int k = 0; k < BK; ++k) {
-        float a_reg[TM];  // (TM,) rows of op(A) at this k
-        float b_reg[TN];  // (TN,) columns of op(B) at this k
+        alignas(16) float a_reg[TM];  // (TM,) rows of op(A) at this k
+        alignas(16) float b_reg[TN];  // (TN,) columns of op(B) at this k
 #pragma unroll
         for (int f = 0; f < Cfg::kFragsM; ++f) {
           *reinterpret_cast<float4*>(&a_reg[4 * f]) = *reinterpret_cast<const float4*>(
