@@ -14,7 +14,7 @@ if has build; then
   log build
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/device.txt"
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a "$OUT/device.txt"
-  python3 -m pip install --no-build-isolation --no-deps -e . \
+  python3 -m pip install -v --no-build-isolation --no-deps -e . \
       -Ccmake.define.PALLAS_GEMM_PTXAS_VERBOSE=ON -Cbuild.verbose=true >"$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; exit 1; }
   # Registers / spills / stack per kernel instance, sm_90 only.
@@ -24,7 +24,7 @@ fi
 
 if has test; then
   log tests
-  timeout 420 python3 -m pytest -q -x -rs -p no:cacheprovider tests 2>&1 | tee "$OUT/tests.log" | tail -25
+  timeout 480 python3 -m pytest -q -rs -p no:cacheprovider --timeout 120 ${PYTEST_ARGS:-} tests 2>&1 | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-220 | tail -60
 fi
 
 if has sanitize; then

@@ -90,8 +90,8 @@ SMALL: dict[str, tuple[list[Shape], list[str]]] = {
 
 # `--gpu-default`: a ~2-minute GPU check of the regimes that matter most.
 MEDIUM: dict[str, tuple[list[Shape], list[str]]] = {
-    "square": ([Shape("square", s, s, s) for s in (1024, 4096, 8192)], ALL),
-    "ragged": ([Shape("ragged", 4097, 4097, 4097)], HALF_AND_TF32),
+    "square": ([Shape("square", s, s, s) for s in (1024, 2048, 4096, 8192)], ALL),
+    "ragged": ([Shape("ragged", 4097, 4097, 4097)], ALL),
     "skinny": ([Shape("skinny", 16, 8192, 8192)], ["bf16"]),
     "batched": ([Shape("batched", 1024, 1024, 1024, batch=16)], ["bf16"]),
 }

@@ -533,7 +533,7 @@ def _tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
   return _round_up(rows, tile[0]), _round_up(cols, tile[1])
 
 
-def _pad_for_tma(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
+def _pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.Array:
   """Zero-pads the last two dims of x up to multiples of the TMA tile.
 
   Mosaic GPU issues a tiled+swizzled TMA through a view of the whole global
@@ -541,9 +541,13 @@ def _pad_for_tma(x: jax.Array, tile: tuple[int, int]) -> jax.Array:
   the array (not just of the block) must be multiples of the tile (a multiple
   of the swizzle width also makes the row stride 16-byte aligned). Aligned
   arrays are returned as they are; others cost one read+write (jnp.pad).
+  min_cols: the block's minor (contiguous) size. On the H200 a minor dim narrower
+  than the block's gave a wrong result (129x7x65 bf16 with block_n=256 and B's
+  columns padded to 64 only), so such (small) operands are padded up to the block.
   """
   rows, cols = x.shape[-2:]
   pr, pc = _tma_padded_shape(rows, cols, tile)
+  pc = max(pc, min_cols)
   if (pr, pc) == (rows, cols):
     return x
   return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pr - rows), (0, pc - cols)])
@@ -617,8 +621,9 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   check_smem_budget(config, dtype, out_dtype, c_dtype, k)
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
-  a = _pad_for_tma(a, _tma_tile(bk if a_k_major else bm, dtype))
-  b = _pad_for_tma(b, _tma_tile(bk if b_k_major else bn, dtype))
+  a_minor, b_minor = (bk if a_k_major else bm), (bk if b_k_major else bn)
+  a = _pad_for_tma(a, _tma_tile(a_minor, dtype), a_minor)
+  b = _pad_for_tma(b, _tma_tile(b_minor, dtype), b_minor)
   if c is not None:
     c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype))
   m_out, n_out = _tma_padded_shape(
