@@ -36,6 +36,21 @@ if has sanitize; then
   done
 fi
 
+if has cuda; then
+  log cuda kernel probe
+  timeout 200 python3 benchmarks/cuda_probe.py 4096 2>&1 | tee "$OUT/cuda_probe.log"
+fi
+
+if has ncu; then
+  log ncu of the cuda kernel at 4096^3
+  timeout 240 ncu --clock-control none -k regex:Sgemm -c 1 --section SpeedOfLight \
+      --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
+      --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
+      python3 -c "import jax, jax.numpy as jnp, pallas_gemm as p; a = jax.random.normal(jax.random.key(0), (4096, 4096)); p.gemm(a, a, backend='cuda').block_until_ready()" \
+      >"$OUT/ncu_cuda.txt" 2>&1; echo "ncu rc=$?"
+  grep -E "Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Warp Cycles Per Issued|Stall|Bank" "$OUT/ncu_cuda.txt" | head -30
+fi
+
 if has bench; then
   log benchmark
   timeout 400 python3 -m benchmarks --gpu-default --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -46,5 +61,10 @@ if has full; then
 fi
 if has tune; then
   log autotune
-  timeout 300 python3 -m benchmarks --autotune --out "$OUT/tune" 2>&1 | tee "$OUT/tune.log" | tail -30
+  timeout ${TUNE_TIMEOUT:-300} python3 -m benchmarks --autotune ${TUNE_ARGS:-} --out "$OUT/tune" 2>&1 \
+    | tee "$OUT/tune.log" | tail -40
 fi
+# At most 8 files come back from $OUT: pack the result folders (plots, JSON, markdown).
+for d in bench full tune; do
+  [ -d "$OUT/$d" ] && tar -C "$OUT" -czf "$OUT/$d.tgz" "$d" && rm -rf "${OUT:?}/$d"
+done

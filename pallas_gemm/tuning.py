@@ -428,8 +428,8 @@ _GRIDS: dict[str, dict[str, dict]] = {
                 "block_k": (32,), "stages": (3, 4), "grid_tile_width": (4, 16),
                 "wgmma_wait": (0, 1)},
     },
-    "cuda": {  # field names guessed until pallas_gemm/cuda.py lands: unknown ones are dropped
-        "f32": {("block_m", "block_n", "block_k"): ((128, 128, 8), (128, 64, 8), (64, 64, 16))},
+    "cuda": {  # the template instances compiled into cuda_sgemm.cu (cuda.compiled_configs())
+        "f32": {("block_m", "block_n"): ((256, 128), (128, 128), (128, 64))},
     },
 }
 
