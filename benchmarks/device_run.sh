@@ -38,7 +38,12 @@ fi
 
 if has cuda; then
   log cuda kernel probe
-  timeout 200 python3 benchmarks/cuda_probe.py 4096 2>&1 | tee "$OUT/cuda_probe.log"
+  timeout 200 python3 benchmarks/probe.py cuda 4096 2>&1 | tee "$OUT/cuda_probe.log"
+fi
+
+if has ragged; then
+  log where a ragged mosaic GEMM spends its time
+  timeout 200 python3 benchmarks/probe.py ragged 4096 2>&1 | tee "$OUT/ragged_probe.log"
 fi
 
 if has ncu; then

@@ -21,9 +21,10 @@
 //     So the usual C = A @ B (row-major) transposes A and copies B straight; that is
 //     the mirror image of the seed, which is column-major and transposes B.
 //   * Each warp owns a WM×WN sub-tile. The warps of one warp-row load that row's slice
-//     of A and the warps of one warp-column load that column's slice of B, then sync
-//     with named barriers (bar.sync id, count) among only those warps rather than with
-//     __syncthreads over the block.
+//     of A and the warps of one warp-column load that column's slice of B; one
+//     block-wide bar.sync per K-slice publishes a landed stage and frees a read one.
+//     The main loop is a single basic block with register double-buffered fragments
+//     (see SgemmTiledKernel).
 //   * Each thread accumulates TM×TN outputs in registers from TM/4 float4 fragments of A
 //     and TN/4 float4 fragments of B per k step. The fragments of one thread are
 //     32 (or 16) floats apart, so a warp's 128-bit shared loads are contiguous and free
@@ -189,6 +190,17 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// 128-bit shared load at a shared-window byte address. "memory" keeps it after the
+// barriers that precede it in program order.
+__device__ __forceinline__ float4 LoadShared4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
 // Barrier among `kThreads` threads (whole warps) that use the same id, one of
 // kFirst .. kFirst + kCount - 1. The id is warp-uniform; it is turned into an
 // immediate so that ptxas reserves only the barriers used (a register id makes it
@@ -315,11 +327,19 @@ struct SliceLoader {
   // Issues the copies of the K-slice starting at global k0 into the stage at byte
   // offset stage_bytes, then advances to the next slice. Elements outside the
   // extent × k_total operand become zeros; their copies read nothing and point at
-  // `fallback` (a valid address) rather than past the end.
+  // `fallback` (a valid address) rather than past the end, so a slice at or past
+  // k_total (the pipeline's tail) is all zeros and reads nothing. kVec: a k-major
+  // operand is copied 16 bytes at a time (else 4); a template parameter so that the
+  // main loop is one basic block (ptxas interleaves the copies with the FFMAs).
+  template <bool kVec>
   __device__ __forceinline__ void Load(uint32_t stage_bytes, int k0, int64_t ld,
-                                       int extent, int k_total, bool vec,
+                                       int extent, int k_total,
                                        const float* fallback) {
     const uint32_t dst = sdst + stage_bytes;
+    // Opaque here, so the compiler neither hoists the per-copy strides (i * ld) out
+    // of the main loop nor turns each copy's address into its own induction
+    // variable: either would hold ~2 registers per copy across the whole loop.
+    asm volatile("" : "+l"(ld));
     if constexpr (kKContig) {
       const bool k_ok = k0 + kk < k_total;
       const float* p = gptr;
@@ -332,7 +352,7 @@ struct SliceLoader {
       gptr += BK;
     } else {
       const float* p = gptr;
-      if (vec) {
+      if constexpr (kVec) {
         const int bytes = 4 * max(0, min(4, extent - x));
 #pragma unroll
         for (int i = 0; i < kVecCopies; ++i) {
@@ -356,10 +376,22 @@ struct SliceLoader {
 
 // ---------------------------------------------------------------------------
 // The register-tiled kernel.
-// kAKContig = !transpose_a, kBKContig = transpose_b (see the file comment).
+// kAKContig = !transpose_a, kBKContig = transpose_b (see the file comment); kVec:
+// the k-major operands are copied 16 bytes at a time (LaunchTiled picks it).
+//
+// Main loop, one K-slice s (stage s % STAGES) per iteration, BK k steps unrolled:
+//   * the A/B fragments are double-buffered in registers: step k's FFMAs use the
+//     fragments loaded during step k-1, while step k+1's are read from shared memory;
+//   * the copies of slice s + STAGES - 1 go to the stage slice s - 1 used (freed by
+//     the barrier that ended slice s - 1), issued among the FFMAs of the first steps;
+//   * at the last step, before its FFMAs: wait for slice s + 1 (cp.async group),
+//     barrier, read slice s + 1's first fragments; the last step's FFMAs hide that
+//     latency, so the next slice starts without a shared-memory stall.
+// The body has no branch: the copies of slices past the end zero-fill and read
+// nothing; the last iteration's extra wait, barrier and fragment reads are harmless.
 // ---------------------------------------------------------------------------
 
-template <class Cfg, bool kAKContig, bool kBKContig>
+template <class Cfg, bool kAKContig, bool kBKContig, bool kVec>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     SgemmTiledKernel(const GemmArgs args) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
@@ -368,6 +400,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr int kLdsA = Cfg::kLdsA, kLdsB = Cfg::kLdsB;
   constexpr int kStageBytesA = 4 * BK * kLdsA;
   constexpr int kStageBytesB = 4 * BK * kLdsB;
+  // Steps of a slice at which the next copies are issued (spread among the FFMAs).
+  constexpr int kIssueStepA = 0;
+  constexpr int kIssueStepB = BK > 2 ? BK / 2 : 0;
 
   extern __shared__ __align__(16) float smem[];
   float* a_smem = smem;                            // (STAGES, BK, BM + 4)
@@ -377,9 +412,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int lane = threadIdx.x % 32;
   const int warp_row = warp % Cfg::kWarpsM;  // which WM rows of the block tile
   const int warp_col = warp / Cfg::kWarpsM;  // which WN columns of the block tile
-  // Named barrier 0 is __syncthreads; rows take 1..kWarpsM, columns the next kWarpsN.
-  const int row_barrier = 1 + warp_row;
-  const int col_barrier = 1 + Cfg::kWarpsM + warp_col;
   // Thread position in the warp tile: fragment f of A covers rows
   // f*4*kThreadsM + 4*lane_m + {0..3}; fragment f of B covers columns
   // f*4*kThreadsN + 4*lane_n + {0..3}.
@@ -400,24 +432,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int64_t a_size = int64_t(args.m) * args.k;
   const int64_t b_size = int64_t(args.k) * args.n;
 
+  // Shared byte addresses of this thread's k = 0 fragments in stage 0.
+  const uint32_t a_frag_smem = SmemAddress(a_smem + warp_row * WM + 4 * lane_m);
+  const uint32_t b_frag_smem = SmemAddress(b_smem + warp_col * WN + 4 * lane_n);
+
   // gridDim.y is capped at 65535, so a larger batch loops.
   for (int64_t bi = blockIdx.y; bi < args.batch; bi += gridDim.y) {
     SliceLoader<BK, WM, Cfg::kGroupA, kLdsA, kAKContig> a_loader(
         args.a + bi * a_size, args.lda, block_m0 + warp_row * WM, warp_row * WM,
-        args.a_vec, t_in_row, a_smem);
+        kVec, t_in_row, a_smem);
     SliceLoader<BK, WN, Cfg::kGroupB, kLdsB, kBKContig> b_loader(
         args.b + (bi / args.b_div) * b_size, args.ldb, block_n0 + warp_col * WN,
-        warp_col * WN, args.b_vec, t_in_col, b_smem);
-    // Copies the next K-slice of A and B (global k0) into `stage`.
-    auto load_slice = [&](int stage, int k0) {
-      a_loader.Load(stage * kStageBytesA, k0, args.lda, args.m, args.k, args.a_vec, args.a);
-      b_loader.Load(stage * kStageBytesB, k0, args.ldb, args.n, args.k, args.b_vec, args.b);
+        warp_col * WN, kVec, t_in_col, b_smem);
+    auto load_a = [&](int stage, int k0) {
+      a_loader.template Load<kVec>(stage * kStageBytesA, k0, args.lda, args.m, args.k, args.a);
     };
+    auto load_b = [&](int stage, int k0) {
+      b_loader.template Load<kVec>(stage * kStageBytesB, k0, args.ldb, args.n, args.k, args.b);
+    };
+    // One block-wide barrier (one BAR instruction, no branch). The two named
+    // barriers per warp-row / warp-column it replaces took a branch tree to turn the
+    // warp's barrier id into an immediate, splitting the main loop into several basic
+    // blocks, and coupled 5 of the 8 warps anyway.
+    auto sync_slice = [] { asm volatile("bar.sync 0;\n" ::: "memory"); };
 
-    // Prologue: the first STAGES-1 slices in flight (empty groups keep the count).
+    // Prologue: the first STAGES-1 slices in flight (slices past K are zero-filled
+    // and read nothing, which keeps the group count without a branch).
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      if (s < num_slices) load_slice(s, s * BK);
+      load_a(s, s * BK);
+      load_b(s, s * BK);
       CpAsyncCommit();
     }
 
@@ -428,46 +472,65 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
     }
 
-    const float* a_frag_smem = a_smem + warp_row * WM + 4 * lane_m;
-    const float* b_frag_smem = b_smem + warp_col * WN + 4 * lane_n;
-    int read_stage = 0;
-    int write_stage = STAGES - 1;
+    // Fragments of one k step, double-buffered: [k % 2].
+    float4 a_frag[2][Cfg::kFragsM];
+    float4 b_frag[2][Cfg::kFragsN];
+    // Reads step k's fragments of the stage at byte offsets (a_stage, b_stage).
+    auto load_frags = [&](int buf, uint32_t a_stage, uint32_t b_stage, int k) {
+#pragma unroll
+      for (int f = 0; f < Cfg::kFragsM; ++f) {
+        a_frag[buf][f] = LoadShared4(a_frag_smem + a_stage +
+                                     4 * (k * kLdsA + f * 4 * Cfg::kThreadsM));
+      }
+#pragma unroll
+      for (int f = 0; f < Cfg::kFragsN; ++f) {
+        b_frag[buf][f] = LoadShared4(b_frag_smem + b_stage +
+                                     4 * (k * kLdsB + f * 4 * Cfg::kThreadsN));
+      }
+    };
+
+    // Slice 0 has landed for this thread; the barriers extend that to the warps
+    // that copied the rest of this warp's rows and columns.
+    CpAsyncWait<STAGES - 2>();
+    sync_slice();
+    load_frags(0, 0, 0, 0);
+
+    int read_stage = 0;              // stage of slice `slice`
+    int write_stage = STAGES - 1;    // stage of slice `slice` + STAGES - 1
     for (int slice = 0; slice < num_slices; ++slice) {
-      // Slice `slice` has landed for this thread; the barriers extend that to the
-      // warps that copied the rest of this warp's A rows and B columns, and tell
-      // them all that the stage written below (read one iteration ago) is free.
-      CpAsyncWait<STAGES - 2>();
-      NamedBarrier<Cfg::kGroupA, 1, Cfg::kWarpsM>(row_barrier);
-      NamedBarrier<Cfg::kGroupB, 1 + Cfg::kWarpsM, Cfg::kWarpsN>(col_barrier);
-
-      if (slice + STAGES - 1 < num_slices) load_slice(write_stage, (slice + STAGES - 1) * BK);
-      CpAsyncCommit();
-
-      const float* a_stage = a_frag_smem + read_stage * BK * kLdsA;  // (BK, WM) view
-      const float* b_stage = b_frag_smem + read_stage * BK * kLdsB;  // (BK, WN) view
+      const int next_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
 #pragma unroll
       for (int k = 0; k < BK; ++k) {
-        alignas(16) float a_reg[TM];  // (TM,) rows of op(A) at this k
-        alignas(16) float b_reg[TN];  // (TN,) columns of op(B) at this k
-#pragma unroll
-        for (int f = 0; f < Cfg::kFragsM; ++f) {
-          *reinterpret_cast<float4*>(&a_reg[4 * f]) = *reinterpret_cast<const float4*>(
-              a_stage + k * kLdsA + f * 4 * Cfg::kThreadsM);
+        const int cur = k % 2;
+        if (k == kIssueStepA) load_a(write_stage, (slice + STAGES - 1) * BK);
+        if (k == kIssueStepB) {
+          load_b(write_stage, (slice + STAGES - 1) * BK);
+          CpAsyncCommit();
         }
-#pragma unroll
-        for (int f = 0; f < Cfg::kFragsN; ++f) {
-          *reinterpret_cast<float4*>(&b_reg[4 * f]) = *reinterpret_cast<const float4*>(
-              b_stage + k * kLdsB + f * 4 * Cfg::kThreadsN);
+        if (k + 1 < BK) {
+          load_frags(cur ^ 1, read_stage * kStageBytesA, read_stage * kStageBytesB, k + 1);
+        } else {
+          // Slice + 1 has landed (for the whole warp-row / warp-column after the
+          // barriers), and every warp is done reading this slice's stage, which the
+          // next iteration's copies overwrite.
+          CpAsyncWait<STAGES - 2>();
+          sync_slice();
+          load_frags(cur ^ 1, next_stage * kStageBytesA, next_stage * kStageBytesB, 0);
         }
+        const float* a_reg = reinterpret_cast<const float*>(a_frag[cur]);
+        const float* b_reg = reinterpret_cast<const float*>(b_frag[cur]);
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
 #pragma unroll
           for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a_reg[i], b_reg[j], acc[i][j]);
         }
       }
-      read_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
+      read_stage = next_stage;
       write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
     }
+    // The tail's zero-fill copies are still in flight; let them land before the
+    // stages are reused (next batch entry) or the block exits.
+    CpAsyncWait<0>();
 
     // Write-back: out = alpha * acc + beta * C, 16 bytes at a time where aligned.
     float* out_mat = args.out + bi * mn;
@@ -564,9 +627,9 @@ __global__ void __launch_bounds__(TILE* TILE)
 
 constexpr int64_t kMaxGridY = 65535;
 
-template <class Cfg, bool kAKContig, bool kBKContig>
-cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
-  auto* kernel = SgemmTiledKernel<Cfg, kAKContig, kBKContig>;
+template <class Cfg, bool kAKContig, bool kBKContig, bool kVec>
+cudaError_t LaunchTiledKernel(const GemmArgs& args, cudaStream_t stream) {
+  auto* kernel = SgemmTiledKernel<Cfg, kAKContig, kBKContig, kVec>;
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
     // Opt in to more than 48 KB of dynamic shared memory, once per device.
     static std::atomic<uint64_t> opted_in{0};
@@ -588,6 +651,20 @@ cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned(tiles), unsigned(std::min(args.batch, kMaxGridY)));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
+}
+
+// 16-byte copies when every k-major operand allows them (else 4-byte copies for
+// both); when both operands are K-contiguous there is nothing to choose.
+template <class Cfg, bool kAKContig, bool kBKContig>
+cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
+  if constexpr (kAKContig && kBKContig) {
+    return LaunchTiledKernel<Cfg, true, true, true>(args, stream);
+  } else {
+    if ((kAKContig || args.a_vec) && (kBKContig || args.b_vec)) {
+      return LaunchTiledKernel<Cfg, kAKContig, kBKContig, true>(args, stream);
+    }
+    return LaunchTiledKernel<Cfg, kAKContig, kBKContig, false>(args, stream);
+  }
 }
 
 constexpr int kTextbookTile = 32;

@@ -288,6 +288,12 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
     cfg = Config(block_m=64, block_n=256, block_k=block_k, stages=6,
                  num_compute_wgs=2, wg_split="n", epi_block_m=64,
                  epi_block_n=64)
+  elif n <= 64:
+    # Narrow N: a 64-wide tile split by rows (a 32-column warpgroup slice would
+    # break the 128-byte swizzle atom).
+    cfg = Config(block_m=128, block_n=64, block_k=block_k, stages=6,
+                 num_compute_wgs=2, wg_split="m", epi_block_m=64,
+                 epi_block_n=_largest_divisor(64, 64, 16))
   else:
     # 128 x 256 CTA tile, two consumer warpgroups of 128 x 128 each.
     cfg = Config(block_m=128, block_n=256, block_k=block_k, stages=4,
@@ -541,9 +547,9 @@ def _pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.
   the array (not just of the block) must be multiples of the tile (a multiple
   of the swizzle width also makes the row stride 16-byte aligned). Aligned
   arrays are returned as they are; others cost one read+write (jnp.pad).
-  min_cols: the block's minor (contiguous) size. On the H200 a minor dim narrower
-  than the block's gave a wrong result (129x7x65 bf16 with block_n=256 and B's
-  columns padded to 64 only), so such (small) operands are padded up to the block.
+  min_cols: the block's minor (contiguous) size. On the H200 an output narrower
+  than the block gave a wrong result (129x7x65 bf16, block_n=256, out padded to 64
+  columns): small arrays are padded up to the block (operands, C and output).
   """
   rows, cols = x.shape[-2:]
   pr, pc = _tma_padded_shape(rows, cols, tile)
@@ -625,9 +631,10 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   a = _pad_for_tma(a, _tma_tile(a_minor, dtype), a_minor)
   b = _pad_for_tma(b, _tma_tile(b_minor, dtype), b_minor)
   if c is not None:
-    c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype))
+    c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype), bn)
   m_out, n_out = _tma_padded_shape(
       m, n, _tma_tile(config.epi_block_n, out_dtype))
+  n_out = max(n_out, bn)  # as for the operands: never narrower than the block
 
   num_sms = _num_sms(config, interpret)
   kernel_body = functools.partial(
