@@ -128,7 +128,7 @@ def run(pairs, backends: list[str], opts: Options, log=print) -> tuple[list[dict
                                                    + shape.m * shape.n)
     n_sets = tuning.input_set_count(set_bytes) if on_gpu else 2
     arg_sets = tuning.random_inputs(a_shape, b_shape, dt.dtype, n_sets)
-    reference = tuning.reference(*arg_sets[0]) if opts.correctness else None
+    reference = ref_lib.reference(*arg_sets[0]) if opts.correctness else None
     tol = ref_lib.tolerance(dt.dtype, dt.precision, shape.k)
     dot_ms = None
     for backend in todo:
@@ -143,7 +143,7 @@ def run(pairs, backends: list[str], opts: Options, log=print) -> tuple[list[dict
         fn, config = _call_for(backend, shape, dt, opts.use_tuned)
         row["config"] = _config_json(config)
         if reference is not None:
-          err = tuning.relative_error(fn(*arg_sets[0]), reference)
+          err = ref_lib.relative_error(fn(*arg_sets[0]), reference)
           row["rel_err"], row["correct"] = err, bool(err <= tol)
           if not row["correct"]:
             row["status"] = "WRONG"

@@ -327,31 +327,6 @@ def validate_table(path: pathlib.Path | None = None) -> list[str]:
 # ----------------------------------------------------------------------------- numerics
 
 
-def relative_error(out, ref) -> float:
-  """||out - ref||_F / ||ref||_F: pallas_gemm.reference's float64 host version for small
-  outputs; on device in float32 for large ones (a 16384^2 float64 copy would cost seconds)."""
-  if out.size <= 1 << 22:
-    return _reference.relative_error(out, ref)
-  o, r = jnp.asarray(out, jnp.float32), jnp.asarray(ref, jnp.float32)
-  if not bool(jnp.all(jnp.isfinite(o))):
-    return math.inf
-  return float(jnp.linalg.norm(o - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
-
-
-def reference(a, b, transpose_a=False, transpose_b=False):
-  """op(a) @ op(b) in IEEE fp32 on device (float64 on the host for small problems)."""
-  if transpose_a:
-    a = jnp.swapaxes(a, -1, -2)
-  if transpose_b:
-    b = jnp.swapaxes(b, -1, -2)
-  m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
-  batch = math.prod(a.shape[:-2]) if a.ndim > 2 else 1
-  if batch * m * n * k <= 1 << 27:  # ~0.1 s of float64 numpy at worst
-    return np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64))
-  return jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32),
-                    precision=jax.lax.Precision.HIGHEST)
-
-
 def random_inputs(shape_a, shape_b, dtype, count: int, seed: int = 0):
   """`count` distinct (a, b) pairs, standard normal (never zeros: zeros make fast kernels lie)."""
   key = jax.random.key(seed)
@@ -511,7 +486,7 @@ def autotune(m: int, n: int, k: int, dtype, *, backend: str, precision=None, bat
   shape_b = (batch, n, k) if transpose_b else (batch, k, n)
   set_bytes = dtype.itemsize * batch * (m * k + k * n + m * n)
   arg_sets = random_inputs(shape_a, shape_b, dtype, input_set_count(set_bytes), seed=1)
-  ref = reference(*arg_sets[0], transpose_a, transpose_b)
+  ref = _reference.reference(*arg_sets[0], transpose_a=transpose_a, transpose_b=transpose_b)
   tol = _reference.tolerance(dtype, precision, k)
 
   results = []  # (median ms, config)
@@ -521,7 +496,7 @@ def autotune(m: int, n: int, k: int, dtype, *, backend: str, precision=None, bat
         transpose_b=transpose_b, precision=precision, out_dtype=dtype, config=cfg,
         interpret=False))
     try:
-      err = relative_error(fn(*arg_sets[0]), ref)
+      err = _reference.relative_error(fn(*arg_sets[0]), ref)
       if not err <= tol:  # also catches NaN
         if verbose:
           print(f"  {cfg}: wrong (rel err {err:.2e} > {tol:.0e}), skipped", flush=True)

@@ -1,0 +1,37 @@
+"""backend="auto": the decision table of api._auto_backend (README documents it)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_gemm import api
+
+HIGHEST = jax.lax.Precision.HIGHEST
+BF16 = np.dtype(jnp.bfloat16)
+F32 = np.dtype(np.float32)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  monkeypatch.setattr(api, "_on_gpu", lambda: True)
+  monkeypatch.setattr(api, "backends", lambda: {name: None for name in api.BACKENDS})
+
+
+@pytest.mark.parametrize("dtype,precision,shape,expected", [
+    (BF16, None, (4096, 4096, 4096), "xla"),        # aligned: cuBLAS keeps it
+    (BF16, None, (4097, 4097, 4097), "mosaic"),     # misaligned rows: cuBLAS falls off TMA
+    (BF16, None, (4096, 4097, 4096), "mosaic"),     # N alone misaligns B and C
+    (F32, None, (4097, 4097, 4097), "mosaic"),      # TF32 allowed
+    (F32, HIGHEST, (4097, 4097, 4097), "xla"),      # IEEE f32: no faster kernel here
+    (BF16, None, (16, 8193, 8193), "xla"),          # skinny
+    (BF16, None, (300, 301, 301), "xla"),           # small
+])
+def test_auto_on_gpu(fake_gpu, dtype, precision, shape, expected):
+  m, n, k = shape
+  assert api._auto_backend(dtype, precision, m, n, k, (k, n, n)) == expected
+
+
+def test_auto_on_cpu_is_xla(monkeypatch):
+  monkeypatch.setattr(api, "_on_gpu", lambda: False)
+  assert api._auto_backend(BF16, None, 4097, 4097, 4097, (4097, 4097, 4097)) == "xla"
