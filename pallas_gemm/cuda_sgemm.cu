@@ -16,8 +16,11 @@
 //         transpose_b) is copied 16 bytes at a time (4 bytes at a time when the
 //         leading dimension or the base pointer is not 16-byte aligned).
 //       - Global memory that is K-contiguous (A when not transpose_a, B when
-//         transpose_b) is transposed on the way in with 4-byte cp.async. Rows are
-//         padded by 4 floats so the transposed writes of a warp hit 32 different banks.
+//         transpose_b) is transposed on the way in: when 16-byte aligned, with
+//         128-bit read-only global loads into registers, issued one K-slice before
+//         they are written to shared memory with 4 scalar stores each (see
+//         RegSliceLoader); otherwise with 4-byte cp.async. Rows are padded by 4
+//         floats so the transposed writes of a warp hit 32 different banks.
 //     So the usual C = A @ B (row-major) transposes A and copies B straight; that is
 //     the mirror image of the seed, which is column-major and transposes B.
 //   * Each warp owns a WM×WN sub-tile. The warps of one warp-row load that row's slice
@@ -44,6 +47,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -190,6 +194,24 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// 128-bit read-only global load, or zeros (and no read) when !valid. Predicated in
+// PTX so the main loop stays one basic block; volatile so it is issued where it is
+// written (early in a slice), not sunk towards its use.
+__device__ __forceinline__ void LoadGlobal4(float4& v, const float* src, bool valid) {
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  setp.ne.b32 p, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @p ld.global.nc.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "l"(src), "r"(int(valid)));
+}
+
 // 128-bit shared load at a shared-window byte address. "memory" keeps it after the
 // barriers that precede it in program order.
 __device__ __forceinline__ float4 LoadShared4(uint32_t addr) {
@@ -230,6 +252,10 @@ struct TileConfig {
   static constexpr int TM = TM_, TN = TN_;            // thread tile
   static constexpr int STAGES = STAGES_;              // cp.async ring depth
   static constexpr int kMinBlocks = MIN_BLOCKS_;      // per SM, caps registers
+  // The 4-byte-copy fallback (an operand not 16-byte aligned: see LaunchTiled) holds
+  // a pointer and a predicate per copy while issuing them; at kMinBlocks' register
+  // cap it spills, so it runs one block fewer per SM.
+  static constexpr int kMinBlocksScalar = MIN_BLOCKS_ > 1 ? MIN_BLOCKS_ - 1 : 1;
 
   static constexpr int kWarpsM = BM / WM, kWarpsN = BN / WN;
   static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
@@ -375,6 +401,72 @@ struct SliceLoader {
 };
 
 // ---------------------------------------------------------------------------
+// Register-staged copy of a K-contiguous operand (global element (k, x) at x*ld + k)
+// when ld % 4 == 0 and the base is 16-byte aligned (so ld == K, K % 4 == 0, and a
+// float4 at a k that is a multiple of 4 is either wholly inside the operand or wholly
+// past K). Fetch issues 128-bit read-only global loads of one K-slice into registers;
+// Store, called one K-slice later (so the global latency hides behind a whole slice
+// of FFMAs), writes them transposed into the k-major stage: 4 scalar shared stores
+// per float4.
+// Thread t of the group owns row x = t % kWidth and the float4s at
+// k = 4*(t / kWidth) + i*kDk of each slice. A warp's 32 threads have 32 consecutive
+// x and the same k, so each store instruction writes 32 consecutive words of one
+// k row: no bank conflict. All the copies of a thread read one row, so one pointer
+// serves them all.
+// ---------------------------------------------------------------------------
+
+template <int BK, int kWidth, int kGroup, int kLds>
+struct RegSliceLoader {
+  static_assert(kGroup % kWidth == 0, "each thread of the group keeps one row");
+  static_assert(BK % 4 == 0 && (BK / 4) % (kGroup / kWidth) == 0,
+                "the float4s of a slice's rows divide evenly among the group");
+  static constexpr int kDk = 4 * (kGroup / kWidth);  // k between a thread's float4s
+  static constexpr int kCopies = BK / kDk;
+
+  const float* gptr;  // this thread's first float4 of the next K-slice to fetch
+  uint32_t sdst;      // shared byte address of its first float (k = kq) in stage 0
+  int x;              // global row
+  int kq;             // k of the first float4 within a slice
+  float4 buf[kCopies];
+
+  // The same arguments as SliceLoader's (vec is true here).
+  __device__ __forceinline__ RegSliceLoader(const float* matrix, int64_t ld, int x_origin,
+                                            int s_col, bool /*vec*/, int t,
+                                            const float* s_stage0) {
+    const int xl = t % kWidth;
+    kq = 4 * (t / kWidth);
+    x = x_origin + xl;
+    gptr = matrix + int64_t(x) * ld + kq;
+    sdst = SmemAddress(s_stage0 + kq * kLds + s_col + xl);
+  }
+
+  // Loads the K-slice starting at global k0 (zeros outside the operand, without
+  // reading) and advances to the next slice.
+  __device__ __forceinline__ void Fetch(int k0, int extent, int k_total) {
+    const bool x_ok = x < extent;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      LoadGlobal4(buf[i], gptr + i * kDk, x_ok && k0 + kq + i * kDk < k_total);
+    }
+    gptr += BK;
+  }
+
+  // Writes the fetched slice into the stage at byte offset stage_bytes.
+  __device__ __forceinline__ void Store(uint32_t stage_bytes) const {
+    const uint32_t dst = sdst + stage_bytes;
+#pragma unroll
+    for (int i = 0; i < kCopies; ++i) {
+      const float v[4] = {buf[i].x, buf[i].y, buf[i].z, buf[i].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(dst + 4 * (i * kDk + j) * kLds),
+                     "f"(v[j]));
+      }
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------
 // The register-tiled kernel.
 // kAKContig = !transpose_a, kBKContig = transpose_b (see the file comment); kVec:
 // the k-major operands are copied 16 bytes at a time (LaunchTiled picks it).
@@ -382,17 +474,21 @@ struct SliceLoader {
 // Main loop, one K-slice s (stage s % STAGES) per iteration, BK k steps unrolled:
 //   * the A/B fragments are double-buffered in registers: step k's FFMAs use the
 //     fragments loaded during step k-1, while step k+1's are read from shared memory;
-//   * the copies of slice s + STAGES - 1 go to the stage slice s - 1 used (freed by
-//     the barrier that ended slice s - 1), issued among the FFMAs of the first steps;
+//   * the cp.async copies of slice s + STAGES - 1 go to the stage slice s - 1 used
+//     (freed by the barrier that ended slice s - 1), issued among the FFMAs of the
+//     first steps (A at step 0, B at step BK/2); a register-staged operand instead
+//     stores slice s + STAGES - 2 (fetched during slice s - 1) into the stage slice
+//     s - 2 used, then fetches slice s + STAGES - 1 into the same registers;
 //   * at the last step, before its FFMAs: wait for slice s + 1 (cp.async group),
 //     barrier, read slice s + 1's first fragments; the last step's FFMAs hide that
 //     latency, so the next slice starts without a shared-memory stall.
-// The body has no branch: the copies of slices past the end zero-fill and read
-// nothing; the last iteration's extra wait, barrier and fragment reads are harmless.
+// The body has no branch: the copies (and register fetches, predicated in PTX) of
+// slices past the end zero-fill and read nothing; the last iteration's extra wait, barrier and fragment reads are harmless.
 // ---------------------------------------------------------------------------
 
 template <class Cfg, bool kAKContig, bool kBKContig, bool kVec>
-__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
+__global__ void __launch_bounds__(Cfg::kThreads,
+                                  kVec ? Cfg::kMinBlocks : Cfg::kMinBlocksScalar)
     SgemmTiledKernel(const GemmArgs args) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
   constexpr int WM = Cfg::WM, WN = Cfg::WN, TM = Cfg::TM, TN = Cfg::TN;
@@ -403,6 +499,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // Steps of a slice at which the next copies are issued (spread among the FFMAs).
   constexpr int kIssueStepA = 0;
   constexpr int kIssueStepB = BK > 2 ? BK / 2 : 0;
+  // K-contiguous operands with 16-byte alignment go through registers (see
+  // RegSliceLoader); the others are copied with cp.async (see SliceLoader).
+  constexpr bool kARegs = kAKContig && kVec;
+  constexpr bool kBRegs = kBKContig && kVec;
+  static_assert(!(kARegs || kBRegs) || STAGES >= 3,
+                "a register-staged slice is stored into the stage two slices behind");
+  using ALoader = std::conditional_t<kARegs, RegSliceLoader<BK, WM, Cfg::kGroupA, kLdsA>,
+                                     SliceLoader<BK, WM, Cfg::kGroupA, kLdsA, kAKContig>>;
+  using BLoader = std::conditional_t<kBRegs, RegSliceLoader<BK, WN, Cfg::kGroupB, kLdsB>,
+                                     SliceLoader<BK, WN, Cfg::kGroupB, kLdsB, kBKContig>>;
 
   extern __shared__ __align__(16) float smem[];
   float* a_smem = smem;                            // (STAGES, BK, BM + 4)
@@ -428,9 +534,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int block_m0 = tile_m * BM;
   const int block_n0 = tile_n * BN;
   const int num_slices = (args.k + BK - 1) / BK;
-  const int64_t mn = int64_t(args.m) * args.n;
-  const int64_t a_size = int64_t(args.m) * args.k;
-  const int64_t b_size = int64_t(args.k) * args.n;
 
   // Shared byte addresses of this thread's k = 0 fragments in stage 0.
   const uint32_t a_frag_smem = SmemAddress(a_smem + warp_row * WM + 4 * lane_m);
@@ -438,17 +541,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
   // gridDim.y is capped at 65535, so a larger batch loops.
   for (int64_t bi = blockIdx.y; bi < args.batch; bi += gridDim.y) {
-    SliceLoader<BK, WM, Cfg::kGroupA, kLdsA, kAKContig> a_loader(
-        args.a + bi * a_size, args.lda, block_m0 + warp_row * WM, warp_row * WM,
-        kVec, t_in_row, a_smem);
-    SliceLoader<BK, WN, Cfg::kGroupB, kLdsB, kBKContig> b_loader(
-        args.b + (bi / args.b_div) * b_size, args.ldb, block_n0 + warp_col * WN,
-        warp_col * WN, kVec, t_in_col, b_smem);
-    auto load_a = [&](int stage, int k0) {
-      a_loader.template Load<kVec>(stage * kStageBytesA, k0, args.lda, args.m, args.k, args.a);
+    // Batch offsets are formed here from opaque copies of the sizes, so the 64-bit
+    // products are not hoisted out of the batch loop and held across the main loop.
+    int m_ = args.m, k_ = args.k;
+    asm volatile("" : "+r"(m_), "+r"(k_));
+    ALoader a_loader(args.a + bi * (int64_t(m_) * k_), args.lda, block_m0 + warp_row * WM,
+                     warp_row * WM, kVec, t_in_row, a_smem);
+    BLoader b_loader(args.b + (bi / args.b_div) * (int64_t(k_) * args.n), args.ldb,
+                     block_n0 + warp_col * WN, warp_col * WN, kVec, t_in_col, b_smem);
+    // Copies of slice k0 / BK: a register-staged operand fetches it (into
+    // registers) and stores the slice fetched before it into store_stage; a cp.async
+    // operand copies it into write_stage.
+    auto load_a = [&](int write_stage, int store_stage, int k0, bool store) {
+      if constexpr (kARegs) {
+        if (store) a_loader.Store(store_stage * kStageBytesA);
+        a_loader.Fetch(k0, args.m, args.k);
+      } else {
+        a_loader.template Load<kVec>(write_stage * kStageBytesA, k0, args.lda, args.m,
+                                     args.k, args.a);
+      }
     };
-    auto load_b = [&](int stage, int k0) {
-      b_loader.template Load<kVec>(stage * kStageBytesB, k0, args.ldb, args.n, args.k, args.b);
+    auto load_b = [&](int write_stage, int store_stage, int k0, bool store) {
+      if constexpr (kBRegs) {
+        if (store) b_loader.Store(store_stage * kStageBytesB);
+        b_loader.Fetch(k0, args.n, args.k);
+      } else {
+        b_loader.template Load<kVec>(write_stage * kStageBytesB, k0, args.ldb, args.n,
+                                     args.k, args.b);
+      }
     };
     // One block-wide barrier (one BAR instruction, no branch). The two named
     // barriers per warp-row / warp-column it replaces took a branch tree to turn the
@@ -458,10 +578,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
     // Prologue: the first STAGES-1 slices in flight (slices past K are zero-filled
     // and read nothing, which keeps the group count without a branch).
+    // A register-staged operand stores slices 0 .. STAGES-3 here and holds slice
+    // STAGES-2 in registers; the first iteration stores it.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      load_a(s, s * BK);
-      load_b(s, s * BK);
+      load_a(s, s - 1, s * BK, s > 0);
+      load_b(s, s - 1, s * BK, s > 0);
       CpAsyncCommit();
     }
 
@@ -497,14 +619,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 
     int read_stage = 0;              // stage of slice `slice`
     int write_stage = STAGES - 1;    // stage of slice `slice` + STAGES - 1
+    int store_stage = STAGES - 2;    // stage of slice `slice` + STAGES - 2
     for (int slice = 0; slice < num_slices; ++slice) {
       const int next_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
 #pragma unroll
       for (int k = 0; k < BK; ++k) {
         const int cur = k % 2;
-        if (k == kIssueStepA) load_a(write_stage, (slice + STAGES - 1) * BK);
+        if (k == kIssueStepA) load_a(write_stage, store_stage, (slice + STAGES - 1) * BK, true);
         if (k == kIssueStepB) {
-          load_b(write_stage, (slice + STAGES - 1) * BK);
+          load_b(write_stage, store_stage, (slice + STAGES - 1) * BK, true);
           CpAsyncCommit();
         }
         if (k + 1 < BK) {
@@ -526,6 +649,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         }
       }
       read_stage = next_stage;
+      store_stage = write_stage;
       write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
     }
     // The tail's zero-fill copies are still in flight; let them land before the
@@ -533,19 +657,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     CpAsyncWait<0>();
 
     // Write-back: out = alpha * acc + beta * C, 16 bytes at a time where aligned.
+    // The thread's coordinates are recomputed here (from an opaque read of the
+    // thread index) rather than kept live across the main loop.
+    int n_ = args.n;
+    asm volatile("" : "+r"(n_));
+    const int64_t mn = int64_t(args.m) * n_;
     float* out_mat = args.out + bi * mn;
     const float* c_mat = args.c + bi * mn;
+    int tid;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+    const int e_warp = tid / 32, e_lane = tid % 32;
+    const int e_row0 = block_m0 + (e_warp % Cfg::kWarpsM) * WM + 4 * (e_lane % Cfg::kThreadsM);
+    const int e_col0 = block_n0 + (e_warp / Cfg::kWarpsM) * WN + 4 * (e_lane / Cfg::kThreadsM);
 #pragma unroll
     for (int fm = 0; fm < Cfg::kFragsM; ++fm) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int row = block_m0 + warp_row * WM + fm * 4 * Cfg::kThreadsM + 4 * lane_m + r;
+        const int row = e_row0 + fm * 4 * Cfg::kThreadsM + r;
         if (row >= args.m) continue;
         float* out_row = out_mat + int64_t(row) * args.n;
         const float* c_row = c_mat + int64_t(row) * args.n;
 #pragma unroll
         for (int fn = 0; fn < Cfg::kFragsN; ++fn) {
-          const int col = block_n0 + warp_col * WN + fn * 4 * Cfg::kThreadsN + 4 * lane_n;
+          const int col = e_col0 + fn * 4 * Cfg::kThreadsN;
           const float* v = &acc[4 * fm + r][4 * fn];
           if (args.out_vec && col < args.n) {  // n % 4 == 0, so col + 3 < n too
             float4 o = make_float4(args.alpha * v[0], args.alpha * v[1],
@@ -653,18 +787,15 @@ cudaError_t LaunchTiledKernel(const GemmArgs& args, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// 16-byte copies when every k-major operand allows them (else 4-byte copies for
-// both); when both operands are K-contiguous there is nothing to choose.
+// kVec (16-byte copies of the k-major operands, register-staged 128-bit loads of the
+// K-contiguous ones) when both operands allow 16-byte accesses; else 4-byte cp.async
+// for both.
 template <class Cfg, bool kAKContig, bool kBKContig>
 cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
-  if constexpr (kAKContig && kBKContig) {
-    return LaunchTiledKernel<Cfg, true, true, true>(args, stream);
-  } else {
-    if ((kAKContig || args.a_vec) && (kBKContig || args.b_vec)) {
-      return LaunchTiledKernel<Cfg, kAKContig, kBKContig, true>(args, stream);
-    }
-    return LaunchTiledKernel<Cfg, kAKContig, kBKContig, false>(args, stream);
+  if (args.a_vec && args.b_vec) {
+    return LaunchTiledKernel<Cfg, kAKContig, kBKContig, true>(args, stream);
   }
+  return LaunchTiledKernel<Cfg, kAKContig, kBKContig, false>(args, stream);
 }
 
 constexpr int kTextbookTile = 32;
