@@ -68,6 +68,12 @@ if has tune; then
   log autotune
   timeout ${TUNE_TIMEOUT:-300} python3 -m benchmarks --autotune ${TUNE_ARGS:-} --out "$OUT/tune" 2>&1 \
     | tee "$OUT/tune.log" | tail -40
+  # A new process (a "restart"): gemm(config=None) now finds the tuned configs in the cache.
+  python3 -c "import json, pallas_gemm.tuning as t; p = t.cache_path(); e = json.loads(p.read_text())
+print('cache', p, 'entries:', len(e.get('entries', e)))
+for k in list(e.get('entries', e))[:5]: print('  ', k)
+import jax.numpy as jnp, pallas_gemm.triton as tr
+print('lookup 16x8192x8192 bf16 triton ->', t.lookup_config('triton', tr.Config, 16, 8192, 8192, jnp.bfloat16, None))"
 fi
 # At most 8 files come back from $OUT: pack the result folders (plots, JSON, markdown).
 for d in bench full tune; do
