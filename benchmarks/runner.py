@@ -26,6 +26,7 @@ from benchmarks.timing import Timer
 
 DOT = "jnp.dot"
 HOPPER = "jax-hopper"  # jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu, for comparison
+AUTO = "auto"  # gemm(backend="auto"): what a user gets by default
 BACKEND_ALIASES = {"dot": DOT, "jnp": DOT, "hopper": HOPPER}
 
 
@@ -34,7 +35,7 @@ class NotApplicable(Exception):
 
 
 def available_backends() -> dict[str, str | None]:
-  status = dict(pallas_gemm.backends())
+  status = {AUTO: None, **pallas_gemm.backends()}
   status[HOPPER] = _hopper_reason()
   return status
 
@@ -81,6 +82,10 @@ def _call_for(backend, shape, dt, use_tuned):
                                            preferred_element_type=dt.dtype)), None
   if backend == HOPPER:
     return _hopper_call(shape, dt)
+  if backend == AUTO:  # the config column names the backend auto chose
+    leading = (shape.k, shape.n, shape.n)
+    chosen = pallas_gemm.api._auto_backend(dt.dtype, dt.precision, shape.m, shape.n, shape.k, leading)
+    return jax.jit(lambda a, b: pallas_gemm.gemm(a, b, precision=dt.precision)), {"chose": chosen}
   module = importlib.import_module(f"pallas_gemm.{backend}")
   reason = module.supports(dt.dtype, dt.precision)
   if reason:
@@ -94,8 +99,8 @@ def _call_for(backend, shape, dt, use_tuned):
 
 
 def _config_json(config):
-  if config is None:
-    return None
+  if config is None or isinstance(config, dict):
+    return config
   return tuning.config_to_json(config)
 
 
@@ -248,7 +253,7 @@ def estimate_seconds(planned: int, on_gpu: bool) -> float:
 def _todo(shape, backends, on_gpu: bool) -> list[str]:
   """jnp.dot first (the ratio's baseline); Pallas interpreter runs only tiny shapes on CPU."""
   return [b for b in [DOT] + backends
-          if on_gpu or b in (DOT, "xla") or shape.flops <= shapes_lib.INTERPRET_MAX_FLOPS]
+          if on_gpu or b in (DOT, "xla", AUTO) or shape.flops <= shapes_lib.INTERPRET_MAX_FLOPS]
 
 
 def count_planned(pairs, backends, on_gpu: bool) -> int:

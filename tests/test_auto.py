@@ -25,7 +25,10 @@ def fake_gpu(monkeypatch):
     (F32, None, (4097, 4097, 4097), "mosaic"),      # TF32 allowed
     (F32, HIGHEST, (4097, 4097, 4097), "xla"),      # IEEE f32: no faster kernel here
     (BF16, None, (16, 8193, 8193), "xla"),          # skinny
-    (BF16, None, (300, 301, 301), "xla"),           # small
+    (BF16, None, (300, 301, 301), "triton"),        # small 16-bit: one short Triton launch
+    (F32, None, (300, 301, 301), "xla"),            # small f32
+    (BF16, None, (1000, 1000, 1000), "xla"),        # aligned (2000-byte rows)
+    (BF16, None, (997, 1009, 1013), "mosaic"),      # misaligned
 ])
 def test_auto_on_gpu(fake_gpu, dtype, precision, shape, expected):
   m, n, k = shape
