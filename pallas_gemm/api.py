@@ -196,12 +196,12 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     if c_dtype is None or not jnp.issubdtype(c_dtype, jnp.floating):
       raise TypeError(f"c must be a floating-point array; got {type(c).__name__} {c_dtype}")
     try:
-      np.broadcast_shapes(tuple(c.shape), out_shape)
-      if np.broadcast_shapes(tuple(c.shape), out_shape) != out_shape:
-        raise ValueError
+      fits = np.broadcast_shapes(tuple(c.shape), out_shape) == out_shape
     except ValueError:
+      fits = False
+    if not fits:
       raise ValueError(
-          f"c must broadcast to the output shape {out_shape}; got c.shape {tuple(c.shape)}") from None
+          f"c must broadcast to the output shape {out_shape}; got c.shape {tuple(c.shape)}")
   elif beta != 0.0:
     raise ValueError(f"beta={beta} needs c; got c=None")
 
@@ -221,8 +221,11 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     raise TypeError(f"interpret must be None or a bool; got {type(interpret).__name__}")
 
   # Choose the backend and its config.
-  if backend == "auto" and config is not None:
-    backend = type(config).__module__.rsplit(".", 1)[-1]  # a config names its backend
+  if backend == "auto" and config is not None:  # a config names its backend
+    name = type(config).__module__.rsplit(".", 1)[-1]
+    if name not in BACKENDS or not isinstance(config, _backend_module(name).Config):
+      raise TypeError(f"config must be a pallas_gemm.<backend>.Config; got {type(config).__qualname__}")
+    backend = name
   if backend == "auto":
     backend = _auto_backend(dtype, precision, m, n, k, (a.shape[-1], b.shape[-1], n))
   elif backend not in BACKENDS:

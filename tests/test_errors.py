@@ -35,11 +35,16 @@ B = jnp.ones((8, 5), jnp.float32)
     (dict(backend="triton", config=pallas_gemm.xla.Config()), TypeError,
      r"config must be a pallas_gemm.triton.Config"),
     (dict(interpret="yes"), TypeError, r"interpret must be None or a bool"),
+    (dict(config={"block_m": 64}), TypeError, r"config must be a pallas_gemm.<backend>.Config; got dict"),
+    (dict(c=jnp.ones((4, 5)), beta=1.0, config=pallas_gemm.xla.Config()), None, None),
 ])
 def test_bad_input(kwargs, error, match):
   args = dict(a=A, b=B)
   args.update(kwargs)
   a, b = args.pop("a"), args.pop("b")
+  if error is None:  # the control: a valid call next to the invalid ones
+    np.testing.assert_allclose(gemm(a, b, **args), 8.0 + 1.0)
+    return
   with pytest.raises(error, match=match):
     gemm(a, b, **args)
 
