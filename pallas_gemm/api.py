@@ -131,7 +131,7 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   return "xla"
 
 
-def _resolve_config(module, config, m, n, k, dtype, precision):
+def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype):
   if config is not None:
     if not isinstance(config, module.Config):
       raise TypeError(
@@ -140,6 +140,12 @@ def _resolve_config(module, config, m, n, k, dtype, precision):
     return config
   from pallas_gemm import tuning  # imported late: tuning imports backends, not the reverse
   tuned = tuning.lookup_config(module.NAME, module.Config, m, n, k, dtype, precision)
+  fits = getattr(module, "check_smem_budget", None)  # mosaic: the epilogue depends on dtypes
+  if tuned is not None and fits is not None:
+    try:
+      fits(tuned, dtype, out_dtype, c_dtype, k)
+    except ValueError:  # tuned for another output/C dtype; the heuristic adapts to this one
+      tuned = None
   return tuned if tuned is not None else module.default_config(m, n, k, dtype)
 
 
@@ -244,7 +250,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       return jnp.zeros(out_shape, out_dtype)
     return (beta * jnp.broadcast_to(c, out_shape).astype(jnp.float32)).astype(out_dtype)
 
-  config = _resolve_config(module, config, m, n, k, dtype, precision)
+  c_dtype = None if c is None or beta == 0.0 else np.dtype(c.dtype)
+  config = _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype)
   batch = math.prod(batch_shape)
   a3 = jnp.asarray(a, dtype).reshape((batch,) + a.shape[-2:])
   b3 = jnp.asarray(b, dtype).reshape((-1,) + b.shape[-2:])
@@ -287,6 +294,10 @@ def _vmappable(plan: _Plan):
       x = jnp.broadcast_to(x, (axis_size, batch) + x.shape[2:])
       return x.reshape((axis_size * batch,) + x.shape[2:])
 
+    if axis_size * batch == 0:  # an empty vmapped axis: nothing for a kernel to do
+      m = a4.shape[-1] if plan.transpose_a else a4.shape[-2]
+      n = b4.shape[-2] if plan.transpose_b else b4.shape[-1]
+      return jnp.zeros((axis_size, batch, m, n), plan.out_dtype), True
     a_f = fold(a4, a_batched)
     b_f = fold(b4, b_batched, rows_of_shared=b4.shape[0] == 1)
     c_f = [fold(c, bat) for c, bat in zip(c4, c_batched)]
@@ -310,9 +321,12 @@ def _gemm_fwd(plan, a3, b3, c3):
 
 def _gemm_bwd(plan, residuals, g):
   """d/d(a, b, c) of alpha*op(a)@op(b) + beta*c, as two more GEMMs of the same backend."""
-  a3, b3 = residuals
+  a3_in, b3_in = residuals
   ta, tb = plan.transpose_a, plan.transpose_b
-  g_in = g.astype(a3.dtype)  # backends take one input dtype; cotangents follow the inputs
+  # Backends take one input dtype. A cotangent wider than the inputs (f16 in, f32 out)
+  # keeps its width: narrowing it would overflow under f16 loss scaling.
+  wide = np.dtype(jnp.promote_types(g.dtype, a3_in.dtype))
+  g_in, a3, b3 = g.astype(wide), a3_in.astype(wide), b3_in.astype(wide)
 
   def mm(x, y, *, trans_x, trans_y, out_dtype):
     p = dataclasses.replace(plan, beta=0.0, transpose_a=trans_x, transpose_b=trans_y,
@@ -321,10 +335,10 @@ def _gemm_bwd(plan, residuals, g):
 
   # dA = alpha * g @ op(b)^T, stored as op(a) is stored.
   if not ta:
-    da = mm(g_in, b3, trans_x=False, trans_y=not tb, out_dtype=a3.dtype)
+    da = mm(g_in, b3, trans_x=False, trans_y=not tb, out_dtype=a3_in.dtype)
   else:  # dA^T = alpha * op(b) @ g^T
     b_full = jnp.broadcast_to(b3, (a3.shape[0],) + b3.shape[1:])
-    da = mm(b_full, g_in, trans_x=tb, trans_y=True, out_dtype=a3.dtype)
+    da = mm(b_full, g_in, trans_x=tb, trans_y=True, out_dtype=a3_in.dtype)
   # dB = alpha * op(a)^T @ g; a b shared across the batch sums over it, which is one
   # GEMM with the batch folded into the contraction.
   a_c, g_c = a3, g_in
@@ -333,9 +347,9 @@ def _gemm_bwd(plan, residuals, g):
     a_c, ta = a_rows.reshape(1, -1, a_rows.shape[-1]), False
     g_c = g_in.reshape(1, -1, g_in.shape[-1])              # (1, B*M, N)
   if not tb:
-    db = mm(a_c, g_c, trans_x=not ta, trans_y=False, out_dtype=b3.dtype)
+    db = mm(a_c, g_c, trans_x=not ta, trans_y=False, out_dtype=b3_in.dtype)
   else:  # dB^T = alpha * g^T @ op(a)
-    db = mm(g_c, a_c, trans_x=True, trans_y=ta, out_dtype=b3.dtype)
+    db = mm(g_c, a_c, trans_x=True, trans_y=ta, out_dtype=b3_in.dtype)
   dc = None
   if plan.c_dtype is not None:
     dc = (plan.beta * g.astype(jnp.float32)).astype(plan.c_dtype)
@@ -348,7 +362,8 @@ def _run(plan: _Plan, a3, b3):
   m = a3.shape[-1] if plan.transpose_a else a3.shape[-2]
   k = a3.shape[-2] if plan.transpose_a else a3.shape[-1]
   n = b3.shape[-2] if plan.transpose_b else b3.shape[-1]
-  config = _resolve_config(module, None, m, n, k, np.dtype(a3.dtype), plan.precision)
+  config = _resolve_config(module, None, m, n, k, np.dtype(a3.dtype), plan.precision,
+                           plan.out_dtype, None)
   return _gemm_vjp(dataclasses.replace(plan, config=config), a3, b3, None)
 
 

@@ -71,7 +71,10 @@ def relative_error(out, ref) -> float:
   with jax.enable_x64(True):
     out64, ref64 = xp.asarray(out, dtype=xp.float64), xp.asarray(ref, dtype=xp.float64)
     finite = xp.isfinite(ref64)
-    if not bool(xp.all(xp.isfinite(out64) == finite)):
+    # Non-finite values must match exactly: NaN where NaN, and infinities of the same sign.
+    same_nan = xp.isnan(out64) == xp.isnan(ref64)
+    same_inf = xp.where(xp.isinf(ref64) | xp.isinf(out64), out64 == ref64, True)
+    if not bool(xp.all(same_nan & same_inf)):
       return math.inf
     diff = xp.where(finite, out64 - ref64, 0.0)
     denom = float(xp.linalg.norm(xp.where(finite, ref64, 0.0)))

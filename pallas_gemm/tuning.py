@@ -73,10 +73,15 @@ ENV_VAR = "PALLAS_GEMM_CACHE"
 # ----------------------------------------------------------------------------- keys
 
 
-def precision_class(dtype, precision) -> str:
-  """"ieee" (f32, HIGHEST), "tf32" (f32, anything else) or "-" (16-bit: always exact products)."""
+def precision_class(dtype, precision, backend: str | None = None) -> str:
+  """"ieee" (f32, HIGHEST), "tf32" (f32, anything else) or "-" (16-bit: always exact products).
+
+  The cuda backend computes IEEE fp32 whatever precision asks for: always "ieee".
+  """
   if np.dtype(dtype) != np.float32:
     return "-"
+  if backend == "cuda":
+    return "ieee"
   if isinstance(precision, (tuple, list)):
     precision = precision[0] if precision else None
   if isinstance(precision, str):
@@ -108,7 +113,7 @@ def is_ragged(m: int, n: int, k: int) -> bool:
 
 def _cache_key(device_kind, backend, dtype, precision, m, n, k) -> str:
   return "|".join(str(x) for x in (device_kind, backend, np.dtype(dtype).name,
-                                    precision_class(dtype, precision), m, n, k))
+                                    precision_class(dtype, precision, backend), m, n, k))
 
 
 def cache_path() -> pathlib.Path:
@@ -281,7 +286,7 @@ def lookup_config(backend_name: str, config_cls, m: int, n: int, k: int, dtype, 
   family = device_family(device_kind)
   if family is None:
     return None
-  tkey = (family, backend_name, dtype.name, precision_class(dtype, precision),
+  tkey = (family, backend_name, dtype.name, precision_class(dtype, precision, backend_name),
           tuple(shape_bucket(m, n, k)), is_ragged(m, n, k))
   fields = _load_table().get(tkey)
   if fields is None:

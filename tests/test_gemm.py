@@ -111,7 +111,8 @@ def test_jit_and_vmap(backend, rng):
 
 
 @pytest.mark.parametrize("transpose_a,transpose_b,shared_b", [
-    (False, False, False), (True, True, False), (False, False, True), (True, False, True)])
+    (False, False, False), (True, True, False), (False, False, True), (True, False, True),
+    (False, True, True)])
 def test_grad_matches_analytic(backend, transpose_a, transpose_b, shared_b, rng):
   """Gradients of <W, gemm(a, b, c)> against float64 closed forms, for every backend."""
   dtype, precision = np.float32, (HIGHEST if not skip_reason(backend, np.float32, HIGHEST) else None)
@@ -139,6 +140,21 @@ def test_grad_matches_analytic(backend, transpose_a, transpose_b, shared_b, rng)
   assert relative_error(da, np.swapaxes(d_op_a, -1, -2) if transpose_a else d_op_a) <= tol
   assert relative_error(db, np.swapaxes(d_op_b, -1, -2) if transpose_b else d_op_b) <= tol
   assert relative_error(dc, beta * w64) <= tol
+
+
+def test_grad_keeps_wide_cotangents(backend, rng):
+  """f16 inputs with an f32 output: a cotangent above f16's range must not become inf."""
+  dtype = np.float16 if not skip_reason(backend, np.float16) else np.float32
+  a, b = np.full((2, 4), 1e-3, dtype), np.full((4, 3), 1e-3, dtype)
+  da = jax.grad(lambda a: 1e5 * jnp.sum(gemm(a, b, out_dtype=np.float32, backend=backend)))(a)
+  np.testing.assert_allclose(np.asarray(da, np.float32), 300.0, rtol=5e-3)
+
+
+def test_vmap_over_an_empty_axis(backend):
+  dtype = preferred_dtype(backend)
+  out = jax.vmap(lambda a: gemm(a, jnp.ones((16, 8), dtype), backend=backend))(
+      jnp.ones((0, 8, 16), dtype))
+  assert out.shape == (0, 8, 8)
 
 
 def test_check_grads(backend, rng):

@@ -204,8 +204,11 @@ def test_misaligned_rows_are_padded():
 def test_default_config_replaced_when_c_dtype_needs_more_smem():
   # The shape default (built for bf16 out, no C) is re-picked inside gemm for a
   # float32 C instead of failing the shared-memory budget.
-  cfg = mosaic.default_config(300, 260, 64, jnp.bfloat16)
-  _check(1, 300, 260, 64, alpha=1.0, beta=1.0, c_dtype=jnp.float32,
+  cfg = mosaic.default_config(300, 260, 256, jnp.bfloat16)
+  # K = 256 fills the 4-stage ring, so the bf16-out default really does not fit with an
+  # f32 C (with a small K the ring is capped and the re-pick would never run).
+  assert mosaic.smem_bytes(cfg, jnp.bfloat16, jnp.bfloat16, jnp.float32, 256) > mosaic.SMEM_BYTES_PER_BLOCK
+  _check(1, 300, 260, 256, alpha=1.0, beta=1.0, c_dtype=jnp.float32,
          config=cfg)
 
 

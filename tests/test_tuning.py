@@ -72,6 +72,7 @@ def test_precision_class_is_part_of_the_key():
   assert tuning.precision_class(F32, "highest") == "ieee"
   assert tuning.precision_class(F32, jax.lax.Precision.DEFAULT) == "tf32"
   assert tuning.precision_class(BF16, HIGHEST) == "-"
+  assert tuning.precision_class(F32, None, "cuda") == "ieee"  # cuda is IEEE fp32 always
 
 
 def test_env_var_override(tmp_path, monkeypatch):
