@@ -7,7 +7,6 @@ Exits non-zero if any result is wrong, so a clean sanitizer run also means a cor
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm import gemm
