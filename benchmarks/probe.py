@@ -6,6 +6,7 @@
                                            goes: the padding copies vs the kernel
 """
 
+import math
 import sys
 
 import jax
@@ -19,10 +20,8 @@ HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _inputs(shape_a, shape_b, dtype):
-  sets = tuning.input_set_count(2 * np.dtype(dtype).itemsize * (np.prod(shape_a) + np.prod(shape_b)))
-  keys = jax.random.split(jax.random.key(0), 2 * sets)
-  return [(jax.random.normal(keys[2 * i], shape_a, dtype), jax.random.normal(keys[2 * i + 1], shape_b, dtype))
-          for i in range(sets)]
+  set_bytes = np.dtype(dtype).itemsize * (math.prod(shape_a) + math.prod(shape_b))
+  return tuning.random_inputs(shape_a, shape_b, dtype, tuning.input_set_count(set_bytes))
 
 
 def _ms(fn, inputs):
