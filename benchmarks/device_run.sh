@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [bench] [full] [tune]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [triton]
+#                                 [ncu] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pallas_gemm_out}
@@ -46,14 +47,27 @@ if has ragged; then
   timeout 200 python3 benchmarks/probe.py ragged 4096 2>&1 | tee "$OUT/ragged_probe.log"
 fi
 
+if has mosaic; then
+  log mosaic configs vs jnp.dot and hopper_matmul_mgpu
+  timeout 400 python3 benchmarks/probe.py mosaic 2>&1 | tee "$OUT/mosaic_probe.log"
+fi
+
+if has triton; then
+  log triton variants at bf16 4096^3
+  timeout 200 python3 benchmarks/probe.py triton 2>&1 | tee "$OUT/triton_probe.log"
+fi
+
 if has ncu; then
   log ncu of the cuda kernel at 4096^3
   timeout 240 ncu --clock-control none -k regex:Sgemm -c 1 --section SpeedOfLight \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
       --section WarpStateStats --section Occupancy --section LaunchStats --section InstructionStats \
+      --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
       python3 -c "import jax, jax.numpy as jnp, pallas_gemm as p; a = jax.random.normal(jax.random.key(0), (4096, 4096)); p.gemm(a, a, backend='cuda').block_until_ready()" \
       >"$OUT/ncu_cuda.txt" 2>&1; echo "ncu rc=$?"
-  grep -E "Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Warp Cycles Per Issued|Stall|Bank" "$OUT/ncu_cuda.txt" | head -30
+  grep -E "Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Warp Cycles Per Issued|Bank" "$OUT/ncu_cuda.txt" | head -20
+  # Stall reasons, in cycles per issued instruction, largest first.
+  grep -E "issue_stalled_.*ratio" "$OUT/ncu_cuda.txt" | sort -k3 -g -r | head -10
 fi
 
 if has bench; then

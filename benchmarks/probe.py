@@ -4,8 +4,13 @@
                                            the seeds' textbook kernel, jnp.dot HIGHEST
   python3 benchmarks/probe.py ragged [N]   where the time of a ragged (N+1)^3 bf16 mosaic GEMM
                                            goes: the padding copies vs the kernel
+  python3 benchmarks/probe.py mosaic        mosaic configs (tiles, clusters, tile order) vs
+                                           jnp.dot and JAX's hopper_matmul_mgpu at its best,
+                                           bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
+  python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants
 """
 
+import dataclasses
 import math
 import sys
 
@@ -13,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import cuda, gemm, tuning
+from pallas_gemm import cuda, gemm, mosaic, triton, tuning
 from pallas_gemm.reference import relative_error
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -65,6 +70,93 @@ def probe_ragged(n: int = 4096):
     print(f"  {name:45s} {_ms(fn, args):.4f} ms", flush=True)
 
 
+def _hopper_best(n, inputs):
+  """JAX's hopper_matmul_mgpu: the best median over a small sweep of its own configs."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm  # noqa: PLC0415
+  dim = hm.MatmulDimension
+  best = (math.inf, None)
+  for tile_m, tile_n, wg, cluster, width in (
+      (128, 128, dim.N, None, 4), (128, 128, dim.N, dim.M, 4), (128, 128, dim.N, dim.N, 4),
+      (128, 128, dim.M, None, 4), (128, 128, dim.M, dim.N, 4), (128, 128, dim.N, None, 8)):
+    cfg = hm.TuningConfig(tile_m=tile_m, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+                          grid_minor_dim=dim.N, grid_tile_width=width, wg_dimension=wg,
+                          cluster_dimension=cluster)
+    try:
+      best = min(best, (_ms(lambda a, b, cfg=cfg: hm.matmul(a, b, None, cfg), inputs), str(cfg)))
+    except Exception as e:  # noqa: BLE001 - a config its rules refuse
+      print(f"    hopper {cfg}: {type(e).__name__} {str(e)[:80]}")
+  return best
+
+
+def probe_mosaic():
+  Cfg = mosaic.Config
+  base = dict(block_m=128, block_n=256, wg_split="n")
+  tall = dict(block_m=256, block_n=128, wg_split="m")
+  configs = {
+      "default": None,
+      "128x256 cluster_m2": Cfg(**base, cluster_m=2),
+      "128x256 cluster_n2": Cfg(**base, cluster_n=2),
+      "128x256 cluster_m2 w16": Cfg(**base, cluster_m=2, grid_tile_width=16),
+      "128x256 cluster_m2 minor m": Cfg(**base, cluster_m=2, grid_minor_dim="m"),
+      "128x256 cluster_m2 wait1": Cfg(**base, cluster_m=2, wgmma_wait=1),
+      "128x256 epi 64x128": Cfg(**base, epi_block_n=128),
+      "256x128 cluster_n2": Cfg(**tall, cluster_n=2),
+      "256x128 cluster_m2": Cfg(**tall, cluster_m=2),
+      "128x128 cluster_m2": Cfg(block_m=128, block_n=128, cluster_m=2),
+  }
+  for n, dtype, ragged in ((4096, jnp.bfloat16, False), (8192, jnp.bfloat16, False),
+                           (8192, jnp.float16, False), (4096, jnp.bfloat16, True)):
+    r = n + ragged
+    inputs = _inputs((r, r), (r, r), dtype)
+    ref = jnp.dot(*inputs[0], preferred_element_type=jnp.float32)
+    tflops = lambda ms: 2 * r**3 / (ms * 1e-3) / 1e12
+    dot = tflops(_ms(jnp.dot, inputs))
+    line = f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name}: jnp.dot {dot:.1f}"
+    if not ragged:
+      hop_ms, hop_cfg = _hopper_best(r, inputs)
+      line += f", hopper_matmul_mgpu best {tflops(hop_ms):.1f} ({hop_cfg})"
+    print(line, flush=True)
+    for name, cfg in configs.items():
+      fn = lambda a, b, cfg=cfg: gemm(a, b, backend="mosaic", config=cfg)
+      try:
+        err = relative_error(fn(*inputs[0]), ref)
+        t = tflops(_ms(fn, inputs))
+      except Exception as e:  # noqa: BLE001 - report and go on
+        print(f"  {name:30s} failed: {type(e).__name__} {str(e)[:150]}", flush=True)
+        continue
+      print(f"  {name:30s} {t:6.1f} TFLOP/s  {t / dot:.3f}x jnp.dot  relerr {err:.1e}", flush=True)
+  # Ways to drop the padding of a misaligned output: (4104, 4160) -> (4097, 4097).
+  r = 4097
+  padded = _inputs((r + 7, r + 63), (8, 8), jnp.bfloat16)
+  for name, fn in (("x[:r, :r]", lambda x, _: x[:r, :r]),
+                   ("lax.slice", lambda x, _: jax.lax.slice(x, (0, 0), (r, r))),
+                   ("copy of the padded array (x + 0)", lambda x, _: x + 0)):
+    print(f"  unpad {name:40s} {_ms(fn, padded):.4f} ms", flush=True)
+
+
+def probe_triton():
+  n = 4096
+  inputs = _inputs((n, n), (n, n), jnp.bfloat16)
+  tflops = lambda ms: 2 * n**3 / (ms * 1e-3) / 1e12
+  dot = tflops(_ms(jnp.dot, inputs))
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {n}^3 bf16: jnp.dot {dot:.1f}")
+  default = triton.default_config(n, n, n, jnp.bfloat16)
+  variants = [default] + [dataclasses.replace(default, group_m=g) for g in (1, 4, 16, 32)] + [
+      dataclasses.replace(default, num_stages=4, block_k=32),
+      dataclasses.replace(default, num_stages=5, block_k=32),
+      dataclasses.replace(default, block_k=128, num_stages=2)]
+  for cfg in variants:
+    fn = lambda a, b, cfg=cfg: gemm(a, b, backend="triton", config=cfg)
+    try:
+      t = tflops(_ms(fn, inputs))
+    except Exception as e:  # noqa: BLE001
+      print(f"  {cfg}: failed {type(e).__name__} {str(e)[:120]}", flush=True)
+      continue
+    print(f"  {t:6.1f} TFLOP/s {t / dot:.3f}x  {cfg}", flush=True)
+
+
 if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
-  {"cuda": probe_cuda, "ragged": probe_ragged}[what](*(int(x) for x in rest))
+  probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
+            "triton": probe_triton}
+  probes[what](*(int(x) for x in rest))

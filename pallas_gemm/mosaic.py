@@ -2,7 +2,9 @@
 
 Design (one CTA per SM, persistent):
   * Grid: ``num_sms`` CTAs; each walks the flattened (batch, m_tiles, n_tiles)
-    space with ``plgpu.nd_loop`` (strided by the CTA count). Within a batch entry
+    space with ``plgpu.nd_loop`` (strided by the CTA count). Optionally CTAs
+    pair up in clusters of 2 that compute adjacent tiles and multicast the
+    operand tile they share (``Config.cluster_m`` / ``cluster_n``). Within a batch entry
     the output tiles are visited in the order given by ``Config.tile_order``:
     ``plgpu.planar_snake`` bands of ``grid_tile_width`` tiles along
     ``grid_minor_dim``, so CTAs that run together share A rows / B columns in L2.
@@ -91,6 +93,10 @@ class Config:
     store), double-buffered per consumer warpgroup.
   wgmma_wait: wgmma groups left in flight at the end of a K step (0 or 1). 1
     overlaps consecutive wgmmas and delays the release of a stage by one step.
+  cluster_m, cluster_n: CTAs per cluster along m or n (1 or 2, not both 2).
+    The two CTAs of a cluster_m=2 cluster compute vertically adjacent tiles
+    that share their B tiles: each CTA loads half of every B tile and TMA
+    multicasts it to both, halving B's L2->SM traffic (cluster_n=2: A's).
   num_sms: CTAs of the persistent grid. None: the device's SM count on GPU, 4
     in interpret mode.
   """
@@ -106,6 +112,8 @@ class Config:
   epi_block_m: int = 64
   epi_block_n: int = 64
   wgmma_wait: int = 0
+  cluster_m: int = 1
+  cluster_n: int = 1
   num_sms: int | None = None
 
   def __post_init__(self):
@@ -114,7 +122,8 @@ class Config:
           f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
 
     for field in ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
-                  "grid_tile_width", "epi_block_m", "epi_block_n"):
+                  "grid_tile_width", "epi_block_m", "epi_block_n", "cluster_m",
+                  "cluster_n"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         fail(field, "must be a positive int")
@@ -127,12 +136,18 @@ class Config:
       fail("grid_minor_dim", "must be 'm' or 'n'")
     if self.wgmma_wait not in (0, 1):
       fail("wgmma_wait", "must be 0 or 1")
+    if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
+      fail("cluster_m" if self.cluster_m not in (1, 2) else "cluster_n",
+           "must be 1 or 2")
+    if self.cluster_m == self.cluster_n == 2:
+      fail("cluster_n", "a cluster spans 2 CTAs along m or along n, not both")
     if self.stages <= self.wgmma_wait:
       fail("stages", f"must exceed wgmma_wait={self.wgmma_wait} (a stage is"
            " released only after its wgmma completed)")
     if self.num_sms is not None and (
-        not isinstance(self.num_sms, int) or self.num_sms < 1):
-      fail("num_sms", "must be None or a positive int")
+        not isinstance(self.num_sms, int) or self.num_sms < self.cluster_size):
+      fail("num_sms", f"must be None or an int >= the cluster size"
+           f" {self.cluster_size}")
     wg_m, wg_n = self.wg_block_m, self.wg_block_n
     split = self.block_m if self.wg_split == "m" else self.block_n
     if split % self.num_compute_wgs:
@@ -172,6 +187,10 @@ class Config:
     if self.wg_split == "n":
       return self.block_n // self.num_compute_wgs
     return self.block_n
+
+  @property
+  def cluster_size(self) -> int:
+    return self.cluster_m * self.cluster_n
 
   @property
   def out_slots(self) -> int:
@@ -390,6 +409,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
   wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
   epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
   m_tiles, n_tiles, k_iters = pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)
+  # The tile loop walks clusters: (cluster_m x cluster_n) adjacent CTA tiles. With
+  # an odd tile count the last cluster's second CTA gets a tile past the edge: its
+  # TMA loads read zeros (it still has to take part in the multicast) and its
+  # stores are clipped away.
+  m_iters, n_iters = pl.cdiv(m_tiles, cfg.cluster_m), pl.cdiv(n_tiles, cfg.cluster_n)
   num_wgs = cfg.num_compute_wgs
 
   a_block = (bm, bk) if a_k_major else (bk, bm)
@@ -409,12 +433,15 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
                 (lambda kk: (0, kk)) if a_k_major else (lambda kk: (kk, 0)),
                 transforms=a_transforms,
                 delay_release=cfg.wgmma_wait,
+                # CTAs of a cluster along n share their A tiles (multicast).
+                collective_axes=("cluster",) if cfg.cluster_n > 1 else (),
             ),
             plgpu.BlockSpec(  # B tile: (bn, bk) or (bk, bn)
                 b_block,
                 (lambda kk: (0, kk)) if b_k_major else (lambda kk: (kk, 0)),
                 transforms=b_transforms,
                 delay_release=cfg.wgmma_wait,
+                collective_axes=("cluster",) if cfg.cluster_m > 1 else (),
             ),
         ],
         wg_axis="wg",
@@ -483,11 +510,15 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
     wg = lax.axis_index("wg")
     minor = 0 if cfg.grid_minor_dim == "m" else 1
 
-    @plgpu.nd_loop((batch, m_tiles * n_tiles), collective_axes="sm")
+    @plgpu.nd_loop((batch, m_iters * n_iters), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       bi, lin = loop_info.index
-      mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor,
+      mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor,
                                   cfg.grid_tile_width)
+      if cfg.cluster_size > 1:
+        cta = lax.axis_index("cluster")
+        mi, ni = mi * cfg.cluster_m, ni * cfg.cluster_n
+        mi, ni = (mi + cta, ni) if cfg.cluster_m > 1 else (mi, ni + cta)
       # This warpgroup's part of the CTA tile, in CTA-tile coordinates.
       if cfg.wg_split == "m":
         wg_m0, wg_n0 = wg * wg_m, 0
@@ -650,11 +681,14 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     operands = (a, b, c)
   body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
 
+  cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
+             if config.cluster_size > 1 else {})
   call = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
-      grid=(num_sms,),
+      grid=(num_sms // config.cluster_size,),
       grid_names=("sm",),
+      **cluster,
       num_threads=config.num_compute_wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
