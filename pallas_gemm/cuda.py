@@ -46,7 +46,6 @@ _CONFIG_FIELDS = (
 # library exports the same list (tests/test_cuda_plumbing.py checks they agree).
 _TILED = (
     (256, 128, 8, 64, 64, 8, 16, 4),  # the seeds' kernel: 8 warps, 1 block per SM
-    (256, 128, 16, 64, 64, 8, 16, 3),  # the same with K-slices of 16 (never a default)
     (128, 128, 8, 64, 32, 8, 8, 4),   # 8 warps, 2 blocks per SM
     (128, 64, 8, 64, 32, 8, 8, 4),    # 4 warps, 3 blocks per SM
 )

@@ -831,8 +831,6 @@ constexpr TiledEntry MakeEntry() {
 // The seeds' kernel: 256×128 block, 8 warps of 64×64, 8×16 per thread, 4 stages;
 // ~50 KB shared memory, one block per SM.
 using Config256x128 = TileConfig<256, 128, 8, 64, 64, 8, 16, 4, 1>;
-// The same tiles with K-slices of 16: half the barriers and stage switches per K.
-using Config256x128k16 = TileConfig<256, 128, 16, 64, 64, 8, 16, 3, 1>;
 // For grids that would leave SMs idle: 8 warps of 64×32, 8×8 per thread, two blocks
 // per SM (registers capped at 128).
 using Config128x128 = TileConfig<128, 128, 8, 64, 32, 8, 8, 4, 2>;
@@ -842,7 +840,6 @@ using Config128x64 = TileConfig<128, 64, 8, 64, 32, 8, 8, 4, 3>;
 
 const TiledEntry kTiledEntries[] = {
     MakeEntry<Config256x128>(),
-    MakeEntry<Config256x128k16>(),
     MakeEntry<Config128x128>(),
     MakeEntry<Config128x64>(),
 };

@@ -41,6 +41,9 @@ Config = mosaic.Config
         (dict(epi_block_n=24), "epi_block_n"),
         (dict(wgmma_wait=2), "wgmma_wait"),
         (dict(num_sms=0), "num_sms"),
+        (dict(cluster_m=3), "cluster_m"),
+        (dict(cluster_m=2, cluster_n=2), "cluster_n"),
+        (dict(cluster_n=2, num_sms=1), "num_sms"),
     ],
 )
 def test_config_rejects_invalid_field(kwargs, field):
@@ -163,6 +166,25 @@ def test_ragged_split_m_more_tiles_than_sms():
 def test_wgmma_wait_one_deep_k():
   _check(1, 150, 150, 300, config=Config(
       block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2))
+
+
+def test_cluster_m_odd_tile_count():
+  # 3 row tiles in clusters of 2: the last cluster's second CTA gets a tile past
+  # the edge, still takes part in the B multicast, and must write nothing.
+  _check(1, 300, 200, 70, config=Config(block_m=128, block_n=128, cluster_m=2,
+                                        num_sms=4))
+
+
+def test_cluster_n_batched_shared_b():
+  _check(2, 130, 300, 70, batch_b=1, config=Config(
+      block_m=128, block_n=128, cluster_n=2, num_sms=2))
+
+
+def test_default_uses_clusters_for_large_problems():
+  cfg = mosaic.default_config(4096, 4096, 4096, jnp.bfloat16)
+  assert (cfg.block_m, cfg.block_n, cfg.cluster_n) == (256, 128, 2)
+  # A narrow problem keeps single-CTA tiles: a cluster would leave a CTA idle.
+  assert mosaic.default_config(4096, 200, 4096, jnp.bfloat16).cluster_size == 1
 
 
 def test_batched_and_shared_b():
