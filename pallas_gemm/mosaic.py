@@ -318,11 +318,12 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
     # 256 x 128 CTA tiles, two consumer warpgroups of 128 x 128 each, and CTAs
     # paired along n so that each pair loads its shared A tile once (multicast).
     # On the H200 this beat 128 x 256 without clusters by 1-2% at 4096^3 and
-    # 8192^3 (benchmarks/results/2026-11-22-h200/mosaic_probe.log).
+    # 8192^3; keeping one wgmma in flight (wgmma_wait=1) added 0-0.7%
+    # (benchmarks/results/2026-11-22-h200/session2/run{1,2}_mosaic_probe.log).
     cfg = Config(block_m=256, block_n=128, block_k=block_k, stages=4,
                  num_compute_wgs=2, wg_split="m", epi_block_m=64,
                  epi_block_n=64, grid_minor_dim="n", grid_tile_width=8,
-                 cluster_n=2)
+                 cluster_n=2, wgmma_wait=1)
   else:
     # 128 x 256 CTA tile, two consumer warpgroups of 128 x 128 each.
     cfg = Config(block_m=128, block_n=256, block_k=block_k, stages=4,
