@@ -318,12 +318,14 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
     # 256 x 128 CTA tiles, two consumer warpgroups of 128 x 128 each, and CTAs
     # paired along n so that each pair loads its shared A tile once (multicast).
     # On the H200 this beat 128 x 256 without clusters by 1-2% at 4096^3 and
-    # 8192^3; keeping one wgmma in flight (wgmma_wait=1) added 0-0.7%
-    # (benchmarks/results/2026-11-22-h200/session2/run{1,2}_mosaic_probe.log).
+    # 8192^3 (benchmarks/results/2026-11-22-h200/session2/run{1,2}_mosaic_probe.log).
+    # wgmma_wait=1 added 0-0.7% there but is not the default: it rests on the
+    # pipeline's delay_release, which skips the release of each tile's last
+    # stage (see _kernel), too thin a margin for a default.
     cfg = Config(block_m=256, block_n=128, block_k=block_k, stages=4,
                  num_compute_wgs=2, wg_split="m", epi_block_m=64,
                  epi_block_n=64, grid_minor_dim="n", grid_tile_width=8,
-                 cluster_n=2, wgmma_wait=1)
+                 cluster_n=2)
   else:
     # 128 x 256 CTA tile, two consumer warpgroups of 128 x 128 each.
     cfg = Config(block_m=128, block_n=256, block_k=block_k, stages=4,
@@ -420,6 +422,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
   wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
   epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
   m_tiles, n_tiles, k_iters = pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)
+  # The pipeline shrinks its ring to k_iters stages when K is short, after checking
+  # stages > delay_release; with k_iters <= wgmma_wait that check no longer holds and
+  # the kernel faulted on the H200 (8192x8192x64, wgmma_wait=1). One K step has
+  # nothing to overlap, so wait for each wgmma then.
+  wgmma_wait = cfg.wgmma_wait if k_iters > cfg.wgmma_wait else 0
   # The tile loop walks clusters: (cluster_m x cluster_n) adjacent CTA tiles. With
   # an odd tile count the last cluster's second CTA gets a tile past the edge: its
   # TMA loads read zeros (it still has to take part in the multicast) and its
@@ -443,7 +450,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
                 a_block,
                 (lambda kk: (0, kk)) if a_k_major else (lambda kk: (kk, 0)),
                 transforms=a_transforms,
-                delay_release=cfg.wgmma_wait,
+                delay_release=wgmma_wait,
                 # CTAs of a cluster along n share their A tiles (multicast).
                 collective_axes=("cluster",) if cfg.cluster_n > 1 else (),
             ),
@@ -451,7 +458,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
                 b_block,
                 (lambda kk: (0, kk)) if b_k_major else (lambda kk: (kk, 0)),
                 transforms=b_transforms,
-                delay_release=cfg.wgmma_wait,
+                delay_release=wgmma_wait,
                 collective_axes=("cluster",) if cfg.cluster_m > 1 else (),
             ),
         ],
@@ -547,7 +554,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
         else:
           b_op = b_smem.at[:, wg_ns] if cfg.wg_split == "n" else b_smem
         plgpu.wgmma(acc_ref, a_op, b_op)  # (wg_m, bk) @ (bk, wg_n)
-        plgpu.wgmma_wait(cfg.wgmma_wait)
+        plgpu.wgmma_wait(wgmma_wait)
         return acc_ref
 
       def compute_context(eval_pipeline):

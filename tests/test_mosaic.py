@@ -187,6 +187,13 @@ def test_default_uses_clusters_for_large_problems():
   assert mosaic.default_config(4096, 200, 4096, jnp.bfloat16).cluster_size == 1
 
 
+def test_wgmma_wait_one_single_k_step():
+  # K fits one block_k: the kernel must fall back to wgmma_wait=0 (the pipeline's
+  # ring shrinks to one stage, which cannot delay a release; it faulted on the H200).
+  _check(1, 300, 300, 64, config=Config(
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4))
+
+
 def test_batched_and_shared_b():
   _check(3, 70, 72, 40)
   _check(3, 70, 72, 40, batch_b=1)
