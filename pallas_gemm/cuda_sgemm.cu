@@ -155,7 +155,9 @@ struct GemmArgs {
   const float* c;          // batch entry 0 of C: (M, N); never read when beta == 0
   float* out;              // (batch, M, N)
   int m, n, k;             // each < 2^31 - 256 (checked by the handler)
-  int64_t lda, ldb;        // elements between consecutive stored rows of A, B
+  int64_t lda, ldb;        // elements between consecutive stored rows of A, B (>= the
+                           // row length: cuda.py pads rows to 16 bytes)
+  int64_t a_stride, b_stride;  // elements between consecutive batch entries of A, B
   int64_t batch;           // number of output matrices
   int64_t b_div;           // output entry i uses B entry i / b_div (batch when B is shared)
   float alpha, beta;
@@ -541,13 +543,13 @@ __global__ void __launch_bounds__(Cfg::kThreads,
 
   // gridDim.y is capped at 65535, so a larger batch loops.
   for (int64_t bi = blockIdx.y; bi < args.batch; bi += gridDim.y) {
-    // Batch offsets are formed here from opaque copies of the sizes, so the 64-bit
+    // Batch offsets are formed here from opaque copies of the strides, so the 64-bit
     // products are not hoisted out of the batch loop and held across the main loop.
-    int m_ = args.m, k_ = args.k;
-    asm volatile("" : "+r"(m_), "+r"(k_));
-    ALoader a_loader(args.a + bi * (int64_t(m_) * k_), args.lda, block_m0 + warp_row * WM,
+    int64_t a_stride = args.a_stride, b_stride = args.b_stride;
+    asm volatile("" : "+l"(a_stride), "+l"(b_stride));
+    ALoader a_loader(args.a + bi * a_stride, args.lda, block_m0 + warp_row * WM,
                      warp_row * WM, kVec, t_in_row, a_smem);
-    BLoader b_loader(args.b + (bi / args.b_div) * (int64_t(k_) * args.n), args.ldb,
+    BLoader b_loader(args.b + (bi / args.b_div) * b_stride, args.ldb,
                      block_n0 + warp_col * WN, warp_col * WN, kVec, t_in_col, b_smem);
     // Copies of slice k0 / BK: a register-staged operand fetches it (into
     // registers) and stores the slice fetched before it into store_stage; a cp.async
@@ -723,12 +725,10 @@ __global__ void __launch_bounds__(TILE* TILE)
   const int tiles_n = (args.n + TILE - 1) / TILE;
   const int row = (blockIdx.x / tiles_n) * TILE + threadIdx.y;
   const int col = (blockIdx.x % tiles_n) * TILE + threadIdx.x;
-  const int64_t a_size = int64_t(args.m) * args.k;
-  const int64_t b_size = int64_t(args.k) * args.n;
   const int64_t mn = int64_t(args.m) * args.n;
   for (int64_t bi = blockIdx.y; bi < args.batch; bi += gridDim.y) {
-    const float* a = args.a + bi * a_size;
-    const float* b = args.b + (bi / args.b_div) * b_size;
+    const float* a = args.a + bi * args.a_stride;
+    const float* b = args.b + (bi / args.b_div) * args.b_stride;
     float sum = 0.0f;
     for (int k0 = 0; k0 < args.k; k0 += TILE) {
       const int ka = k0 + threadIdx.x;
@@ -878,13 +878,16 @@ ffi::Error SgemmImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> a,
         "pallas_gemm_cuda_sgemm: expected a, b and out of one rank >= 2 (b may be 2-D), got a" +
         DimsToString(a_dims) + ", b" + DimsToString(b_dims) + ", out" + DimsToString(out_dims));
   }
+  // An operand's stored rows may be longer than the matrix along M (transposed A) or
+  // N (B): cuda.py pads them to 16 bytes for the vector path; the kernel reads only
+  // the first m / n entries of each row. K is never padded on one side only.
   const int64_t m = out_dims[rank - 2], n = out_dims[rank - 1];
   const int64_t k = transpose_a ? a_dims[rank - 2] : a_dims[rank - 1];
   const int64_t a_m = transpose_a ? a_dims[rank - 1] : a_dims[rank - 2];
   const size_t rb = b_dims.size();
   const int64_t b_k = transpose_b ? b_dims[rb - 1] : b_dims[rb - 2];
   const int64_t b_n = transpose_b ? b_dims[rb - 2] : b_dims[rb - 1];
-  if (a_m != m || b_k != k || b_n != n) {
+  if ((transpose_a ? a_m < m : a_m != m) || b_k != k || (transpose_b ? b_n != n : b_n < n)) {
     return ffi::Error::InvalidArgument(
         "pallas_gemm_cuda_sgemm: shapes do not multiply: a" + DimsToString(a_dims) +
         (transpose_a ? " (transposed)" : "") + ", b" + DimsToString(b_dims) +
@@ -936,8 +939,10 @@ ffi::Error SgemmImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> a,
   args.m = int(m);
   args.n = int(n);
   args.k = int(k);
-  args.lda = transpose_a ? m : k;
-  args.ldb = transpose_b ? k : n;
+  args.lda = a_dims[rank - 1];
+  args.ldb = b_dims[rb - 1];
+  args.a_stride = a_dims[rank - 2] * a_dims[rank - 1];
+  args.b_stride = b_dims[rb - 2] * b_dims[rb - 1];
   args.batch = batch;
   args.b_div = b_div;
   args.alpha = alpha;

@@ -6,6 +6,7 @@ library was not built (no nvcc when pallas_gemm was installed).
 """
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -186,3 +187,25 @@ def test_gemm_rejects_what_it_cannot_do():
     cuda.gemm(f32, f32, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
               precision=None, out_dtype=np.dtype(np.float32), config=cuda.Config(),
               interpret=True)
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b,a_shape,b_shape,a_want,b_want", [
+    (False, False, (1, 5, 7), (1, 7, 9), (1, 5, 8), (1, 8, 12)),  # K and N padded
+    (True, False, (1, 7, 5), (1, 7, 9), (1, 7, 8), (1, 7, 12)),   # K is a row count: kept
+    (False, True, (1, 5, 7), (2, 9, 7), (1, 5, 8), (2, 9, 8)),    # K in both, batch kept
+    (True, True, (1, 7, 5), (1, 9, 7), (1, 8, 8), (1, 9, 8)),
+])
+def test_align_rows_pads_to_16_bytes(transpose_a, transpose_b, a_shape, b_shape, a_want, b_want):
+  a = jnp.ones(a_shape, jnp.float32)
+  b = jnp.ones(b_shape, jnp.float32)
+  a2, b2 = cuda._align_rows(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+  assert (a2.shape, b2.shape) == (a_want, b_want)
+  # The padding is zeros and the matrices themselves are unchanged.
+  assert float(a2.sum()) == a.size and float(b2.sum()) == b.size
+
+
+def test_align_rows_leaves_aligned_operands_alone():
+  a = jnp.ones((2, 8, 12), jnp.float32)
+  b = jnp.ones((1, 12, 16), jnp.float32)
+  a2, b2 = cuda._align_rows(a, b, transpose_a=False, transpose_b=False)
+  assert a2 is a and b2 is b
