@@ -41,6 +41,9 @@ def probe_cuda(n: int = 4096):
   base = tflops(_ms(lambda a, b: jnp.dot(a, b, precision=HIGHEST), inputs))
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {n}^3 f32: "
         f"jnp.dot HIGHEST {base:.1f} TFLOP/s")
+  default = cuda.default_config(n, n, n, jnp.float32)
+  t = tflops(_ms(lambda a, b: gemm(a, b, backend="cuda"), inputs))
+  print(f"  gemm(backend='cuda') default {default.astuple()}: {t:6.1f} TFLOP/s  {t / base:.3f}x jnp.dot")
   for fields in cuda.compiled_configs():
     config = cuda.Config(**dict(zip(cuda._CONFIG_FIELDS, fields)))
     for ta, tb in ((False, False), (True, False), (False, True), (True, True)):
