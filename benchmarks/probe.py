@@ -4,7 +4,7 @@
                                            the seeds' textbook kernel, jnp.dot HIGHEST
   python3 benchmarks/probe.py ragged [N]   where the time of a ragged (N+1)^3 bf16 mosaic GEMM
                                            goes: the padding copies vs the kernel
-  python3 benchmarks/probe.py mosaic        mosaic configs (tiles, clusters, tile order) vs
+  python3 benchmarks/probe.py mosaic [N..]  mosaic configs (tiles, clusters, tile order) vs
                                            jnp.dot and JAX's hopper_matmul_mgpu at its best,
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
   python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants,
@@ -92,29 +92,33 @@ def _hopper_best(n, inputs):
   return best
 
 
-def probe_mosaic():
+def probe_mosaic(*sizes):
+  """Mosaic configs vs jnp.dot (and hopper_matmul_mgpu on aligned shapes).
+
+  sizes: bf16 N^3 problems to run; none: bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3,
+  then the un-padding copies.
+  """
   Cfg = mosaic.Config
   tall = dict(block_m=256, block_n=128, wg_split="m")
   configs = {
       "default": None,
       "128x256": Cfg(block_m=128, block_n=256, wg_split="n"),
-      "128x256 cluster_m2 wait1": Cfg(block_m=128, block_n=256, cluster_m=2, wgmma_wait=1),
       "256x128 cluster_n2": Cfg(**tall, cluster_n=2),
       "256x128 cluster_n2 wait1": Cfg(**tall, cluster_n=2, wgmma_wait=1),
-      "256x128 cluster_n2 w4": Cfg(**tall, cluster_n=2, grid_tile_width=4),
-      "256x128 cluster_n2 w16": Cfg(**tall, cluster_n=2, grid_tile_width=16),
-      "256x128 cluster_n2 minor m": Cfg(**tall, cluster_n=2, grid_minor_dim="m"),
-      "256x128 cluster_n2 wait1 w4": Cfg(**tall, cluster_n=2, wgmma_wait=1, grid_tile_width=4),
+      "256x192 cluster_n2 s3": Cfg(block_m=256, block_n=192, wg_split="m", cluster_n=2, stages=3),
+      "256x192 s3": Cfg(block_m=256, block_n=192, wg_split="m", stages=3),
+      "192x256 cluster_m2 s3": Cfg(block_m=192, block_n=256, wg_split="n", cluster_m=2, stages=3),
+      "128x256 cluster_m2 wait1": Cfg(block_m=128, block_n=256, cluster_m=2, wgmma_wait=1),
   }
-  for n, dtype, ragged in ((4096, jnp.bfloat16, False), (8192, jnp.bfloat16, False),
-                           (8192, jnp.float16, False), (4096, jnp.bfloat16, True)):
-    r = n + ragged
+  cases = ([(n, jnp.bfloat16) for n in sizes] if sizes else
+           [(4096, jnp.bfloat16), (8192, jnp.bfloat16), (8192, jnp.float16), (4097, jnp.bfloat16)])
+  for r, dtype in cases:
     inputs = _inputs((r, r), (r, r), dtype)
     ref = jnp.dot(*inputs[0], preferred_element_type=jnp.float32)
     tflops = lambda ms: 2 * r**3 / (ms * 1e-3) / 1e12
     dot = tflops(_ms(jnp.dot, inputs))
     line = f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name}: jnp.dot {dot:.1f}"
-    if not ragged:
+    if r % 256 == 0:
       hop_ms, hop_cfg = _hopper_best(r, inputs)
       line += f", hopper_matmul_mgpu best {tflops(hop_ms):.1f} ({hop_cfg})"
     print(line, flush=True)
@@ -127,6 +131,8 @@ def probe_mosaic():
         print(f"  {name:30s} failed: {type(e).__name__} {str(e)[:150]}", flush=True)
         continue
       print(f"  {name:30s} {t:6.1f} TFLOP/s  {t / dot:.3f}x jnp.dot  relerr {err:.1e}", flush=True)
+  if sizes:
+    return
   # Dropping the padding of a misaligned output, (4104, 4160) -> (4097, 4097), which
   # costs 0.080 ms as an XLA slice: compare a Pallas Triton copy kernel.
   r = 4097
