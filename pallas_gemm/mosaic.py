@@ -5,7 +5,7 @@ Design (one CTA per SM, persistent):
     space with ``plgpu.nd_loop`` (strided by the CTA count). Optionally CTAs
     pair up in clusters of 2 that compute adjacent tiles and multicast the
     operand tile they share (``Config.cluster_m`` / ``cluster_n``). Within a batch entry
-    the output tiles are visited in the order given by ``Config.tile_order``:
+    the output tiles are visited in this order:
     ``plgpu.planar_snake`` bands of ``grid_tile_width`` tiles along
     ``grid_minor_dim``, so CTAs that run together share A rows / B columns in L2.
   * K pipeline: ``plgpu.emit_pipeline_warp_specialized``. A producer warpgroup
