@@ -488,6 +488,24 @@ struct RegSliceLoader {
 // slices past the end zero-fill and read nothing; the last iteration's extra wait, barrier and fragment reads are harmless.
 // ---------------------------------------------------------------------------
 
+// Copies of one operand's K-slice starting at k0, by the loader kind the kernel chose:
+// a register-staged loader (kRegs) first stores the slice it fetched before into the
+// stage at store_bytes (when `store`), then fetches this one into registers; a cp.async
+// loader copies this one into the stage at write_bytes. ld / extent / base are the
+// operand's (A: lda, M, a; B: ldb, N, b).
+template <bool kRegs, bool kVec, class Loader>
+__device__ __forceinline__ void LoadSlice(Loader& loader, uint32_t write_bytes,
+                                          uint32_t store_bytes, int k0, bool store,
+                                          int64_t ld, int extent, int k_total,
+                                          const float* base) {
+  if constexpr (kRegs) {
+    if (store) loader.Store(store_bytes);
+    loader.Fetch(k0, extent, k_total);
+  } else {
+    loader.template Load<kVec>(write_bytes, k0, ld, extent, k_total, base);
+  }
+}
+
 template <class Cfg, bool kAKContig, bool kBKContig, bool kVec>
 __global__ void __launch_bounds__(Cfg::kThreads,
                                   kVec ? Cfg::kMinBlocks : Cfg::kMinBlocksScalar)
@@ -555,22 +573,12 @@ __global__ void __launch_bounds__(Cfg::kThreads,
     // registers) and stores the slice fetched before it into store_stage; a cp.async
     // operand copies it into write_stage.
     auto load_a = [&](int write_stage, int store_stage, int k0, bool store) {
-      if constexpr (kARegs) {
-        if (store) a_loader.Store(store_stage * kStageBytesA);
-        a_loader.Fetch(k0, args.m, args.k);
-      } else {
-        a_loader.template Load<kVec>(write_stage * kStageBytesA, k0, args.lda, args.m,
-                                     args.k, args.a);
-      }
+      LoadSlice<kARegs, kVec>(a_loader, write_stage * kStageBytesA, store_stage * kStageBytesA,
+                              k0, store, args.lda, args.m, args.k, args.a);
     };
     auto load_b = [&](int write_stage, int store_stage, int k0, bool store) {
-      if constexpr (kBRegs) {
-        if (store) b_loader.Store(store_stage * kStageBytesB);
-        b_loader.Fetch(k0, args.n, args.k);
-      } else {
-        b_loader.template Load<kVec>(write_stage * kStageBytesB, k0, args.ldb, args.n,
-                                     args.k, args.b);
-      }
+      LoadSlice<kBRegs, kVec>(b_loader, write_stage * kStageBytesB, store_stage * kStageBytesB,
+                              k0, store, args.ldb, args.n, args.k, args.b);
     };
     // One block-wide barrier (one BAR instruction, no branch). The two named
     // barriers per warp-row / warp-column it replaces took a branch tree to turn the
