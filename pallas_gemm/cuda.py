@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_gemm import tuning
+
 NAME = "cuda"
 
 # XLA custom-call target registered by this module.
@@ -31,8 +33,6 @@ TARGET_NAME = "pallas_gemm_cuda_sgemm"
 # Environment variable naming the shared library explicitly (overrides the search).
 LIBRARY_ENV = "PALLAS_GEMM_CUDA_LIB"
 _LIBRARY_NAMES = ("_cuda_sgemm.so", "lib_cuda_sgemm.so")
-# Multiprocessors of the H100 / H200 the project targets; used when no GPU is visible.
-_DEFAULT_NUM_SMS = 132
 _CONFIG_FIELDS = (
     "block_m", "block_n", "block_k", "warp_m", "warp_n", "thread_m", "thread_n", "stages")
 
@@ -122,13 +122,6 @@ CONFIGS = tuple(Config(**dict(zip(_CONFIG_FIELDS, c))) for c in _TILED)
 TEXTBOOK = Config(**dict(zip(_CONFIG_FIELDS, _TEXTBOOK)))
 
 
-@functools.cache
-def _num_sms() -> int:
-  if unavailable_reason() is None:
-    return jax.devices("cuda")[0].core_count
-  return _DEFAULT_NUM_SMS
-
-
 def default_config(m: int, n: int, k: int, dtype) -> Config:
   """The largest block tile whose grid fills the GPU and wastes little in its last wave.
 
@@ -138,7 +131,7 @@ def default_config(m: int, n: int, k: int, dtype) -> Config:
   blocks per SM) at 41.6; at 4096^3 (3.9 waves) 256x128 ran at 45.1.
   """
   del k, dtype  # the tile choice depends only on the output grid; dtype is f32
-  num_sms = _num_sms()
+  num_sms = tuning.num_sms()
   for config, per_sm in zip(CONFIGS[:-1], _BLOCKS_PER_SM):
     blocks = math.ceil(m / config.block_m) * math.ceil(n / config.block_n)
     waves = blocks / (num_sms * per_sm)

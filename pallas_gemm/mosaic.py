@@ -55,6 +55,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm import tuning
+
 NAME = "mosaic"
 
 # Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
@@ -358,13 +360,7 @@ def _rounds(config: Config, m: int, n: int) -> int:
   tiles_m = -(-m // config.block_m)
   tiles_n = -(-n // config.block_n)
   clusters = -(-tiles_m // config.cluster_m) * -(-tiles_n // config.cluster_n)
-  return -(-clusters // (_default_num_sms() // config.cluster_size))
-
-
-def _default_num_sms() -> int:
-  """The GPU's SM count; 132 (H100/H200) where there is none (CPU tests, lowering)."""
-  device = jax.devices()[0]
-  return device.core_count if device.platform == "gpu" else 132
+  return -(-clusters // (tuning.num_sms() // config.cluster_size))
 
 
 def _c_separate(c_dtype, out_dtype) -> bool:

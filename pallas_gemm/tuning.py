@@ -89,6 +89,19 @@ def precision_class(dtype, precision, backend: str | None = None) -> str:
   return "ieee" if precision == jax.lax.Precision.HIGHEST else "tf32"
 
 
+@functools.cache
+def num_sms() -> int:
+  """The GPU's SM count, for the backends' shape heuristics.
+
+  132 (the H100 / H200 this project targets) where no GPU is visible, so that CPU tests
+  and lowering pick the tiles the target GPU would.
+  """
+  try:
+    return jax.devices("gpu")[0].core_count
+  except RuntimeError:  # no GPU platform
+    return 132
+
+
 def device_family(device_kind: str) -> str | None:
   """Maps a jax device_kind ("NVIDIA H100 80GB HBM3") to the shipped table's family key."""
   kind = device_kind.upper()
