@@ -140,27 +140,9 @@ def probe_mosaic(*sizes):
   x0 = padded[0][0]
   for name, fn in (("XLA slice x[:r, :r]", lambda x, _: x[:r, :r]),
                    ("XLA pad (the input side)", lambda x, _: jnp.pad(x[:r, :r], ((0, 7), (0, 63)))),
-                   ("pallas triton unpad", lambda x, _: _triton_unpad(x, r, r))):
+                   ("pallas triton unpad", lambda x, _: triton.unpad(x[None], r, r)[0])):
     ok = bool(jnp.array_equal(jax.jit(fn)(x0, None), x0[:r, :r])) if "pad (" not in name else True
     print(f"  unpad {name:40s} {_ms(fn, padded):.4f} ms  exact={ok}", flush=True)
-
-
-def _triton_unpad(x, rows, cols, block_r=8, block_c=1024):
-  """Copies x[:rows, :cols] with a Pallas Triton kernel (masked 2-D blocks)."""
-  from jax.experimental import pallas as pl  # noqa: PLC0415
-  from jax.experimental.pallas import triton as pltriton  # noqa: PLC0415
-
-  def kernel(x_ref, o_ref):
-    i, j = pl.program_id(0), pl.program_id(1)
-    r_ok = i * block_r + jax.lax.broadcasted_iota(jnp.int32, (block_r, block_c), 0) < rows
-    c_ok = j * block_c + jax.lax.broadcasted_iota(jnp.int32, (block_r, block_c), 1) < cols
-    pltriton.store(o_ref, x_ref[...], mask=r_ok & c_ok)
-
-  spec = pl.BlockSpec((block_r, block_c), lambda i, j: (i, j))
-  return pl.pallas_call(
-      kernel, out_shape=jax.ShapeDtypeStruct((rows, cols), x.dtype),
-      grid=(pl.cdiv(rows, block_r), pl.cdiv(cols, block_c)), in_specs=[spec], out_specs=spec,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1))(x)
 
 
 def probe_triton():

@@ -401,8 +401,10 @@ def unpad(x: jax.Array, rows: int, cols: int, *, interpret: bool = False) -> jax
 
   The Mosaic backend computes a misaligned output (rows not 16-byte aligned) into a
   padded buffer and drops the padding with this. XLA's slice writes such rows slowly:
-  4104x4160 -> 4097x4097 bf16 took 0.080 ms as ``x[:r, :r]`` and 0.027 ms here on the
-  H200 (benchmarks/results/2026-11-22-h200/session2/run2_mosaic_probe.log).
+  4104x4160 -> 4097x4097 bf16 took 0.080 ms as ``x[:r, :r]`` and 0.027 ms with the
+  same masked (8, 1024)-block copy as a 2-D grid on the H200
+  (benchmarks/results/2026-11-22-h200/session2/run2_mosaic_probe.log; benchmarks/probe.py
+  now times this function itself).
   """
   block_r, block_c = 8, 1024
   grid_c = pl.cdiv(cols, block_c)
