@@ -41,7 +41,9 @@ fi
 
 if has cuda; then
   log cuda kernel probe
-  timeout 200 python3 benchmarks/probe.py cuda 4096 2>&1 | tee "$OUT/cuda_probe.log"
+  for n in ${CUDA_SIZES:-4096}; do
+    timeout 200 python3 benchmarks/probe.py cuda "$n" 2>&1 | tee -a "$OUT/cuda_probe.log"
+  done
 fi
 
 if has ragged; then

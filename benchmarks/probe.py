@@ -92,6 +92,15 @@ def _hopper_best(n, inputs):
   return best
 
 
+def _mosaic(a, b, config=None):
+  """mosaic.gemm itself: gemm() caches its traces per plan, which would hide a change
+  of mosaic._CHAIN_TILES between two calls with the same config."""
+  config = config or mosaic.default_config(*a.shape, b.shape[1], a.dtype)
+  return mosaic.gemm(a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=False,
+                     transpose_b=False, precision=None, out_dtype=a.dtype, config=config,
+                     interpret=False)[0]
+
+
 def probe_mosaic(*sizes):
   """Mosaic configs vs jnp.dot (and hopper_matmul_mgpu on aligned shapes).
 
@@ -100,15 +109,16 @@ def probe_mosaic(*sizes):
   """
   Cfg = mosaic.Config
   tall = dict(block_m=256, block_n=128, wg_split="m")
+  # "unchained": the per-tile K pipelines drained and refilled at every tile
+  # (mosaic._CHAIN_TILES off); wgmma_wait=1 cannot chain them either.
   configs = {
       "default": None,
-      "128x256": Cfg(block_m=128, block_n=256, wg_split="n"),
-      "256x128 cluster_n2": Cfg(**tall, cluster_n=2),
+      "default unchained": None,
       "256x128 cluster_n2 wait1": Cfg(**tall, cluster_n=2, wgmma_wait=1),
-      "256x192 cluster_n2 s3": Cfg(block_m=256, block_n=192, wg_split="m", cluster_n=2, stages=3),
+      "128x256": Cfg(block_m=128, block_n=256, wg_split="n"),
+      "128x256 cluster_m2": Cfg(block_m=128, block_n=256, cluster_m=2),
+      "256x128": Cfg(**tall),
       "256x192 s3": Cfg(block_m=256, block_n=192, wg_split="m", stages=3),
-      "192x256 cluster_m2 s3": Cfg(block_m=192, block_n=256, wg_split="n", cluster_m=2, stages=3),
-      "128x256 cluster_m2 wait1": Cfg(block_m=128, block_n=256, cluster_m=2, wgmma_wait=1),
   }
   cases = ([(n, jnp.bfloat16) for n in sizes] if sizes else
            [(4096, jnp.bfloat16), (8192, jnp.bfloat16), (8192, jnp.float16), (4097, jnp.bfloat16)])
@@ -123,13 +133,16 @@ def probe_mosaic(*sizes):
       line += f", hopper_matmul_mgpu best {tflops(hop_ms):.1f} ({hop_cfg})"
     print(line, flush=True)
     for name, cfg in configs.items():
-      fn = lambda a, b, cfg=cfg: gemm(a, b, backend="mosaic", config=cfg)
+      fn = lambda a, b, cfg=cfg: _mosaic(a, b, cfg)
+      mosaic._CHAIN_TILES = "unchained" not in name  # read when fn is traced
       try:
         err = relative_error(fn(*inputs[0]), ref)
         t = tflops(_ms(fn, inputs))
       except Exception as e:  # noqa: BLE001 - report and go on
         print(f"  {name:30s} failed: {type(e).__name__} {str(e)[:150]}", flush=True)
         continue
+      finally:
+        mosaic._CHAIN_TILES = True
       print(f"  {name:30s} {t:6.1f} TFLOP/s  {t / dot:.3f}x jnp.dot  relerr {err:.1e}", flush=True)
   if sizes:
     return

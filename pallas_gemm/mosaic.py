@@ -15,7 +15,8 @@ Design (one CTA per SM, persistent):
     consumer warpgroups each own a slice of the CTA tile (split along
     ``wg_split``) and run ``plgpu.wgmma`` into an f32 register accumulator.
   * Epilogue (consumer warpgroups, overlapped with the producer already
-    prefetching the next tile): the accumulator is scaled by alpha, beta*C is
+    loading the next tile: the per-tile pipelines are chained with
+    ``plgpu.PipelinePipeline`` where K allows it): the accumulator is scaled by alpha, beta*C is
     added (C fetched by TMA into shared memory), the result is cast to the out
     dtype, written to a double-buffered shared-memory slot and stored with TMA
     in (epi_block_m, epi_block_n) sub-tiles.
@@ -67,6 +68,9 @@ _RESERVED_SMEM_BYTES = 128 * 4 * 4
 _INTERPRET_NUM_SMS = 4
 # Registers per thread left to the producer warpgroup (setmaxnreg).
 _PRODUCER_REGISTERS = 40
+# Chain the K pipelines of consecutive tiles where the pipeline allows it (see
+# _kernel). A module switch, not a Config field, so that probes can measure it.
+_CHAIN_TILES = True
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                      jnp.dtype(jnp.float16))
@@ -454,6 +458,13 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
   # stores are clipped away.
   m_iters, n_iters = pl.cdiv(m_tiles, cfg.cluster_m), pl.cdiv(n_tiles, cfg.cluster_n)
   num_wgs = cfg.num_compute_wgs
+  # Chain the per-tile pipelines of a CTA (``plgpu.PipelinePipeline``): the producer
+  # loads the next tile's first K blocks into each stage as soon as the current
+  # tile's last steps free it, instead of draining the ring at the end of every tile
+  # and refilling it during the epilogue. The pipeline allows it when every tile
+  # uses each stage equally often and no release is delayed.
+  chained = (_CHAIN_TILES and wgmma_wait == 0
+             and k_iters % min(cfg.stages, k_iters) == 0)
 
   a_block = (bm, bk) if a_k_major else (bk, bm)
   b_block = (bn, bk) if b_k_major else (bk, bn)
@@ -461,7 +472,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
   b_transforms = _swizzle_transforms(b_block[1], dtype)
   out_transforms = _swizzle_transforms(epi_n, out_dtype)
 
-  def get_pipeline(body, compute_context):
+  def get_pipeline(body, compute_context, pipeline_state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body,
         grid=(k_iters,),
@@ -487,6 +498,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
         num_compute_wgs=num_wgs,
         max_concurrent_steps=cfg.stages,
         compute_context=compute_context,
+        pipeline_state=pipeline_state,
     )
 
   def a_window(bi, mi):  # rows [mi*bm, +bm) of batch bi, all K
@@ -587,7 +599,17 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
           _epilogue(acc, bi, mi * bm + wg_m0, ni * bn + wg_n0, wg, out_smem,
                     c_smem, c_barrier)
 
-      get_pipeline(mma_body, compute_context)(
+      state = None
+      if chained:
+        # START fills the ring, STOP drains it (the producer waits for the last
+        # releases). A CTA with a single tile only STARTs: nothing follows that
+        # pipeline, so its producer need not wait for the last releases.
+        state = jnp.where(
+            loop_info.local_index == 0, jnp.int32(plgpu.PipelinePipeline.START),
+            jnp.where(loop_info.local_index == loop_info.num_local_steps - 1,
+                      jnp.int32(plgpu.PipelinePipeline.STOP),
+                      jnp.int32(plgpu.PipelinePipeline.STEADY)))
+      get_pipeline(mma_body, compute_context, state)(
           a_window(bi, mi), b_window(bi, ni), allocations=pipeline_allocs)
 
   del _scope  # run_scoped ran it

@@ -204,6 +204,31 @@ def test_wgmma_wait_one_single_k_step():
       block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4))
 
 
+@pytest.mark.parametrize("batch, m, n, k, num_sms, cluster_n", [
+    (1, 512, 384, 256, 3, 1),  # 12 tiles over 3 CTAs: START, STEADY..., STOP
+    (1, 640, 128, 128, 4, 1),  # 5 tiles over 4 CTAs: three CTAs START only
+    (2, 256, 512, 192, 2, 2),  # clusters: the multicast stages chain too
+])
+def test_chained_tile_pipelines(monkeypatch, batch, m, n, k, num_sms, cluster_n):
+  # K blocks a multiple of the stages: each CTA's per-tile pipelines are chained
+  # (plgpu.PipelinePipeline). Check that this path is the one taken and that it
+  # gives the unchained result.
+  cfg = Config(block_m=128, block_n=128, block_k=64, stages=min(4, k // 64),
+               cluster_n=cluster_n, num_sms=num_sms)
+  states = []
+  emit = mosaic.plgpu.emit_pipeline_warp_specialized
+  def spy(*args, pipeline_state=None, **kwargs):
+    states.append(pipeline_state)
+    return emit(*args, pipeline_state=pipeline_state, **kwargs)
+  monkeypatch.setattr(mosaic.plgpu, "emit_pipeline_warp_specialized", spy)
+  _check(batch, m, n, k, config=cfg)
+  assert any(state is not None for state in states)
+  monkeypatch.setattr(mosaic, "_CHAIN_TILES", False)
+  states.clear()
+  _check(batch, m, n, k, config=cfg)
+  assert all(state is None for state in states)
+
+
 def test_batched_and_shared_b():
   _check(3, 70, 72, 40)
   _check(3, 70, 72, 40, batch_b=1)
