@@ -46,11 +46,12 @@ _CONFIG_FIELDS = (
 # library exports the same list (tests/test_cuda_plumbing.py checks they agree).
 _TILED = (
     (256, 128, 8, 64, 64, 8, 16, 4),  # the seeds' kernel: 8 warps, 1 block per SM
+    (128, 128, 8, 64, 64, 8, 16, 4),  # its warp/thread tiles: 4 warps, 2 blocks per SM
     (128, 128, 8, 64, 32, 8, 8, 4),   # 8 warps, 2 blocks per SM
     (128, 64, 8, 64, 32, 8, 8, 4),    # 4 warps, 3 blocks per SM
 )
 # Blocks per SM of each _TILED entry (its __launch_bounds__ minimum in cuda_sgemm.cu).
-_BLOCKS_PER_SM = (1, 2, 3)
+_BLOCKS_PER_SM = (1, 2, 2, 3)
 # The textbook shared-memory kernel (32×32 threads, one output each), the baseline.
 _TEXTBOOK = (32, 32, 32, 1, 32, 1, 1, 1)
 _COMPILED = _TILED + (_TEXTBOOK,)

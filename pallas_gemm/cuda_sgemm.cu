@@ -839,6 +839,9 @@ constexpr TiledEntry MakeEntry() {
 // The seeds' kernel: 256×128 block, 8 warps of 64×64, 8×16 per thread, 4 stages;
 // ~50 KB shared memory, one block per SM.
 using Config256x128 = TileConfig<256, 128, 8, 64, 64, 8, 16, 4, 1>;
+// The seeds' warp and thread tiles in a 128×128 block: 4 warps of 64×64, 8×16 per
+// thread, two blocks per SM (each block syncs 4 warps, not 8).
+using Config128x128w64 = TileConfig<128, 128, 8, 64, 64, 8, 16, 4, 2>;
 // For grids that would leave SMs idle: 8 warps of 64×32, 8×8 per thread, two blocks
 // per SM (registers capped at 128).
 using Config128x128 = TileConfig<128, 128, 8, 64, 32, 8, 8, 4, 2>;
@@ -848,6 +851,7 @@ using Config128x64 = TileConfig<128, 64, 8, 64, 32, 8, 8, 4, 3>;
 
 const TiledEntry kTiledEntries[] = {
     MakeEntry<Config256x128>(),
+    MakeEntry<Config128x128w64>(),
     MakeEntry<Config128x128>(),
     MakeEntry<Config128x64>(),
 };
