@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [ab] [triton]
 #                                 [ncu] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -54,6 +54,11 @@ fi
 if has mosaic; then
   log mosaic configs vs jnp.dot and hopper_matmul_mgpu
   timeout 400 python3 benchmarks/probe.py mosaic 2>&1 | tee "$OUT/mosaic_probe.log"
+fi
+
+if has ab; then
+  log mosaic variants vs jnp.dot, interleaved rounds
+  timeout 300 python3 benchmarks/probe.py ab 2>&1 | tee "$OUT/ab_probe.log"
 fi
 
 if has triton; then

@@ -7,6 +7,8 @@
   python3 benchmarks/probe.py mosaic [N..]  mosaic configs (tiles, clusters, tile order) vs
                                            jnp.dot and JAX's hopper_matmul_mgpu at its best,
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
+  python3 benchmarks/probe.py ab [N..]     mosaic chained / unchained / wgmma_wait=1 vs jnp.dot,
+                                           interleaved rounds (ratios per round)
   python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants,
                                            and the ratio by wall clock (anchors.md's method)
 """
@@ -158,6 +160,46 @@ def probe_mosaic(*sizes):
     print(f"  unpad {name:40s} {_ms(fn, padded):.4f} ms  exact={ok}", flush=True)
 
 
+def probe_ab(*sizes, rounds: int = 7):
+  """Differences of ~1% between mosaic variants and jnp.dot, measured interleaved.
+
+  Each round times every variant once (median of 30 calls); the ratios to jnp.dot are
+  taken per round, so drifts of clock and power between rounds cancel, and the median
+  over rounds is reported with its spread. sizes: bf16 N^3 (default 4096 8192), then
+  f16 8192^3.
+  """
+  Cfg = mosaic.Config
+  variants = {
+      "chained (default)": (None, True),
+      "unchained": (None, False),
+      "256x128 cluster_n2 wait1": (Cfg(block_m=256, block_n=128, wg_split="m",
+                                       cluster_n=2, wgmma_wait=1), True),
+  }
+  cases = [(n, jnp.bfloat16) for n in (sizes or (4096, 8192))] + [(8192, jnp.float16)]
+  for r, dtype in cases:
+    inputs = _inputs((r, r), (r, r), dtype)
+    fns = {"jnp.dot": jax.jit(jnp.dot)}
+    for name, (cfg, chain) in variants.items():
+      mosaic._CHAIN_TILES = chain  # read when the function is traced (below)
+      try:
+        fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
+        fns[name](*inputs[0]).block_until_ready()
+      finally:
+        mosaic._CHAIN_TILES = True
+    ms = {name: [] for name in fns}
+    for _ in range(rounds):
+      for name, fn in fns.items():
+        ms[name].append(float(np.median(tuning.time_gpu_ms(fn, inputs, iterations=30))))
+    tflops = lambda t: 2 * r**3 / (t * 1e-3) / 1e12
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name},"
+          f" {rounds} interleaved rounds: jnp.dot {tflops(np.median(ms['jnp.dot'])):.1f} TFLOP/s")
+    for name in variants:
+      ratios = np.array(ms["jnp.dot"]) / np.array(ms[name])
+      print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs jnp.dot per round:"
+            f" median {np.median(ratios):.3f}x, min {ratios.min():.3f}, max {ratios.max():.3f}",
+            flush=True)
+
+
 def probe_triton():
   n = 4096
   inputs = _inputs((n, n), (n, n), jnp.bfloat16)
@@ -201,5 +243,5 @@ def _wall_ms(fn, inputs, calls=30, repeats=5):
 if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
-            "triton": probe_triton}
+            "ab": probe_ab, "triton": probe_triton}
   probes[what](*(int(x) for x in rest))

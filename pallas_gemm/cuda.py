@@ -47,11 +47,10 @@ _CONFIG_FIELDS = (
 _TILED = (
     (256, 128, 8, 64, 64, 8, 16, 4),  # the seeds' kernel: 8 warps, 1 block per SM
     (128, 128, 8, 64, 64, 8, 16, 4),  # its warp/thread tiles: 4 warps, 2 blocks per SM
-    (128, 128, 8, 64, 32, 8, 8, 4),   # 8 warps, 2 blocks per SM
     (128, 64, 8, 64, 32, 8, 8, 4),    # 4 warps, 3 blocks per SM
 )
 # Blocks per SM of each _TILED entry (its __launch_bounds__ minimum in cuda_sgemm.cu).
-_BLOCKS_PER_SM = (1, 2, 2, 3)
+_BLOCKS_PER_SM = (1, 2, 3)
 # The textbook shared-memory kernel (32×32 threads, one output each), the baseline.
 _TEXTBOOK = (32, 32, 32, 1, 32, 1, 1, 1)
 _COMPILED = _TILED + (_TEXTBOOK,)
@@ -124,22 +123,23 @@ TEXTBOOK = Config(**dict(zip(_CONFIG_FIELDS, _TEXTBOOK)))
 
 
 def default_config(m: int, n: int, k: int, dtype) -> Config:
-  """The largest block tile whose grid fills the GPU and wastes little in its last wave.
+  """128x128 where its grid fills the GPU and wastes little in its last wave, else 128x64.
 
   A wave is one block per (SM x blocks-per-SM) slot; a part-full last wave costs
-  about a whole one. At 4097^3 the 256x128 tile makes 4.25 waves (15% of the slot
-  time idle) and ran at 37.3 TFLOP/s on the H200, the 128x64 tile (5.4 waves of 3
-  blocks per SM) at 41.6; at 4096^3 (3.9 waves) 256x128 ran at 45.1.
+  about a whole one. At 4097^3 the 128x128 tile makes 4.1 waves of 2 blocks per SM
+  (17% of the slot time idle; 256x128: 37.3 TFLOP/s on the H200), the 128x64 tile
+  5.4 waves of 3 (41.6). The seeds' 256x128 is not a default: the 128x128 block with
+  the same warp and thread tiles fills the same grid in as many waves and ran 5-16%
+  faster for NN and NT at 2048^3 and 4096^3 on the H200 (4% slower for TT).
   """
   del k, dtype  # the tile choice depends only on the output grid; dtype is f32
-  num_sms = tuning.num_sms()
-  for config, per_sm in zip(CONFIGS[:-1], _BLOCKS_PER_SM):
-    blocks = math.ceil(m / config.block_m) * math.ceil(n / config.block_n)
-    waves = blocks / (num_sms * per_sm)
-    idle = (math.ceil(waves) - waves) / math.ceil(waves)  # slot-time the last wave wastes
-    if blocks >= 0.9 * num_sms and (waves < 1 or idle <= 0.1):
-      return config
-  return CONFIGS[-1]
+  tile, small = CONFIGS[1], CONFIGS[2]  # 128x128, 128x64
+  blocks = math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n)
+  waves = blocks / (tuning.num_sms() * _BLOCKS_PER_SM[1])
+  idle = (math.ceil(waves) - waves) / math.ceil(waves)  # slot-time the last wave wastes
+  if blocks >= 0.9 * tuning.num_sms() and (waves < 1 or idle <= 0.1):
+    return tile
+  return small
 
 
 # ---------------------------------------------------------------------------
