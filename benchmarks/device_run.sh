@@ -57,7 +57,7 @@ if has mosaic; then
 fi
 
 if has ab; then
-  log mosaic variants vs jnp.dot, interleaved rounds
+  log mosaic variants vs jnp.dot, called in turn
   timeout 300 python3 benchmarks/probe.py ab 2>&1 | tee "$OUT/ab_probe.log"
 fi
 

@@ -8,7 +8,7 @@
                                            jnp.dot and JAX's hopper_matmul_mgpu at its best,
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
   python3 benchmarks/probe.py ab [N..]     mosaic chained / unchained / wgmma_wait=1 vs jnp.dot,
-                                           interleaved rounds (ratios per round)
+                                           called in turn (ratios to the adjacent jnp.dot call)
   python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants,
                                            and the ratio by wall clock (anchors.md's method)
 """
@@ -160,13 +160,14 @@ def probe_mosaic(*sizes):
     print(f"  unpad {name:40s} {_ms(fn, padded):.4f} ms  exact={ok}", flush=True)
 
 
-def probe_ab(*sizes, rounds: int = 7):
-  """Differences of ~1% between mosaic variants and jnp.dot, measured interleaved.
+def probe_ab(*sizes, iterations: int = 200):
+  """Differences of ~1% between mosaic variants and jnp.dot, measured call by call.
 
-  Each round times every variant once (median of 30 calls); the ratios to jnp.dot are
-  taken per round, so drifts of clock and power between rounds cancel, and the median
-  over rounds is reported with its spread. sizes: bf16 N^3 (default 4096 8192), then
-  f16 8192^3.
+  At 8192^3 the H200's clock moves with power within milliseconds, so separately timed
+  runs of 20-30 calls disagree by several percent. Here every iteration calls jnp.dot
+  and each variant back to back (one CUPTI capture, the order rotated per iteration),
+  each variant's time is compared with the jnp.dot call of its iteration, and the median
+  and 10th/90th percentiles of those ratios are reported. sizes: bf16 N^3 (default 4096 8192), then f16 8192^3.
   """
   Cfg = mosaic.Config
   variants = {
@@ -186,18 +187,53 @@ def probe_ab(*sizes, rounds: int = 7):
         fns[name](*inputs[0]).block_until_ready()
       finally:
         mosaic._CHAIN_TILES = True
-    ms = {name: [] for name in fns}
-    for _ in range(rounds):
-      for name, fn in fns.items():
-        ms[name].append(float(np.median(tuning.time_gpu_ms(fn, inputs, iterations=30))))
+    ms = _interleaved_ms(fns, inputs, iterations)
     tflops = lambda t: 2 * r**3 / (t * 1e-3) / 1e12
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name},"
-          f" {rounds} interleaved rounds: jnp.dot {tflops(np.median(ms['jnp.dot'])):.1f} TFLOP/s")
+          f" {iterations} interleaved iterations: jnp.dot {tflops(np.median(ms['jnp.dot'])):.1f}"
+          " TFLOP/s (median)")
     for name in variants:
       ratios = np.array(ms["jnp.dot"]) / np.array(ms[name])
-      print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs jnp.dot per round:"
-            f" median {np.median(ratios):.3f}x, min {ratios.min():.3f}, max {ratios.max():.3f}",
-            flush=True)
+      p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
+      print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs the adjacent jnp.dot:"
+            f" median {p50:.3f}x (10%: {p10:.3f}, 90%: {p90:.3f})", flush=True)
+
+
+def _interleaved_ms(fns, inputs, iterations):
+  """{name: [ms per call]} with the functions called in turn, iteration by iteration."""
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  kernels = {}  # the kernel names one call of each function launches
+  for name, fn in fns.items():
+    for args in inputs:
+      jax.block_until_ready(fn(*args))
+    ext._cupti_init()
+    try:
+      jax.block_until_ready(fn(*inputs[0]))
+    finally:
+      kernels[name] = [k for k, _ in ext._cupti_get_timings(True)]
+  names = list(fns)
+  order = lambda i: names[i % len(names):] + names[:i % len(names)]  # rotate: no fixed slot
+  ext._cupti_init()
+  try:
+    previous = None
+    for i in range(iterations):
+      outs = [fns[name](*inputs[i % len(inputs)]) for name in order(i)]
+      if previous is not None:  # one iteration queued ahead: the GPU never idles, and
+        jax.block_until_ready(previous)  # at most two iterations' outputs are alive
+      previous = outs
+    jax.block_until_ready(previous)
+  finally:
+    timings = ext._cupti_get_timings(True)
+  ms, pos = {name: [] for name in fns}, 0
+  for i in range(iterations):
+    for name in order(i):
+      got = timings[pos:pos + len(kernels[name])]
+      if [k for k, _ in got] != kernels[name]:
+        raise RuntimeError(f"CUPTI order: expected {kernels[name]} for {name}, got {got}")
+      ms[name].append(sum(t for _, t in got))
+      pos += len(kernels[name])
+  return ms
 
 
 def probe_triton():
