@@ -852,8 +852,6 @@ using Config256x128 = TileConfig<256, 128, 8, 64, 64, 8, 16, 4, 1>;
 // instead of one whose barrier holds 8: on the H200 it beat 256×128 by 5-16% (NN, NT)
 // at 2048^3 and 4096^3 and lost 4% on TT (results/2026-11-22-h200/session3/run1).
 using Config128x128 = TileConfig<128, 128, 8, 64, 64, 8, 16, 4, 2>;
-// Experiment: the same with K-slices of 16 (half the barriers and loop overhead per FFMA).
-using Config128x128k16 = TileConfig<128, 128, 16, 64, 64, 8, 16, 4, 2>;
 // Smaller still: 4 warps of 64×32, 8×8 per thread, three blocks per SM (at four, the
 // 128-register cap spills).
 using Config128x64 = TileConfig<128, 64, 8, 64, 32, 8, 8, 4, 3>;
@@ -864,15 +862,10 @@ template <>
 struct ScalarFallback<Config128x128> {
   using type = TileConfig<128, 128, 8, 64, 32, 8, 8, 4, 2>;
 };
-template <>
-struct ScalarFallback<Config128x128k16> {
-  using type = TileConfig<128, 128, 8, 64, 32, 8, 8, 4, 2>;
-};
 
 const TiledEntry kTiledEntries[] = {
     MakeEntry<Config256x128>(),
     MakeEntry<Config128x128>(),
-    MakeEntry<Config128x128k16>(),
     MakeEntry<Config128x64>(),
 };
 constexpr int kNumTiled = sizeof(kTiledEntries) / sizeof(kTiledEntries[0]);
