@@ -7,7 +7,7 @@
   python3 benchmarks/probe.py mosaic [N..]  mosaic configs (tiles, clusters, tile order) vs
                                            jnp.dot and JAX's hopper_matmul_mgpu at its best,
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
-  python3 benchmarks/probe.py ab [N..]     mosaic chained / unchained / wgmma_wait=1 vs jnp.dot,
+  python3 benchmarks/probe.py ab [N..]     mosaic chained / unchained / wgmma_wait=1, triton vs jnp.dot,
                                            called in turn (ratios to the adjacent jnp.dot call)
   python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants,
                                            and the ratio by wall clock (anchors.md's method)
@@ -187,12 +187,13 @@ def probe_ab(*sizes, iterations: int = 200):
         fns[name](*inputs[0]).block_until_ready()
       finally:
         mosaic._CHAIN_TILES = True
+    fns["triton (default)"] = jax.jit(lambda a, b: gemm(a, b, backend="triton"))
     ms = _interleaved_ms(fns, inputs, iterations)
     tflops = lambda t: 2 * r**3 / (t * 1e-3) / 1e12
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name},"
           f" {iterations} interleaved iterations: jnp.dot {tflops(np.median(ms['jnp.dot'])):.1f}"
           " TFLOP/s (median)")
-    for name in variants:
+    for name in list(fns)[1:]:
       ratios = np.array(ms["jnp.dot"]) / np.array(ms[name])
       p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
       print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs the adjacent jnp.dot:"
