@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [ab] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -59,6 +59,13 @@ fi
 if has ab; then
   log mosaic variants vs jnp.dot, called in turn
   timeout 300 python3 benchmarks/probe.py ab 2>&1 | tee "$OUT/ab_probe.log"
+fi
+
+if has power; then
+  log clock and power while each GEMM runs back to back
+  for n in 4096 8192; do
+    timeout 150 python3 benchmarks/probe.py power "$n" 2>&1 | tee -a "$OUT/power_probe.log"
+  done
 fi
 
 if has triton; then

@@ -9,6 +9,8 @@
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
   python3 benchmarks/probe.py ab [N..]     mosaic chained / unchained / wgmma_wait=1, triton vs jnp.dot,
                                            called in turn (ratios to the adjacent jnp.dot call)
+  python3 benchmarks/probe.py power [N]    SM clock and board power while jnp.dot / mosaic /
+                                           triton run back to back (bf16 N^3, nvidia-smi)
   python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants,
                                            and the ratio by wall clock (anchors.md's method)
 """
@@ -237,6 +239,43 @@ def _interleaved_ms(fns, inputs, iterations):
   return ms
 
 
+def probe_power(n: int = 8192, seconds: float = 4.0):
+  """Clock and power while one GEMM runs back to back (bf16 n^3): jnp.dot, then mosaic.
+
+  nvidia-smi samples the SM clock and board power every 50 ms during each ~`seconds` run;
+  the median of each and the throughput by wall clock over the run are printed.
+  """
+  import subprocess  # noqa: PLC0415
+  import time  # noqa: PLC0415
+  inputs = _inputs((n, n), (n, n), jnp.bfloat16)
+  fns = {"jnp.dot": jax.jit(jnp.dot), "mosaic (default)": jax.jit(_mosaic),
+         "triton (default)": jax.jit(lambda a, b: gemm(a, b, backend="triton"))}
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {n}^3 bf16, ~{seconds} s each,"
+        " back to back")
+  for name, fn in fns.items():
+    for args in inputs:
+      fn(*args).block_until_ready()
+    time.sleep(2.0)  # let the clock recover between functions
+    smi = subprocess.Popen(
+        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw", "--format=csv,noheader,nounits",
+         "-lms", "50"], stdout=subprocess.PIPE, text=True)
+    calls, start, previous = 0, time.perf_counter(), None
+    while time.perf_counter() - start < seconds:
+      out = fn(*inputs[calls % len(inputs)])
+      if previous is not None:
+        previous.block_until_ready()  # one call queued ahead
+      previous, calls = out, calls + 1
+    previous.block_until_ready()
+    wall = time.perf_counter() - start
+    smi.terminate()
+    samples = [tuple(float(x) for x in line.split(",")) for line in smi.communicate()[0].split("\n")
+               if line.count(",") == 1]
+    clock, power = np.median(np.array(samples), axis=0) if samples else (float("nan"),) * 2
+    print(f"  {name:18s} {2 * n**3 * calls / wall / 1e12:6.1f} TFLOP/s over {calls} calls;"
+          f" median SM clock {clock:.0f} MHz, power {power:.0f} W ({len(samples)} samples)",
+          flush=True)
+
+
 def probe_triton():
   n = 4096
   inputs = _inputs((n, n), (n, n), jnp.bfloat16)
@@ -280,5 +319,5 @@ def _wall_ms(fn, inputs, calls=30, repeats=5):
 if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
-            "ab": probe_ab, "triton": probe_triton}
+            "ab": probe_ab, "power": probe_power, "triton": probe_triton}
   probes[what](*(int(x) for x in rest))
