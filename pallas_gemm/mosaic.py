@@ -16,10 +16,10 @@ Design (one CTA per SM, persistent):
     ``wg_split``) and run ``plgpu.wgmma`` into an f32 register accumulator.
   * Epilogue (consumer warpgroups, overlapped with the producer already
     loading the next tile: the per-tile pipelines are chained with
-    ``plgpu.PipelinePipeline`` where K allows it): the accumulator is scaled by alpha, beta*C is
-    added (C fetched by TMA into shared memory), the result is cast to the out
-    dtype, written to a double-buffered shared-memory slot and stored with TMA
-    in (epi_block_m, epi_block_n) sub-tiles.
+    ``plgpu.PipelinePipeline`` where K allows it): the accumulator is scaled by
+    alpha, beta*C is added (C fetched by TMA into shared memory), the result is
+    cast to the out dtype, written to a double-buffered shared-memory slot and
+    stored with TMA in (epi_block_m, epi_block_n) sub-tiles.
 
 Shapes, edges and layouts (costs in parentheses):
   * Ragged M, N, K: TMA loads zero-fill out-of-bounds parts of a tile and TMA
