@@ -286,7 +286,14 @@ def probe_triton():
   variants = [default] + [dataclasses.replace(default, group_m=g) for g in (1, 4, 16, 32)] + [
       dataclasses.replace(default, num_stages=4, block_k=32),
       dataclasses.replace(default, num_stages=5, block_k=32),
-      dataclasses.replace(default, block_k=128, num_stages=2)]
+      dataclasses.replace(default, block_k=128, num_stages=2)] + [
+      # 16 warps: four warpgroups share the tile (smaller accumulators per thread), and
+      # the 256x256 tile that needs them.
+      dataclasses.replace(default, num_warps=16),
+      dataclasses.replace(default, num_warps=16, num_stages=4),
+      dataclasses.replace(default, block_m=256, block_n=128, num_warps=16),
+      dataclasses.replace(default, block_m=256, block_n=256, num_warps=16),
+      dataclasses.replace(default, block_m=256, block_n=256, num_warps=16, group_m=4)]
   for cfg in variants:
     fn = lambda a, b, cfg=cfg: gemm(a, b, backend="triton", config=cfg)
     try:
