@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
 #   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [ab] [power] [triton]
-#                                 [ncu] [bench] [full] [tune]
+#                                 [ncu] [ncu_mosaic] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pallas_gemm_out}
@@ -84,6 +84,25 @@ if has ncu; then
   grep -E "Duration|Throughput|Registers|Achieved Occupancy|Issue Slots|Warp Cycles Per Issued|Bank" "$OUT/ncu_cuda.txt" | head -20
   # Stall reasons, in cycles per issued instruction, largest first.
   grep -E "issue_stalled_.*ratio" "$OUT/ncu_cuda.txt" | sort -k3 -g -r | head -10
+fi
+
+if has ncu_mosaic; then
+  log ncu of cuBLAS and the mosaic kernel, bf16 4096^3
+  # XLA's autotuner launches cuBLAS while compiling jnp.dot: those launches (same kernel as
+  # the one it keeps, nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT, on the H200) are the
+  # first two nvjet captures; the mosaic kernel is captured from its own process.
+  for target in "pallas_gemm_mosaic mosaic" "nvjet jnp.dot"; do
+    set -- $target
+    timeout 150 ncu --clock-control none -k regex:"$1" -c 2 --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section LaunchStats --section Occupancy \
+        python3 -c "import jax, jax.numpy as jnp, pallas_gemm as p
+a = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.bfloat16)
+f = jax.jit(lambda a: p.gemm(a, a, backend='mosaic') if '$2' == 'mosaic' else jnp.dot(a, a))
+f(a).block_until_ready()" >>"$OUT/ncu_mosaic.txt" 2>&1; echo "ncu $2 rc=$?"
+  done
+  grep -E "^  [a-zA-Z_0-9]+.*\(|Duration|SM Frequency|Throughput|Registers Per|Warp Cycles Per Issued|Achieved Occupancy|Stall|Issue Slots|Executed Ipc" \
+      "$OUT/ncu_mosaic.txt" | head -80
 fi
 
 if has bench; then
