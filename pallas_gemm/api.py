@@ -106,7 +106,7 @@ def _on_gpu() -> bool:
 
 
 def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
-                  leading_dims: tuple[int, ...]) -> str:
+                  leading_dims: tuple[int, ...], batch: int = 1) -> str:
   """The `backend="auto"` decision, from the H200 measurements in benchmarks/results.
 
   cuBLAS (jnp.dot) is 1.0-1.03x our best kernels on aligned shapes, so it keeps them.
@@ -117,8 +117,10 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
     return "xla"
   status = backends()
   # Small square-ish 16-bit products: the Triton kernel's single short launch beats cuBLAS
-  # (bf16 256^3: 1.24x, 512^3: 1.60x; at 1024^3 cuBLAS wins again, 0.74x).
-  if dtype.itemsize == 2 and 256 <= min(m, n, k) and max(m, n, k) <= 512 and status["triton"] is None:
+  # (bf16 256^3: 1.24x, 512^3: 1.60x; at 1024^3 cuBLAS wins again, 0.74x). Not batched:
+  # 64 x 256^3 bf16 ran at 0.80x cuBLAS's batched kernel.
+  if (dtype.itemsize == 2 and batch == 1 and 256 <= min(m, n, k) and max(m, n, k) <= 512
+      and status["triton"] is None):
     return "triton"
   # Small or skinny products are launch- or bandwidth-bound: cuBLAS's specialised kernels
   # win there (16x8192x8192 bf16: jnp.dot 59, mosaic 31, triton 37 TFLOP/s).
@@ -126,7 +128,10 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
     return "xla"
   misaligned = any(d * dtype.itemsize % 16 for d in leading_dims)
   ieee_f32 = dtype == np.float32 and precision == jax.lax.Precision.HIGHEST
-  if misaligned and not ieee_f32 and status["mosaic"] is None:
+  # TF32 pays for a transposed copy of B besides the pads: at 997x1009x1013 that lost
+  # (0.88x), from 2047x8191x1023 (1.5x) up it wins.
+  small_tf32 = dtype == np.float32 and m * n * k * batch < 2**32
+  if misaligned and not ieee_f32 and not small_tf32 and status["mosaic"] is None:
     return "mosaic"  # TMA + wgmma on padded copies; the IEEE-f32 case has no fast kernel
   return "xla"
 
@@ -233,7 +238,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       raise TypeError(f"config must be a pallas_gemm.<backend>.Config; got {type(config).__qualname__}")
     backend = name
   if backend == "auto":
-    backend = _auto_backend(dtype, precision, m, n, k, (a.shape[-1], b.shape[-1], n))
+    backend = _auto_backend(dtype, precision, m, n, k, (a.shape[-1], b.shape[-1], n),
+                            batch=math.prod(batch_shape))
   elif backend not in BACKENDS:
     raise ValueError(f"backend must be 'auto' or one of {BACKENDS}; got {backend!r}")
   reason = backends()[backend]

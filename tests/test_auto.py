@@ -29,10 +29,18 @@ def fake_gpu(monkeypatch):
     (F32, None, (300, 301, 301), "xla"),            # small f32
     (BF16, None, (1000, 1000, 1000), "xla"),        # aligned (2000-byte rows)
     (BF16, None, (997, 1009, 1013), "mosaic"),      # misaligned
+    (F32, None, (997, 1009, 1013), "xla"),          # misaligned TF32, too small to pay its copies
+    (F32, None, (2047, 8191, 1023), "mosaic"),      # misaligned TF32, large enough
 ])
 def test_auto_on_gpu(fake_gpu, dtype, precision, shape, expected):
   m, n, k = shape
   assert api._auto_backend(dtype, precision, m, n, k, (k, n, n)) == expected
+
+
+def test_auto_batched_small_cubes_stay_on_cublas(fake_gpu):
+  # 64 x 256^3 bf16: cuBLAS's batched kernel beat the Triton kernel (0.80x) in the sweep.
+  assert api._auto_backend(BF16, None, 256, 256, 256, (256, 256, 256), batch=64) == "xla"
+  assert api._auto_backend(BF16, None, 256, 256, 256, (256, 256, 256), batch=1) == "triton"
 
 
 def test_auto_on_cpu_is_xla(monkeypatch):
