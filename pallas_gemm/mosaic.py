@@ -433,8 +433,9 @@ def _swizzle_transforms(minor_elems: int, dtype):
 
 def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
             k: int, batch: int, a_k_major: bool, b_k_major: bool,
-            b_shared: bool, alpha: float, beta: float, c_separate: bool):
-  """One persistent CTA.
+            b_shared: bool, alpha: float, beta: float, c_separate: bool,
+            num_ctas: int):
+  """One persistent CTA (of num_ctas, or of num_ctas clusters).
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
   b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
@@ -462,9 +463,13 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
   # loads the next tile's first K blocks into each stage as soon as the current
   # tile's last steps free it, instead of draining the ring at the end of every tile
   # and refilling it during the epilogue. The pipeline allows it when every tile
-  # uses each stage equally often and no release is delayed.
+  # uses each stage equally often and no release is delayed. Every CTA must run at
+  # least two tiles (a START and a STOP): a lone START would leave the producer's last
+  # barrier phases unobserved (harmless on the GPU, an error in interpret mode, and
+  # nothing to chain anyway).
   chained = (_CHAIN_TILES and wgmma_wait == 0
-             and k_iters % min(cfg.stages, k_iters) == 0)
+             and k_iters % min(cfg.stages, k_iters) == 0
+             and batch * m_iters * n_iters >= 2 * num_ctas)
 
   a_block = (bm, bk) if a_k_major else (bk, bm)
   b_block = (bn, bk) if b_k_major else (bk, bn)
@@ -601,9 +606,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
 
       state = None
       if chained:
-        # START fills the ring, STOP drains it (the producer waits for the last
-        # releases). A CTA with a single tile only STARTs: nothing follows that
-        # pipeline, so its producer need not wait for the last releases.
+        # START fills the ring, STEADY continues it, STOP drains it (the producer
+        # waits for the last releases); every CTA has >= 2 tiles (see `chained`).
         state = jnp.where(
             loop_info.local_index == 0, jnp.int32(plgpu.PipelinePipeline.START),
             jnp.where(loop_info.local_index == loop_info.num_local_steps - 1,
@@ -732,7 +736,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   kernel_body = functools.partial(
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
-      alpha=float(alpha), beta=float(beta), c_separate=c_separate)
+      alpha=float(alpha), beta=float(beta), c_separate=c_separate,
+      num_ctas=num_sms // config.cluster_size)
   if c is None:
     body = lambda a_gmem, b_gmem, out_gmem: kernel_body(
         a_gmem, b_gmem, None, out_gmem)

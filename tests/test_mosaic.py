@@ -204,16 +204,20 @@ def test_wgmma_wait_one_single_k_step():
       block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4))
 
 
-@pytest.mark.parametrize("batch, m, n, k, num_sms, cluster_n", [
-    (1, 512, 384, 256, 3, 1),  # 12 tiles over 3 CTAs: START, STEADY..., STOP
-    (1, 640, 128, 128, 4, 1),  # 5 tiles over 4 CTAs: three CTAs START only
-    (2, 256, 512, 192, 2, 2),  # clusters: the multicast stages chain too
+@pytest.mark.parametrize("batch, m, n, k, stages, num_sms, cluster_n, chained", [
+    (1, 512, 384, 256, 4, 3, 1, True),   # 12 tiles over 3 CTAs: START, STEADY..., STOP
+    (1, 512, 256, 512, 2, 4, 1, True),   # 8 tiles over 4 CTAs, 8 K blocks in 2 stages
+    (2, 256, 512, 192, 3, 2, 2, True),   # clusters: the multicast stages chain too
+    (1, 640, 128, 128, 2, 4, 1, False),  # 5 tiles over 4 CTAs: some would only START
+    (1, 512, 256, 320, 2, 2, 1, False),  # 5 K blocks, 2 stages: slots used unevenly
 ])
-def test_chained_tile_pipelines(monkeypatch, batch, m, n, k, num_sms, cluster_n):
-  # K blocks a multiple of the stages: each CTA's per-tile pipelines are chained
-  # (plgpu.PipelinePipeline). Check that this path is the one taken and that it
-  # gives the unchained result.
-  cfg = Config(block_m=128, block_n=128, block_k=64, stages=min(4, k // 64),
+def test_chained_tile_pipelines(monkeypatch, batch, m, n, k, stages, num_sms, cluster_n,
+                                chained):
+  # Each CTA's per-tile pipelines are chained (plgpu.PipelinePipeline) when every CTA
+  # has >= 2 tiles and K blocks are a multiple of the stages. Check which path is taken
+  # and that both give the reference result (interpret mode also checks that every
+  # barrier phase is observed, which a CTA that only STARTs would violate).
+  cfg = Config(block_m=128, block_n=128, block_k=64, stages=stages,
                cluster_n=cluster_n, num_sms=num_sms)
   states = []
   emit = mosaic.plgpu.emit_pipeline_warp_specialized
@@ -222,7 +226,7 @@ def test_chained_tile_pipelines(monkeypatch, batch, m, n, k, num_sms, cluster_n)
     return emit(*args, pipeline_state=pipeline_state, **kwargs)
   monkeypatch.setattr(mosaic.plgpu, "emit_pipeline_warp_specialized", spy)
   _check(batch, m, n, k, config=cfg)
-  assert any(state is not None for state in states)
+  assert any(state is not None for state in states) == chained
   monkeypatch.setattr(mosaic, "_CHAIN_TILES", False)
   states.clear()
   _check(batch, m, n, k, config=cfg)
