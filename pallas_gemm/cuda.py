@@ -134,10 +134,11 @@ def default_config(m: int, n: int, k: int, dtype) -> Config:
   """
   del k, dtype  # the tile choice depends only on the output grid; dtype is f32
   tile, small = CONFIGS[1], CONFIGS[2]  # 128x128, 128x64
+  num_sms = tuning.num_sms()
   blocks = math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n)
-  waves = blocks / (tuning.num_sms() * _BLOCKS_PER_SM[1])
+  waves = blocks / (num_sms * _BLOCKS_PER_SM[1])
   idle = (math.ceil(waves) - waves) / math.ceil(waves)  # slot-time the last wave wastes
-  if blocks >= 0.9 * tuning.num_sms() and (waves < 1 or idle <= 0.1):
+  if blocks >= 0.9 * num_sms and (waves < 1 or idle <= 0.1):
     return tile
   return small
 

@@ -663,7 +663,7 @@ def _num_sms(config: Config, interpret: bool) -> int:
   device = jax.devices()[0]
   if device.platform == "cpu":
     raise ValueError("interpret=False needs a GPU; on the CPU pass interpret=True")
-  return device.core_count
+  return tuning.num_sms()
 
 
 def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
@@ -732,12 +732,13 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       m, n, _tma_tile(config.epi_block_n, out_dtype))
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
 
-  num_sms = _num_sms(config, interpret)
+  # One CTA (or cluster of CTAs) per SM (or SM pair).
+  num_ctas = _num_sms(config, interpret) // config.cluster_size
   kernel_body = functools.partial(
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
-      num_ctas=num_sms // config.cluster_size)
+      num_ctas=num_ctas)
   if c is None:
     body = lambda a_gmem, b_gmem, out_gmem: kernel_body(
         a_gmem, b_gmem, None, out_gmem)
@@ -752,7 +753,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   call = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
-      grid=(num_sms // config.cluster_size,),
+      grid=(num_ctas,),
       grid_names=("sm",),
       **cluster,
       num_threads=config.num_compute_wgs + 1,
