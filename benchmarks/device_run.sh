@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
 #   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [ab] [power] [triton]
-#                                 [ncu] [ncu_mosaic] [bench] [full] [tune]
+#                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pallas_gemm_out}
@@ -105,6 +105,29 @@ f(a).block_until_ready()" >>"$OUT/ncu_mosaic.txt" 2>&1; echo "ncu $2 rc=$?"
       "$OUT/ncu_mosaic.txt" | head -80
 fi
 
+if has ncu_sass; then
+  log ncu: kernel, launch, issue and per-opcode instruction counts of one 4096^3 GEMM each
+  # cuBLAS SGEMM vs the cuda kernel (f32), cuBLAS vs the mosaic kernel (bf16). probe.py once
+  # brackets one warmed-up call with cuProfilerStart/Stop, so only that call is profiled.
+  mkdir -p "$OUT/ncu_sass"
+  for what in ${NCU_WHAT:-dot32 cuda dot16 mosaic}; do
+    timeout 150 ncu --clock-control none --profile-from-start off -c 4 --section SpeedOfLight \
+        --section ComputeWorkloadAnalysis --section SchedulerStats --section WarpStateStats \
+        --section LaunchStats --section InstructionStats \
+        --metrics sass__inst_executed_per_opcode,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
+        --print-metric-instances values \
+        python3 benchmarks/probe.py once "$what" >"$OUT/ncu_sass/ncu_$what.txt" 2>&1; echo "ncu $what rc=$?"
+    grep -E "^  [a-zA-Z_0-9].*\(|Duration|SM Frequency|Registers Per|Block Size|Grid Size|Issue Slots|Executed Ipc A|Executed Instructions  |Dynamic Shared" \
+        "$OUT/ncu_sass/ncu_$what.txt" | cut -c1-160 | head -24
+    grep -E "sass__inst_executed_per_opcode" "$OUT/ncu_sass/ncu_$what.txt" | cut -c1-1500
+    # The SASS with per-instruction execution counts (source page), for reading the main loop.
+    timeout 150 ncu --clock-control none --profile-from-start off -c 1 --section SourceCounters \
+        --page source --print-source sass --csv python3 benchmarks/probe.py once "$what" \
+        >"$OUT/ncu_sass/sass_$what.csv" 2>&1; echo "sass $what rc=$? lines $(wc -l <"$OUT/ncu_sass/sass_$what.csv")"
+    gzip -f "$OUT/ncu_sass/sass_$what.csv"
+  done
+fi
+
 if has bench; then
   log benchmark
   timeout 400 python3 -m benchmarks --gpu-default --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60
@@ -125,6 +148,6 @@ import jax.numpy as jnp, pallas_gemm.triton as tr
 print('lookup 16x8192x8192 bf16 triton ->', t.lookup_config('triton', tr.Config, 16, 8192, 8192, jnp.bfloat16, None))"
 fi
 # At most 8 files come back from $OUT: pack the result folders (plots, JSON, markdown).
-for d in bench full tune; do
+for d in bench full tune ncu_sass; do
   [ -d "$OUT/$d" ] && tar -C "$OUT" -czf "$OUT/$d.tgz" "$d" && rm -rf "${OUT:?}/$d"
 done

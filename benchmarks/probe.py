@@ -13,6 +13,10 @@
                                            triton run back to back (bf16 N^3, nvidia-smi)
   python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants,
                                            and the ratio by wall clock (anchors.md's method)
+  python3 benchmarks/probe.py once WHAT [N] one compiled, warmed-up GEMM between cuProfilerStart /
+                                           Stop, for `ncu --profile-from-start off` (WHAT: cuda,
+                                           dot32 = jnp.dot HIGHEST f32, mosaic, dot16 = jnp.dot bf16):
+                                           XLA's autotuning launches are not captured
 """
 
 import dataclasses
@@ -323,8 +327,27 @@ def _wall_ms(fn, inputs, calls=30, repeats=5):
   return float(np.median(times))
 
 
+def probe_once(what: str, n: int = 4096):
+  import ctypes  # the driver's profiler switch: no CUDA toolkit needed
+  dtype = jnp.float32 if what in ("cuda", "dot32") else jnp.bfloat16
+  fn = {"cuda": lambda a, b: gemm(a, b, backend="cuda"),
+        "dot32": lambda a, b: jnp.dot(a, b, precision=HIGHEST),
+        "mosaic": lambda a, b: gemm(a, b, backend="mosaic"),
+        "dot16": jnp.dot}[what]
+  (a, b), = _inputs((n, n), (n, n), dtype)[:1]
+  f = jax.jit(fn)
+  f(a, b).block_until_ready()
+  libcuda = ctypes.CDLL("libcuda.so.1")
+  libcuda.cuProfilerStart()
+  f(a, b).block_until_ready()
+  libcuda.cuProfilerStop()
+
+
 if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
             "ab": probe_ab, "power": probe_power, "triton": probe_triton}
-  probes[what](*(int(x) for x in rest))
+  if what == "once":
+    probe_once(rest[0], *(int(x) for x in rest[1:]))
+  else:
+    probes[what](*(int(x) for x in rest))
