@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [ragged] [mosaic] [ab] [power] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -44,6 +44,25 @@ if has cuda; then
   for n in ${CUDA_SIZES:-4096}; do
     timeout 200 python3 benchmarks/probe.py cuda "$n" 2>&1 | tee -a "$OUT/cuda_probe.log"
   done
+fi
+
+if has cuda_ab; then
+  log cuda kernel builds with different -D switches, called in turn
+  # CUDA_VARIANTS: space-separated variants, each a comma-separated list of -D flags
+  # (or "base"); each is built for sm_90 only and registered under its own FFI target.
+  inc=$(python3 -c "import jax.ffi; print(jax.ffi.include_dir())")
+  mkdir -p /tmp/cuda_ab && rm -f /tmp/cuda_ab/*.so
+  for v in ${CUDA_VARIANTS:-base}; do
+    name=$(echo "$v" | tr -d ' -' | tr ',=' '_.')
+    flags=$([ "$v" = base ] || echo "${v//,/ }")
+    nvcc -shared -Xcompiler -fPIC -arch=sm_90 -O3 -std=c++17 -diag-suppress=940,2473 -Xptxas=-v \
+      -I"$inc" $flags pallas_gemm/cuda_sgemm.cu -o "/tmp/cuda_ab/$name.so" >"/tmp/cuda_ab/$name.log" 2>&1 &
+  done
+  wait
+  for f in /tmp/cuda_ab/*.log; do
+    echo "$(basename "$f" .log): $(grep -c 'spill stores' "$f") kernels, $(grep 'spill stores' "$f" | grep -vc ' 0 bytes spill stores') with spills"
+  done
+  timeout 400 python3 benchmarks/probe.py cuda_ab /tmp/cuda_ab/*.so 2>&1 | tee "$OUT/cuda_ab.log"
 fi
 
 if has ragged; then

@@ -13,6 +13,9 @@
                                            triton run back to back (bf16 N^3, nvidia-smi)
   python3 benchmarks/probe.py triton        triton bf16 4096^3 tile-order / pipeline variants,
                                            and the ratio by wall clock (anchors.md's method)
+  python3 benchmarks/probe.py cuda_ab LIB..  builds of cuda_sgemm.cu (e.g. with different -D switches)
+                                           vs jnp.dot HIGHEST, called in turn, each under its own
+                                           FFI target: NN/TN/NT/TT at 4096^3 and NN at 8192^3
   python3 benchmarks/probe.py once WHAT [N] one compiled, warmed-up GEMM between cuProfilerStart /
                                            Stop, for `ncu --profile-from-start off` (WHAT: cuda,
                                            dot32 = jnp.dot HIGHEST f32, mosaic, dot16 = jnp.dot bf16):
@@ -327,6 +330,41 @@ def _wall_ms(fn, inputs, calls=30, repeats=5):
   return float(np.median(times))
 
 
+def probe_cuda_ab(*libs: str, iterations: int = 60):
+  import ctypes  # noqa: PLC0415
+  cases = [(4096, ta, tb) for ta in (False, True) for tb in (False, True)] + [(8192, False, False)]
+  names = []
+  for i, path in enumerate(libs):
+    target = f"pallas_gemm_cuda_ab_{i}"
+    jax.ffi.register_ffi_target(
+        target, jax.ffi.pycapsule(ctypes.CDLL(path).PallasGemmCudaSgemm), platform="CUDA")
+    names.append((path.rsplit("/", 1)[-1].removesuffix(".so"), target))
+  for n, ta, tb in cases:
+    inputs = _inputs((n, n), (n, n), jnp.float32)
+    a0, b0 = inputs[0]
+    ref = jnp.dot(a0.T if ta else a0, b0.T if tb else b0, precision=HIGHEST)
+    fns = {"jnp.dot": jax.jit(lambda a, b: jnp.dot(a.T if ta else a, b.T if tb else b,
+                                                   precision=HIGHEST))}
+    errors = {}
+    for name, target in names:
+      cuda.TARGET_NAME = target  # read when the function is traced (below)
+      try:
+        fns[name] = jax.jit(lambda a, b: gemm(a, b, transpose_a=ta, transpose_b=tb, backend="cuda"))
+        errors[name] = relative_error(fns[name](a0, b0), ref)
+      finally:
+        cuda.TARGET_NAME = "pallas_gemm_cuda_sgemm"
+    ms = _interleaved_ms(fns, inputs, iterations if n <= 4096 else iterations // 2)
+    tflops = lambda t: 2 * n**3 / (t * 1e-3) / 1e12
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {n}^3 f32 ta={ta:d} tb={tb:d}:"
+          f" jnp.dot HIGHEST {tflops(np.median(ms['jnp.dot'])):.1f} TFLOP/s (median)")
+    for name in list(fns)[1:]:
+      ratios = np.array(ms["jnp.dot"]) / np.array(ms[name])
+      p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
+      print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs the adjacent jnp.dot:"
+            f" median {p50:.3f}x (10%: {p10:.3f}, 90%: {p90:.3f})  relerr {errors[name]:.1e}",
+            flush=True)
+
+
 def probe_once(what: str, n: int = 4096):
   import ctypes  # the driver's profiler switch: no CUDA toolkit needed
   dtype = jnp.float32 if what in ("cuda", "dot32") else jnp.bfloat16
@@ -347,7 +385,9 @@ if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
             "ab": probe_ab, "power": probe_power, "triton": probe_triton}
-  if what == "once":
+  if what == "cuda_ab":
+    probe_cuda_ab(*rest)
+  elif what == "once":
     probe_once(rest[0], *(int(x) for x in rest[1:]))
   else:
     probes[what](*(int(x) for x in rest))

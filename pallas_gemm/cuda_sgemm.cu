@@ -55,6 +55,14 @@ namespace ffi = xla::ffi;
 
 #define PALLAS_GEMM_EXPORT extern "C" __attribute__((visibility("default")))
 
+// EXPERIMENT switches (session 4 A/B; the loser is deleted afterwards).
+#ifndef PG_EXP_NO_REG_STAGING
+#define PG_EXP_NO_REG_STAGING 0
+#endif
+#ifndef PG_EXP_POW2
+#define PG_EXP_POW2 0
+#endif
+
 namespace pallas_gemm {
 
 // ---------------------------------------------------------------------------
@@ -269,8 +277,15 @@ struct TileConfig {
   static constexpr int kLdsB = BN + kPad;  // floats between k rows of sB
   static constexpr int kGroupA = 32 * kWarpsN;  // threads that load one warp-row of A
   static constexpr int kGroupB = 32 * kWarpsM;  // threads that load one warp-column of B
+#if PG_EXP_POW2
+  static constexpr int kStageFloatsA = [] { int p = 1; while (p < BK * (BM + kPad) || p < BK * (BN + kPad)) p *= 2; return p; }();
+  static constexpr int kStageFloatsB = kStageFloatsA;
+#else
+  static constexpr int kStageFloatsA = BK * kLdsA;
+  static constexpr int kStageFloatsB = BK * kLdsB;
+#endif
   static constexpr size_t kSmemBytes =
-      sizeof(float) * size_t(STAGES) * BK * (kLdsA + kLdsB);
+      sizeof(float) * size_t(STAGES) * (kStageFloatsA + kStageFloatsB);
 
   static_assert(BM % WM == 0 && BN % WN == 0, "the block tile must be a grid of warp tiles");
   static_assert(kWarpsM + kWarpsN <= 15,
@@ -488,6 +503,42 @@ struct RegSliceLoader {
 // slices past the end zero-fill and read nothing; the last iteration's extra wait, barrier and fragment reads are harmless.
 // ---------------------------------------------------------------------------
 
+#ifndef PG_EXP_ORDER
+#define PG_EXP_ORDER 0
+#endif
+// acc += a ⊗ b (one k step of the thread tile).
+template <int TM, int TN>
+__device__ __forceinline__ void OuterProduct(float (&acc)[TM][TN], const float* a,
+                                             const float* b) {
+#if PG_EXP_ORDER == 0
+#pragma unroll
+  for (int i = 0; i < TM; ++i) {
+#pragma unroll
+    for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+  }
+#elif PG_EXP_ORDER == 1
+#pragma unroll
+  for (int j = 0; j < TN; ++j) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+  }
+#else
+  // 4 rows x 2 columns at a time, rows in serpentine order between column pairs.
+#pragma unroll
+  for (int q = 0; q < TM / 4; ++q) {
+#pragma unroll
+    for (int p = 0; p < TN / 2; ++p) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 4 * q + ((p & 1) ? (r + 2) % 4 : r);
+#pragma unroll
+        for (int j = 2 * p; j < 2 * p + 2; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+      }
+    }
+  }
+#endif
+}
+
 // Copies of one operand's K-slice starting at k0, by the loader kind the kernel chose:
 // a register-staged loader (kRegs) first stores the slice it fetched before into the
 // stage at store_bytes (when `store`), then fetches this one into registers; a cp.async
@@ -514,15 +565,15 @@ __global__ void __launch_bounds__(Cfg::kThreads,
   constexpr int WM = Cfg::WM, WN = Cfg::WN, TM = Cfg::TM, TN = Cfg::TN;
   constexpr int STAGES = Cfg::STAGES;
   constexpr int kLdsA = Cfg::kLdsA, kLdsB = Cfg::kLdsB;
-  constexpr int kStageBytesA = 4 * BK * kLdsA;
-  constexpr int kStageBytesB = 4 * BK * kLdsB;
+  constexpr int kStageBytesA = 4 * Cfg::kStageFloatsA;
+  constexpr int kStageBytesB = 4 * Cfg::kStageFloatsB;
   // Steps of a slice at which the next copies are issued (spread among the FFMAs).
   constexpr int kIssueStepA = 0;
   constexpr int kIssueStepB = BK > 2 ? BK / 2 : 0;
   // K-contiguous operands with 16-byte alignment go through registers (see
   // RegSliceLoader); the others are copied with cp.async (see SliceLoader).
-  constexpr bool kARegs = kAKContig && kVec;
-  constexpr bool kBRegs = kBKContig && kVec;
+  constexpr bool kARegs = kAKContig && kVec && !PG_EXP_NO_REG_STAGING;
+  constexpr bool kBRegs = kBKContig && kVec && !PG_EXP_NO_REG_STAGING;
   static_assert(!(kARegs || kBRegs) || STAGES >= 3,
                 "a register-staged slice is stored into the stage two slices behind");
   using ALoader = std::conditional_t<kARegs, RegSliceLoader<BK, WM, Cfg::kGroupA, kLdsA>,
@@ -532,7 +583,7 @@ __global__ void __launch_bounds__(Cfg::kThreads,
 
   extern __shared__ __align__(16) float smem[];
   float* a_smem = smem;                            // (STAGES, BK, BM + 4)
-  float* b_smem = smem + STAGES * BK * kLdsA;      // (STAGES, BK, BN + 4)
+  float* b_smem = smem + STAGES * Cfg::kStageFloatsA;  // (STAGES, BK, BN + 4)
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -578,6 +629,14 @@ __global__ void __launch_bounds__(Cfg::kThreads,
     };
     auto load_b = [&](int write_stage, int store_stage, int k0, bool store) {
       LoadSlice<kBRegs, kVec>(b_loader, write_stage * kStageBytesB, store_stage * kStageBytesB,
+                              k0, store, args.ldb, args.n, args.k, args.b);
+    };
+    auto load_a_bytes = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
+      LoadSlice<kARegs, kVec>(a_loader, write_bytes, store_bytes,
+                              k0, store, args.lda, args.m, args.k, args.a);
+    };
+    auto load_b_bytes = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
+      LoadSlice<kBRegs, kVec>(b_loader, write_bytes, store_bytes,
                               k0, store, args.ldb, args.n, args.k, args.b);
     };
     // One block-wide barrier (one BAR instruction, no branch). The two named
@@ -627,6 +686,36 @@ __global__ void __launch_bounds__(Cfg::kThreads,
     sync_slice();
     load_frags(0, 0, 0, 0);
 
+#if PG_EXP_POW2
+    static_assert((STAGES & (STAGES - 1)) == 0 && kStageBytesA == kStageBytesB, "pow2 ring");
+    constexpr uint32_t kS = kStageBytesA, kMask = STAGES * kStageBytesA - 1;
+    uint32_t ring = 0;  // slice * kS (mod 2^32): the stage of slice s is at (ring & kMask)
+    for (int slice = 0; slice < num_slices; ++slice) {
+      const uint32_t read_off = ring & kMask;
+      const uint32_t next_off = (ring + kS) & kMask;
+      const uint32_t write_off = (ring + (STAGES - 1) * kS) & kMask;
+      const uint32_t store_off = (ring + (STAGES - 2) * kS) & kMask;
+#pragma unroll
+      for (int k = 0; k < BK; ++k) {
+        const int cur = k % 2;
+        if (k == kIssueStepA) load_a_bytes(write_off, store_off, (slice + STAGES - 1) * BK, true);
+        if (k == kIssueStepB) {
+          load_b_bytes(write_off, store_off, (slice + STAGES - 1) * BK, true);
+          CpAsyncCommit();
+        }
+        if (k + 1 < BK) {
+          load_frags(cur ^ 1, read_off, read_off, k + 1);
+        } else {
+          CpAsyncWait<STAGES - 2>();
+          sync_slice();
+          load_frags(cur ^ 1, next_off, next_off, 0);
+        }
+        OuterProduct<TM, TN>(acc, reinterpret_cast<const float*>(a_frag[cur]),
+                             reinterpret_cast<const float*>(b_frag[cur]));
+      }
+      ring += kS;
+    }
+#else
     int read_stage = 0;              // stage of slice `slice`
     int write_stage = STAGES - 1;    // stage of slice `slice` + STAGES - 1
     int store_stage = STAGES - 2;    // stage of slice `slice` + STAGES - 2
@@ -650,18 +739,14 @@ __global__ void __launch_bounds__(Cfg::kThreads,
           sync_slice();
           load_frags(cur ^ 1, next_stage * kStageBytesA, next_stage * kStageBytesB, 0);
         }
-        const float* a_reg = reinterpret_cast<const float*>(a_frag[cur]);
-        const float* b_reg = reinterpret_cast<const float*>(b_frag[cur]);
-#pragma unroll
-        for (int i = 0; i < TM; ++i) {
-#pragma unroll
-          for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a_reg[i], b_reg[j], acc[i][j]);
-        }
+        OuterProduct<TM, TN>(acc, reinterpret_cast<const float*>(a_frag[cur]),
+                             reinterpret_cast<const float*>(b_frag[cur]));
       }
       read_stage = next_stage;
       store_stage = write_stage;
       write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
     }
+#endif
     // The tail's zero-fill copies are still in flight; let them land before the
     // stages are reused (next batch entry) or the block exits.
     CpAsyncWait<0>();
