@@ -349,7 +349,12 @@ def probe_cuda_ab(*libs: str, iterations: int = 60):
     for name, target in names:
       cuda.TARGET_NAME = target  # read when the function is traced (below)
       try:
-        fns[name] = jax.jit(lambda a, b: gemm(a, b, transpose_a=ta, transpose_b=tb, backend="cuda"))
+        # cuda.gemm itself: gemm() caches its traced backend call per plan, which would
+        # keep the first target.
+        fns[name] = jax.jit(lambda a, b: cuda.gemm(
+            a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=ta, transpose_b=tb,
+            precision=HIGHEST, out_dtype=jnp.float32,
+            config=cuda.default_config(n, n, n, jnp.float32), interpret=False)[0])
         errors[name] = relative_error(fns[name](a0, b0), ref)
       finally:
         cuda.TARGET_NAME = "pallas_gemm_cuda_sgemm"
