@@ -55,7 +55,9 @@ if has cuda_ab; then
   for v in ${CUDA_VARIANTS:-base}; do
     name=$(echo "$v" | tr -d ' -' | tr ',=' '_.')
     flags=$([ "$v" = base ] || echo "${v//,/ }")
-    nvcc -shared -Xcompiler -fPIC -arch=sm_90 -O3 -std=c++17 -diag-suppress=940,2473 -Xptxas=-v \
+    # Hidden visibility as in CMakeLists.txt: otherwise each build's cudart and kernel
+    # symbols can bind to another loaded copy's.
+    nvcc -shared -Xcompiler -fPIC,-fvisibility=hidden -arch=sm_90 -O3 -std=c++17 -diag-suppress=940,2473 -Xptxas=-v \
       -I"$inc" $flags pallas_gemm/cuda_sgemm.cu -o "/tmp/cuda_ab/$name.so" >"/tmp/cuda_ab/$name.log" 2>&1 &
   done
   wait
