@@ -64,7 +64,10 @@ if has cuda_ab; then
   for f in /tmp/cuda_ab/*.log; do
     echo "$(basename "$f" .log): $(grep -c 'spill stores' "$f") kernels, $(grep 'spill stores' "$f" | grep -vc ' 0 bytes spill stores') with spills"
   done
-  timeout 400 python3 benchmarks/probe.py cuda_ab /tmp/cuda_ab/*.so 2>&1 | tee "$OUT/cuda_ab.log"
+  # Runs from the source tree without an install (the first build serves as the package's library).
+  libs=(/tmp/cuda_ab/*.so)
+  PYTHONPATH=. PALLAS_GEMM_CUDA_LIB=${libs[0]} timeout 400 python3 benchmarks/probe.py cuda_ab "${libs[@]}" 2>&1 \
+    | tee "$OUT/cuda_ab.log"
 fi
 
 if has ragged; then
