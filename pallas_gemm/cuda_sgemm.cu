@@ -55,14 +55,6 @@ namespace ffi = xla::ffi;
 
 #define PALLAS_GEMM_EXPORT extern "C" __attribute__((visibility("default")))
 
-// EXPERIMENT switches (session 4 A/B; the loser is deleted afterwards).
-#ifndef PG_EXP_NO_REG_STAGING
-#define PG_EXP_NO_REG_STAGING 0
-#endif
-#ifndef PG_EXP_POW2
-#define PG_EXP_POW2 0
-#endif
-
 namespace pallas_gemm {
 
 // ---------------------------------------------------------------------------
@@ -277,15 +269,17 @@ struct TileConfig {
   static constexpr int kLdsB = BN + kPad;  // floats between k rows of sB
   static constexpr int kGroupA = 32 * kWarpsN;  // threads that load one warp-row of A
   static constexpr int kGroupB = 32 * kWarpsM;  // threads that load one warp-column of B
-#if PG_EXP_POW2
-  static constexpr int kStageFloatsA = [] { int p = 1; while (p < BK * (BM + kPad) || p < BK * (BN + kPad)) p *= 2; return p; }();
-  static constexpr int kStageFloatsB = kStageFloatsA;
-#else
-  static constexpr int kStageFloatsA = BK * kLdsA;
-  static constexpr int kStageFloatsB = BK * kLdsB;
-#endif
-  static constexpr size_t kSmemBytes =
-      sizeof(float) * size_t(STAGES) * (kStageFloatsA + kStageFloatsB);
+  // Floats between stages, the same for A and B and a power of two, so one running
+  // byte counter masked with (STAGES * stage bytes - 1) addresses every stage of both
+  // operands (see the main loop). It costs shared memory (128x128: 64 KB per block
+  // instead of 34 KB) and saves the stage-index arithmetic; with the FFMA order of
+  // OuterProduct it measured +2.5% at 4096^3 and 8192^3 (session 4 notes).
+  static constexpr int kStageFloats = [] {
+    int p = 1;
+    while (p < BK * kLdsA || p < BK * kLdsB) p *= 2;
+    return p;
+  }();
+  static constexpr size_t kSmemBytes = sizeof(float) * size_t(STAGES) * 2 * kStageFloats;
 
   static_assert(BM % WM == 0 && BN % WN == 0, "the block tile must be a grid of warp tiles");
   static_assert(kWarpsM + kWarpsN <= 15,
@@ -309,6 +303,8 @@ struct TileConfig {
   static_assert(kGroupA % (WM / 4) == 0 && kGroupB % (WN / 4) == 0,
                 "a k-major operand copied 16 bytes at a time keeps one float4 column per thread");
   static_assert(STAGES >= 2, "the cp.async ring needs one stage in use and one in flight");
+  static_assert((STAGES & (STAGES - 1)) == 0,
+                "stages are addressed with a running counter masked to STAGES stages");
   static_assert(TM * TN <= 128, "more accumulators than this spill on a 255-register budget");
 };
 
@@ -492,8 +488,8 @@ struct RegSliceLoader {
 //   * the A/B fragments are double-buffered in registers: step k's FFMAs use the
 //     fragments loaded during step k-1, while step k+1's are read from shared memory;
 //   * the cp.async copies of slice s + STAGES - 1 go to the stage slice s - 1 used
-//     (freed by the barrier that ended slice s - 1), issued among the FFMAs of the
-//     first steps (A at step 0, B at step BK/2); a register-staged operand instead
+//     (freed by the barrier that ended slice s - 1), issued among the FFMAs at two
+//     steps that depend on the layout (kIssueStepA/B); a register-staged operand instead
 //     stores slice s + STAGES - 2 (fetched during slice s - 1) into the stage slice
 //     s - 2 used, then fetches slice s + STAGES - 1 into the same registers;
 //   * at the last step, before its FFMAs: wait for slice s + 1 (cp.async group),
@@ -503,40 +499,31 @@ struct RegSliceLoader {
 // slices past the end zero-fill and read nothing; the last iteration's extra wait, barrier and fragment reads are harmless.
 // ---------------------------------------------------------------------------
 
-#ifndef PG_EXP_ORDER
-#define PG_EXP_ORDER 0
-#endif
-// acc += a ⊗ b (one k step of the thread tile).
-template <int TM, int TN>
+// acc += a ⊗ b, one k step of a thread tile. The order of the FFMAs in the PTX steers
+// ptxas's scheduling and register assignment: column by column with the rows in
+// serpentine order (consecutive FFMAs share an operand across the turn) measured
+// 2.5-7% faster than row by row (session 4: NN 0.937 -> 0.963x jnp.dot at 4096^3,
+// TT 0.887 -> 0.954x) with the same instruction count. kRowMajor keeps the row-by-row
+// order for the 4-byte-copy fallback, which spills in the other order.
+template <int TM, int TN, bool kRowMajor>
 __device__ __forceinline__ void OuterProduct(float (&acc)[TM][TN], const float* a,
                                              const float* b) {
-#if PG_EXP_ORDER == 0
+  if constexpr (kRowMajor) {
 #pragma unroll
-  for (int i = 0; i < TM; ++i) {
+    for (int i = 0; i < TM; ++i) {
 #pragma unroll
-    for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-  }
-#elif PG_EXP_ORDER == 1
+      for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+    }
+  } else {
 #pragma unroll
-  for (int j = 0; j < TN; ++j) {
+    for (int j = 0; j < TN; ++j) {
 #pragma unroll
-    for (int i = 0; i < TM; ++i) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-  }
-#else
-  // 4 rows x 2 columns at a time, rows in serpentine order between column pairs.
-#pragma unroll
-  for (int q = 0; q < TM / 4; ++q) {
-#pragma unroll
-    for (int p = 0; p < TN / 2; ++p) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int i = 4 * q + ((p & 1) ? (r + 2) % 4 : r);
-#pragma unroll
-        for (int j = 2 * p; j < 2 * p + 2; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+      for (int ii = 0; ii < TM; ++ii) {
+        const int i = (j & 1) ? TM - 1 - ii : ii;
+        acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
       }
     }
   }
-#endif
 }
 
 // Copies of one operand's K-slice starting at k0, by the loader kind the kernel chose:
@@ -565,25 +552,35 @@ __global__ void __launch_bounds__(Cfg::kThreads,
   constexpr int WM = Cfg::WM, WN = Cfg::WN, TM = Cfg::TM, TN = Cfg::TN;
   constexpr int STAGES = Cfg::STAGES;
   constexpr int kLdsA = Cfg::kLdsA, kLdsB = Cfg::kLdsB;
-  constexpr int kStageBytesA = 4 * Cfg::kStageFloatsA;
-  constexpr int kStageBytesB = 4 * Cfg::kStageFloatsB;
+  constexpr uint32_t kStageBytes = 4 * Cfg::kStageFloats;  // of A, and of B
   // Steps of a slice at which the next copies are issued (spread among the FFMAs).
-  constexpr int kIssueStepA = 0;
-  constexpr int kIssueStepB = BK > 2 ? BK / 2 : 0;
+  // Which steps issue them depends on the layout: chosen by measurement, since it moves
+  // ptxas's schedule (session 4, 4096^3 on the H200: NN with A at step 4 and B at 0
+  // 0.963 -> 0.987x jnp.dot; TT with A at 2 and B at 6 0.954 -> 0.979x; NT and TN
+  // were best with A at 0 and B at BK/2). The 4-byte-copy fallback keeps A at 0 and B
+  // at BK/2 (256x128 NN spills otherwise).
+  constexpr bool kNN = kVec && kAKContig && !kBKContig;
+  constexpr bool kTT = kVec && !kAKContig && kBKContig;
+  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? BK / 2 : kTT ? BK / 4 : 0;
+  constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 2;
+  // The slice's cp.async group closes after its last cp.async (a register-staged A
+  // issues none: the group then closes with B, as measured).
   // K-contiguous operands with 16-byte alignment go through registers (see
   // RegSliceLoader); the others are copied with cp.async (see SliceLoader).
-  constexpr bool kARegs = kAKContig && kVec && !PG_EXP_NO_REG_STAGING;
-  constexpr bool kBRegs = kBKContig && kVec && !PG_EXP_NO_REG_STAGING;
+  constexpr bool kARegs = kAKContig && kVec;
+  constexpr bool kBRegs = kBKContig && kVec;
   static_assert(!(kARegs || kBRegs) || STAGES >= 3,
                 "a register-staged slice is stored into the stage two slices behind");
+  constexpr int kCommitStep =
+      kARegs || kIssueStepB > kIssueStepA ? kIssueStepB : kIssueStepA;
   using ALoader = std::conditional_t<kARegs, RegSliceLoader<BK, WM, Cfg::kGroupA, kLdsA>,
                                      SliceLoader<BK, WM, Cfg::kGroupA, kLdsA, kAKContig>>;
   using BLoader = std::conditional_t<kBRegs, RegSliceLoader<BK, WN, Cfg::kGroupB, kLdsB>,
                                      SliceLoader<BK, WN, Cfg::kGroupB, kLdsB, kBKContig>>;
 
   extern __shared__ __align__(16) float smem[];
-  float* a_smem = smem;                            // (STAGES, BK, BM + 4)
-  float* b_smem = smem + STAGES * Cfg::kStageFloatsA;  // (STAGES, BK, BN + 4)
+  float* a_smem = smem;                               // STAGES x (BK, BM + 4), padded
+  float* b_smem = smem + STAGES * Cfg::kStageFloats;  // STAGES x (BK, BN + 4), padded
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -621,23 +618,15 @@ __global__ void __launch_bounds__(Cfg::kThreads,
     BLoader b_loader(args.b + (bi / args.b_div) * b_stride, args.ldb,
                      block_n0 + warp_col * WN, warp_col * WN, kVec, t_in_col, b_smem);
     // Copies of slice k0 / BK: a register-staged operand fetches it (into
-    // registers) and stores the slice fetched before it into store_stage; a cp.async
-    // operand copies it into write_stage.
-    auto load_a = [&](int write_stage, int store_stage, int k0, bool store) {
-      LoadSlice<kARegs, kVec>(a_loader, write_stage * kStageBytesA, store_stage * kStageBytesA,
-                              k0, store, args.lda, args.m, args.k, args.a);
+    // registers) and stores the slice fetched before it into the stage at byte offset
+    // store_bytes; a cp.async operand copies it into the stage at write_bytes.
+    auto load_a = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
+      LoadSlice<kARegs, kVec>(a_loader, write_bytes, store_bytes, k0, store, args.lda,
+                              args.m, args.k, args.a);
     };
-    auto load_b = [&](int write_stage, int store_stage, int k0, bool store) {
-      LoadSlice<kBRegs, kVec>(b_loader, write_stage * kStageBytesB, store_stage * kStageBytesB,
-                              k0, store, args.ldb, args.n, args.k, args.b);
-    };
-    auto load_a_bytes = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
-      LoadSlice<kARegs, kVec>(a_loader, write_bytes, store_bytes,
-                              k0, store, args.lda, args.m, args.k, args.a);
-    };
-    auto load_b_bytes = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
-      LoadSlice<kBRegs, kVec>(b_loader, write_bytes, store_bytes,
-                              k0, store, args.ldb, args.n, args.k, args.b);
+    auto load_b = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
+      LoadSlice<kBRegs, kVec>(b_loader, write_bytes, store_bytes, k0, store, args.ldb,
+                              args.n, args.k, args.b);
     };
     // One block-wide barrier (one BAR instruction, no branch). The two named
     // barriers per warp-row / warp-column it replaces took a branch tree to turn the
@@ -651,8 +640,8 @@ __global__ void __launch_bounds__(Cfg::kThreads,
     // STAGES-2 in registers; the first iteration stores it.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      load_a(s, s - 1, s * BK, s > 0);
-      load_b(s, s - 1, s * BK, s > 0);
+      load_a(s * kStageBytes, (s - 1) * kStageBytes, s * BK, s > 0);
+      load_b(s * kStageBytes, (s - 1) * kStageBytes, s * BK, s > 0);
       CpAsyncCommit();
     }
 
@@ -686,67 +675,35 @@ __global__ void __launch_bounds__(Cfg::kThreads,
     sync_slice();
     load_frags(0, 0, 0, 0);
 
-#if PG_EXP_POW2
-    static_assert((STAGES & (STAGES - 1)) == 0 && kStageBytesA == kStageBytesB, "pow2 ring");
-    constexpr uint32_t kS = kStageBytesA, kMask = STAGES * kStageBytesA - 1;
-    uint32_t ring = 0;  // slice * kS (mod 2^32): the stage of slice s is at (ring & kMask)
+    // Slice s uses the stage at byte offset (s * kStageBytes) & kRing, for A and for B.
+    constexpr uint32_t kRing = STAGES * kStageBytes - 1;
+    uint32_t ring = 0;  // slice * kStageBytes (mod 2^32)
     for (int slice = 0; slice < num_slices; ++slice) {
-      const uint32_t read_off = ring & kMask;
-      const uint32_t next_off = (ring + kS) & kMask;
-      const uint32_t write_off = (ring + (STAGES - 1) * kS) & kMask;
-      const uint32_t store_off = (ring + (STAGES - 2) * kS) & kMask;
+      const uint32_t read_bytes = ring & kRing;
+      const uint32_t next_bytes = (ring + kStageBytes) & kRing;
+      const uint32_t write_bytes = (ring + (STAGES - 1) * kStageBytes) & kRing;  // slice + STAGES - 1
+      const uint32_t store_bytes = (ring + (STAGES - 2) * kStageBytes) & kRing;  // slice + STAGES - 2
 #pragma unroll
       for (int k = 0; k < BK; ++k) {
         const int cur = k % 2;
-        if (k == kIssueStepA) load_a_bytes(write_off, store_off, (slice + STAGES - 1) * BK, true);
-        if (k == kIssueStepB) {
-          load_b_bytes(write_off, store_off, (slice + STAGES - 1) * BK, true);
-          CpAsyncCommit();
-        }
+        if (k == kIssueStepA) load_a(write_bytes, store_bytes, (slice + STAGES - 1) * BK, true);
+        if (k == kIssueStepB) load_b(write_bytes, store_bytes, (slice + STAGES - 1) * BK, true);
+        if (k == kCommitStep) CpAsyncCommit();
         if (k + 1 < BK) {
-          load_frags(cur ^ 1, read_off, read_off, k + 1);
+          load_frags(cur ^ 1, read_bytes, read_bytes, k + 1);
         } else {
+          // Slice + 1 has landed (for the whole block after the barrier), and every
+          // warp is done reading this slice's stage, which the next iteration's copies
+          // overwrite.
           CpAsyncWait<STAGES - 2>();
           sync_slice();
-          load_frags(cur ^ 1, next_off, next_off, 0);
+          load_frags(cur ^ 1, next_bytes, next_bytes, 0);
         }
-        OuterProduct<TM, TN>(acc, reinterpret_cast<const float*>(a_frag[cur]),
-                             reinterpret_cast<const float*>(b_frag[cur]));
+        OuterProduct<TM, TN, !kVec>(acc, reinterpret_cast<const float*>(a_frag[cur]),
+                                    reinterpret_cast<const float*>(b_frag[cur]));
       }
-      ring += kS;
+      ring += kStageBytes;
     }
-#else
-    int read_stage = 0;              // stage of slice `slice`
-    int write_stage = STAGES - 1;    // stage of slice `slice` + STAGES - 1
-    int store_stage = STAGES - 2;    // stage of slice `slice` + STAGES - 2
-    for (int slice = 0; slice < num_slices; ++slice) {
-      const int next_stage = read_stage + 1 == STAGES ? 0 : read_stage + 1;
-#pragma unroll
-      for (int k = 0; k < BK; ++k) {
-        const int cur = k % 2;
-        if (k == kIssueStepA) load_a(write_stage, store_stage, (slice + STAGES - 1) * BK, true);
-        if (k == kIssueStepB) {
-          load_b(write_stage, store_stage, (slice + STAGES - 1) * BK, true);
-          CpAsyncCommit();
-        }
-        if (k + 1 < BK) {
-          load_frags(cur ^ 1, read_stage * kStageBytesA, read_stage * kStageBytesB, k + 1);
-        } else {
-          // Slice + 1 has landed (for the whole warp-row / warp-column after the
-          // barriers), and every warp is done reading this slice's stage, which the
-          // next iteration's copies overwrite.
-          CpAsyncWait<STAGES - 2>();
-          sync_slice();
-          load_frags(cur ^ 1, next_stage * kStageBytesA, next_stage * kStageBytesB, 0);
-        }
-        OuterProduct<TM, TN>(acc, reinterpret_cast<const float*>(a_frag[cur]),
-                             reinterpret_cast<const float*>(b_frag[cur]));
-      }
-      read_stage = next_stage;
-      store_stage = write_stage;
-      write_stage = write_stage + 1 == STAGES ? 0 : write_stage + 1;
-    }
-#endif
     // The tail's zero-fill copies are still in flight; let them land before the
     // stages are reused (next batch entry) or the block exits.
     CpAsyncWait<0>();
