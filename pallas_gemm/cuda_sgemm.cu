@@ -555,13 +555,14 @@ __global__ void __launch_bounds__(Cfg::kThreads,
   constexpr uint32_t kStageBytes = 4 * Cfg::kStageFloats;  // of A, and of B
   // Steps of a slice at which the next copies are issued (spread among the FFMAs).
   // Which steps issue them depends on the layout: chosen by measurement, since it moves
-  // ptxas's schedule (session 4, 4096^3 on the H200: NN with A at step 4 and B at 0
-  // 0.963 -> 0.987x jnp.dot; TT with A at 2 and B at 6 0.954 -> 0.979x; NT and TN
-  // were best with A at 0 and B at BK/2). The 4-byte-copy fallback keeps A at 0 and B
-  // at BK/2 (256x128 NN spills otherwise).
+  // ptxas's schedule (session 4, 128x128 on the H200, call-by-call ratios to jnp.dot
+  // HIGHEST: NN with A at step 3 and B at 0: 0.963 -> 0.996x at 4096^3, 1.000x at
+  // 8192^3; TT with A at 2 and B at 6: 0.954 -> 0.979x; NT and TN were best with A at
+  // 0 and B at BK/2). The 4-byte-copy fallback keeps A at 0 and B at BK/2 (256x128 NN
+  // spills otherwise).
   constexpr bool kNN = kVec && kAKContig && !kBKContig;
   constexpr bool kTT = kVec && !kAKContig && kBKContig;
-  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? BK / 2 : kTT ? BK / 4 : 0;
+  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? 3 * BK / 8 : kTT ? BK / 4 : 0;
   constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 2;
   // The slice's cp.async group closes after its last cp.async (a register-staged A
   // issues none: the group then closes with B, as measured).
