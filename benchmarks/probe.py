@@ -7,7 +7,7 @@
   python3 benchmarks/probe.py mosaic [N..]  mosaic configs (tiles, clusters, tile order) vs
                                            jnp.dot and JAX's hopper_matmul_mgpu at its best,
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
-  python3 benchmarks/probe.py ab [N..]     mosaic chained / unchained / wgmma_wait=1, triton vs jnp.dot,
+  python3 benchmarks/probe.py ab [N..]     mosaic variants (module switches) vs jnp.dot,
                                            called in turn (ratios to the adjacent jnp.dot call)
   python3 benchmarks/probe.py power [N]    SM clock and board power while jnp.dot / mosaic /
                                            triton run back to back (bf16 N^3, nvidia-smi)
@@ -178,25 +178,27 @@ def probe_ab(*sizes, iterations: int = 200):
   each variant's time is compared with the jnp.dot call of its iteration, and the median
   and 10th/90th percentiles of those ratios are reported. sizes: bf16 N^3 (default 4096 8192), then f16 8192^3.
   """
-  Cfg = mosaic.Config
-  variants = {
-      "chained (default)": (None, True),
-      "unchained": (None, False),
-      "256x128 cluster_n2 wait1": (Cfg(block_m=256, block_n=128, wg_split="m",
-                                       cluster_n=2, wgmma_wait=1), True),
+  variants = {  # name: module switches of pallas_gemm.mosaic, read when traced
+      "chained (default)": {},
+      "unchained": {"_CHAIN_TILES": False},
+      "warp producer": {"_WARP_PRODUCER": True},
   }
   cases = [(n, jnp.bfloat16) for n in (sizes or (4096, 8192))] + [(8192, jnp.float16)]
   for r, dtype in cases:
     inputs = _inputs((r, r), (r, r), dtype)
+    ref = jnp.dot(*(x.astype(jnp.float32) for x in inputs[0]), precision=HIGHEST)
     fns = {"jnp.dot": jax.jit(jnp.dot)}
-    for name, (cfg, chain) in variants.items():
-      mosaic._CHAIN_TILES = chain  # read when the function is traced (below)
+    for name, switches in variants.items():
+      saved = {key: getattr(mosaic, key) for key in switches}
+      for key, value in switches.items():
+        setattr(mosaic, key, value)
       try:
-        fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
-        fns[name](*inputs[0]).block_until_ready()
+        fns[name] = jax.jit(lambda a, b: _mosaic(a, b))
+        err = relative_error(fns[name](*inputs[0]), ref)
+        print(f"  {name}: relerr {err:.1e} vs float32 HIGHEST", flush=True)
       finally:
-        mosaic._CHAIN_TILES = True
-    fns["triton (default)"] = jax.jit(lambda a, b: gemm(a, b, backend="triton"))
+        for key, value in saved.items():
+          setattr(mosaic, key, value)
     ms = _interleaved_ms(fns, inputs, iterations)
     tflops = lambda t: 2 * r**3 / (t * 1e-3) / 1e12
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name},"

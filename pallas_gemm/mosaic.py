@@ -71,6 +71,10 @@ _PRODUCER_REGISTERS = 40
 # Chain the K pipelines of consecutive tiles where the pipeline allows it (see
 # _kernel). A module switch, not a Config field, so that probes can measure it.
 _CHAIN_TILES = True
+# EXPERIMENT (session 4): a hand-written producer in one warp of the producer
+# warpgroup (plgpu.warp_map) running one flat loop over the CTA's (tile, K block)
+# steps, instead of emit_pipeline_warp_specialized's producer in all 128 threads.
+_WARP_PRODUCER = False
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                      jnp.dtype(jnp.float16))
@@ -546,6 +550,27 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_window)
 
+  def tile_coords(loop_info):
+    bi, lin = loop_info.index
+    mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters),
+                                0 if cfg.grid_minor_dim == "m" else 1,
+                                cfg.grid_tile_width)
+    if cfg.cluster_size > 1:
+      cta = lax.axis_index("cluster")
+      mi, ni = mi * cfg.cluster_m, ni * cfg.cluster_n
+      mi, ni = (mi + cta, ni) if cfg.cluster_m > 1 else (mi, ni + cta)
+    return bi, mi, ni
+
+  if _WARP_PRODUCER and wgmma_wait == 0:
+    _warp_producer_kernel(
+        cfg=cfg, a_block=a_block, b_block=b_block, a_transforms=a_transforms,
+        b_transforms=b_transforms, out_transforms=out_transforms, dtype=dtype,
+        out_dtype=out_dtype, a_k_major=a_k_major, b_k_major=b_k_major,
+        k_iters=k_iters, tiles=(batch, m_iters * n_iters), tile_coords=tile_coords,
+        a_window=a_window, b_window=b_window, epilogue=_epilogue, c_gmem=c_gmem,
+        c_separate=c_separate)
+    return
+
   ignore = lambda *_, **__: None
   zero = jnp.int32(0)
   scoped = dict(
@@ -615,6 +640,128 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
                       jnp.int32(plgpu.PipelinePipeline.STEADY)))
       get_pipeline(mma_body, compute_context, state)(
           a_window(bi, mi), b_window(bi, ni), allocations=pipeline_allocs)
+
+  del _scope  # run_scoped ran it
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms,
+                          out_transforms, dtype, out_dtype, a_k_major, b_k_major,
+                          k_iters, tiles, tile_coords, a_window, b_window, epilogue,
+                          c_gmem, c_separate):
+  """The CTA's K steps as one ring: step s = local_tile * k_iters + kk uses slot
+  s % stages. One warp of the producer warpgroup issues the TMA loads of every step
+  (waiting for the slot's release from step s - stages); the consumer warpgroups wait
+  for step s's loads, run wgmma, release the slot, and after each tile's last step
+  run the epilogue while the producer already loads the next tile."""
+  num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
+  # A ring deeper than K is never filled (smem_bytes counts it this way too).
+  stages = min(cfg.stages, k_iters)
+  wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
+  a_multicast = ("cluster",) if cfg.cluster_n > 1 else None
+  b_multicast = ("cluster",) if cfg.cluster_m > 1 else None
+  if a_multicast or b_multicast:
+    # Loads into both CTAs of a cluster: a slot is free once both CTAs released it.
+    consumed = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs,
+                                    num_barriers=stages)
+  else:
+    consumed = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
+  scoped = dict(
+      a_smem=plgpu.SMEM((stages, *a_block), dtype, transforms=a_transforms),
+      b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=b_transforms),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # A and B loads
+      consumed=consumed,
+      out_smem=plgpu.SMEM((num_wgs, cfg.out_slots, cfg.epi_block_m, cfg.epi_block_n),
+                          out_dtype, transforms=out_transforms),
+  )
+  if c_gmem is not None:
+    scoped["c_barrier"] = plgpu.Barrier(num_barriers=num_wgs)
+    if c_separate:
+      scoped["c_smem"] = plgpu.SMEM(
+          (num_wgs, cfg.epi_block_m, cfg.epi_block_n), c_gmem.dtype,
+          transforms=_swizzle_transforms(cfg.epi_block_n, c_gmem.dtype))
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == num_wgs)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+      @plgpu.warp_map
+      def _per_warp(warp):
+        @pl.when(warp == 0)
+        def _loads():
+          @plgpu.nd_loop(tiles, collective_axes="sm")
+          def _tile_loop(loop_info: plgpu.NDLoopInfo):
+            bi, mi, ni = tile_coords(loop_info)
+            a_src, b_src = a_window(bi, mi), b_window(bi, ni)
+            first = loop_info.local_index * k_iters
+
+            @pl.loop(0, k_iters)
+            def _k(kk):
+              step = first + kk
+              slot = lax.rem(step, stages)
+
+              @pl.when(step >= stages)
+              def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+              ks = pl.ds(kk * bk, bk)
+              plgpu.copy_gmem_to_smem(a_src.at[:, ks] if a_k_major else a_src.at[ks, :],
+                                      a_smem.at[slot], produced.at[slot],
+                                      collective_axes=a_multicast)
+              plgpu.copy_gmem_to_smem(b_src.at[:, ks] if b_k_major else b_src.at[ks, :],
+                                      b_smem.at[slot], produced.at[slot],
+                                      collective_axes=b_multicast)
+
+            # After the CTA's last loads: wait for the last releases, so no arrival
+            # (from this CTA or the cluster peer) is pending when the CTA exits.
+            @pl.when(loop_info.local_index == loop_info.num_local_steps - 1)
+            def _drain():
+              end = first + k_iters
+
+              @pl.loop(jnp.maximum(end - stages, 0), end)
+              def _(step):
+                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < num_wgs)
+    def _consumers():
+      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
+                              action="increase")
+
+      @plgpu.nd_loop(tiles, collective_axes="sm")
+      def _tile_loop(loop_info: plgpu.NDLoopInfo):
+        bi, mi, ni = tile_coords(loop_info)
+        if cfg.wg_split == "m":
+          wg_m0, wg_n0 = wg * wg_m, 0
+        else:
+          wg_m0, wg_n0 = 0, wg * wg_n
+        wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
+        first = loop_info.local_index * k_iters
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.loop(0, k_iters)
+          def _k(kk):
+            slot = lax.rem(first + kk, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            a_s, b_s = a_smem.at[slot], b_smem.at[slot]
+            if a_k_major:
+              a_op = a_s.at[wg_ms, :] if cfg.wg_split == "m" else a_s
+            else:
+              a_op = (a_s.at[:, wg_ms] if cfg.wg_split == "m" else a_s).T
+            if b_k_major:
+              b_op = (b_s.at[wg_ns, :] if cfg.wg_split == "n" else b_s).T
+            else:
+              b_op = b_s.at[:, wg_ns] if cfg.wg_split == "n" else b_s
+            plgpu.wgmma(acc_ref, a_op, b_op)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+          epilogue(acc_ref[...], bi, mi * cfg.block_m + wg_m0, ni * cfg.block_n + wg_n0,
+                   wg, out_smem, c_smem, c_barrier)
 
   del _scope  # run_scoped ran it
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
