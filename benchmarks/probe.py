@@ -104,8 +104,7 @@ def _hopper_best(n, inputs):
 
 
 def _mosaic(a, b, config=None):
-  """mosaic.gemm itself: gemm() caches its traces per plan, which would hide a change
-  of mosaic._CHAIN_TILES between two calls with the same config."""
+  """mosaic.gemm itself, without gemm()'s per-plan caches."""
   config = config or mosaic.default_config(*a.shape, b.shape[1], a.dtype)
   return mosaic.gemm(a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=False,
                      transpose_b=False, precision=None, out_dtype=a.dtype, config=config,
@@ -120,12 +119,10 @@ def probe_mosaic(*sizes):
   """
   Cfg = mosaic.Config
   tall = dict(block_m=256, block_n=128, wg_split="m")
-  # "unchained": the per-tile K pipelines drained and refilled at every tile
-  # (mosaic._CHAIN_TILES off); wgmma_wait=1 cannot chain them either.
   configs = {
       "default": None,
-      "default unchained": None,
       "256x128 cluster_n2 wait1": Cfg(**tall, cluster_n=2, wgmma_wait=1),
+      "256x128 cluster_n2 warpgroup producer": Cfg(**tall, cluster_n=2, producer="warpgroup"),
       "128x256": Cfg(block_m=128, block_n=256, wg_split="n"),
       "128x256 cluster_m2": Cfg(block_m=128, block_n=256, cluster_m=2),
       "256x128": Cfg(**tall),
@@ -145,15 +142,12 @@ def probe_mosaic(*sizes):
     print(line, flush=True)
     for name, cfg in configs.items():
       fn = lambda a, b, cfg=cfg: _mosaic(a, b, cfg)
-      mosaic._CHAIN_TILES = "unchained" not in name  # read when fn is traced
       try:
         err = relative_error(fn(*inputs[0]), ref)
         t = tflops(_ms(fn, inputs))
       except Exception as e:  # noqa: BLE001 - report and go on
         print(f"  {name:30s} failed: {type(e).__name__} {str(e)[:150]}", flush=True)
         continue
-      finally:
-        mosaic._CHAIN_TILES = True
       print(f"  {name:30s} {t:6.1f} TFLOP/s  {t / dot:.3f}x jnp.dot  relerr {err:.1e}", flush=True)
   if sizes:
     return
@@ -178,27 +172,21 @@ def probe_ab(*sizes, iterations: int = 200):
   each variant's time is compared with the jnp.dot call of its iteration, and the median
   and 10th/90th percentiles of those ratios are reported. sizes: bf16 N^3 (default 4096 8192), then f16 8192^3.
   """
-  variants = {  # name: module switches of pallas_gemm.mosaic, read when traced
-      "chained (default)": {},
-      "unchained": {"_CHAIN_TILES": False},
-      "warp producer": {"_WARP_PRODUCER": True},
+  variants = {  # name: fields replaced in the shape's default config
+      "default (warp producer)": {},
+      "warpgroup producer": {"producer": "warpgroup"},
+      "wgmma_wait=1": {"wgmma_wait": 1},
   }
   cases = [(n, jnp.bfloat16) for n in (sizes or (4096, 8192))] + [(8192, jnp.float16)]
   for r, dtype in cases:
     inputs = _inputs((r, r), (r, r), dtype)
     ref = jnp.dot(*(x.astype(jnp.float32) for x in inputs[0]), precision=HIGHEST)
     fns = {"jnp.dot": jax.jit(jnp.dot)}
-    for name, switches in variants.items():
-      saved = {key: getattr(mosaic, key) for key in switches}
-      for key, value in switches.items():
-        setattr(mosaic, key, value)
-      try:
-        fns[name] = jax.jit(lambda a, b: _mosaic(a, b))
-        err = relative_error(fns[name](*inputs[0]), ref)
-        print(f"  {name}: relerr {err:.1e} vs float32 HIGHEST", flush=True)
-      finally:
-        for key, value in saved.items():
-          setattr(mosaic, key, value)
+    for name, fields in variants.items():
+      cfg = mosaic.default_config(r, r, r, dtype).replace(**fields)
+      fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
+      err = relative_error(fns[name](*inputs[0]), ref)
+      print(f"  {name}: relerr {err:.1e} vs float32 HIGHEST", flush=True)
     ms = _interleaved_ms(fns, inputs, iterations)
     tflops = lambda t: 2 * r**3 / (t * 1e-3) / 1e12
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name},"

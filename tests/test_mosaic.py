@@ -40,6 +40,7 @@ Config = mosaic.Config
         (dict(epi_block_m=32), "epi_block_m"),
         (dict(epi_block_n=24), "epi_block_n"),
         (dict(wgmma_wait=2), "wgmma_wait"),
+        (dict(producer="thread"), "producer"),
         (dict(num_sms=0), "num_sms"),
         (dict(cluster_m=3), "cluster_m"),
         (dict(cluster_m=2, cluster_n=2), "cluster_n"),
@@ -163,9 +164,10 @@ def test_ragged_split_m_more_tiles_than_sms():
       grid_minor_dim="m"))
 
 
-def test_wgmma_wait_one_deep_k():
+@pytest.mark.parametrize("producer", ["warp", "warpgroup"])
+def test_wgmma_wait_one_deep_k(producer):
   _check(1, 150, 150, 300, config=Config(
-      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2))
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2, producer=producer))
 
 
 def test_cluster_m_odd_tile_count():
@@ -197,11 +199,33 @@ def test_default_tile_width_follows_the_rounds_of_tiles(size, block_n):
   assert cfg.block_n == block_n
 
 
-def test_wgmma_wait_one_single_k_step():
+@pytest.mark.parametrize("producer", ["warp", "warpgroup"])
+def test_wgmma_wait_one_single_k_step(producer):
   # K fits one block_k: the kernel must fall back to wgmma_wait=0 (the pipeline's
   # ring shrinks to one stage, which cannot delay a release; it faulted on the H200).
   _check(1, 300, 300, 64, config=Config(
-      block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4))
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4,
+      producer=producer))
+
+
+# Both producers over the shapes that stress their rings (interpret mode also checks
+# that every barrier phase is observed, so a ring that leaves a phase pending fails).
+_RING_CASES = [  # batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait
+    (1, 512, 384, 256, 4, 3, 1, 0),   # 12 tiles over 3 CTAs
+    (1, 512, 256, 512, 2, 4, 1, 0),   # 8 tiles over 4 CTAs, 8 K blocks in 2 stages
+    (2, 256, 512, 192, 3, 2, 2, 0),   # clusters with multicast, batch
+    (1, 640, 128, 128, 2, 4, 1, 0),   # 5 tiles over 4 CTAs: one CTA runs 2, others 1
+    (1, 512, 256, 320, 2, 2, 1, 0),   # 5 K blocks in 2 stages: buffers used unevenly
+    (1, 128, 128, 128, 2, 4, 2, 0),   # fewer tiles than CTAs: some CTAs idle
+    (1, 384, 256, 448, 3, 2, 2, 1),   # delayed release across tiles, clusters
+]
+
+
+@pytest.mark.parametrize("batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait", _RING_CASES)
+def test_warp_producer_ring(batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait):
+  _check(batch, m, n, k, config=Config(
+      block_m=128, block_n=128, block_k=64, stages=stages, cluster_n=cluster_n,
+      num_sms=num_sms, wgmma_wait=wgmma_wait, producer="warp"))
 
 
 @pytest.mark.parametrize("batch, m, n, k, stages, num_sms, cluster_n, chained", [
@@ -211,14 +235,13 @@ def test_wgmma_wait_one_single_k_step():
     (1, 640, 128, 128, 2, 4, 1, False),  # 5 tiles over 4 CTAs: some would only START
     (1, 512, 256, 320, 2, 2, 1, False),  # 5 K blocks, 2 stages: slots used unevenly
 ])
-def test_chained_tile_pipelines(monkeypatch, batch, m, n, k, stages, num_sms, cluster_n,
-                                chained):
-  # Each CTA's per-tile pipelines are chained (plgpu.PipelinePipeline) when every CTA
-  # has >= 2 tiles and K blocks are a multiple of the stages. Check which path is taken
-  # and that both give the reference result (interpret mode also checks that every
-  # barrier phase is observed, which a CTA that only STARTs would violate).
+def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, stages,
+                                                  num_sms, cluster_n, chained):
+  # producer="warpgroup": each CTA's per-tile pipelines are chained
+  # (plgpu.PipelinePipeline) when every CTA has >= 2 tiles and K blocks are a
+  # multiple of the stages. Check which path is taken and the result.
   cfg = Config(block_m=128, block_n=128, block_k=64, stages=stages,
-               cluster_n=cluster_n, num_sms=num_sms)
+               cluster_n=cluster_n, num_sms=num_sms, producer="warpgroup")
   states = []
   emit = mosaic.plgpu.emit_pipeline_warp_specialized
   def spy(*args, pipeline_state=None, **kwargs):
@@ -226,11 +249,7 @@ def test_chained_tile_pipelines(monkeypatch, batch, m, n, k, stages, num_sms, cl
     return emit(*args, pipeline_state=pipeline_state, **kwargs)
   monkeypatch.setattr(mosaic.plgpu, "emit_pipeline_warp_specialized", spy)
   _check(batch, m, n, k, config=cfg)
-  assert any(state is not None for state in states) == chained
-  monkeypatch.setattr(mosaic, "_CHAIN_TILES", False)
-  states.clear()
-  _check(batch, m, n, k, config=cfg)
-  assert all(state is None for state in states)
+  assert states and any(state is not None for state in states) == chained
 
 
 def test_batched_and_shared_b():
