@@ -570,15 +570,39 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
       mi, ni = (mi + cta, ni) if cfg.cluster_m > 1 else (mi, ni + cta)
     return bi, mi, ni
 
+  def wg_origin(wg):  # this warpgroup's part of the CTA tile, in CTA-tile coordinates
+    return (wg * wg_m, 0) if cfg.wg_split == "m" else (0, wg * wg_n)
+
+  def wgmma(acc_ref, a_smem, b_smem, wg):  # acc_ref += (wg_m, bk) @ (bk, wg_n)
+    wg_m0, wg_n0 = wg_origin(wg)
+    wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
+    if a_k_major:
+      a_op = a_smem.at[wg_ms, :] if cfg.wg_split == "m" else a_smem
+    else:
+      a_op = (a_smem.at[:, wg_ms] if cfg.wg_split == "m" else a_smem).T
+    if b_k_major:
+      b_op = (b_smem.at[wg_ns, :] if cfg.wg_split == "n" else b_smem).T
+    else:
+      b_op = b_smem.at[:, wg_ns] if cfg.wg_split == "n" else b_smem
+    plgpu.wgmma(acc_ref, a_op, b_op)
+
+  # Epilogue buffers: per consumer warpgroup, out_slots output sub-tiles and C's.
+  epilogue_allocs = dict(out_smem=plgpu.SMEM(
+      (num_wgs, cfg.out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms))
+  if c_gmem is not None:
+    epilogue_allocs["c_barrier"] = plgpu.Barrier(num_barriers=num_wgs)
+    if c_separate:
+      epilogue_allocs["c_smem"] = plgpu.SMEM(
+          (num_wgs, epi_m, epi_n), c_gmem.dtype,
+          transforms=_swizzle_transforms(epi_n, c_gmem.dtype))
+
   if cfg.producer == "warp":
     _warp_producer_kernel(
         cfg=cfg, a_block=a_block, b_block=b_block, a_transforms=a_transforms,
-        b_transforms=b_transforms, out_transforms=out_transforms, dtype=dtype,
-        out_dtype=out_dtype, a_k_major=a_k_major, b_k_major=b_k_major,
+        b_transforms=b_transforms, dtype=dtype, a_k_major=a_k_major, b_k_major=b_k_major,
         k_iters=k_iters, wgmma_wait=wgmma_wait, tiles=(batch, m_iters * n_iters),
-        tile_coords=tile_coords,
-        a_window=a_window, b_window=b_window, epilogue=_epilogue, c_gmem=c_gmem,
-        c_separate=c_separate)
+        tile_coords=tile_coords, wg_origin=wg_origin, wgmma=wgmma, a_window=a_window,
+        b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs)
     return
 
   ignore = lambda *_, **__: None
@@ -586,15 +610,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
   scoped = dict(
       pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(
           a_window(zero, zero), b_window(zero, zero)),
-      out_smem=plgpu.SMEM((num_wgs, cfg.out_slots, epi_m, epi_n), out_dtype,
-                          transforms=out_transforms),
+      **epilogue_allocs,
   )
-  if c_gmem is not None:
-    scoped["c_barrier"] = plgpu.Barrier(num_barriers=num_wgs)
-    if c_separate:
-      scoped["c_smem"] = plgpu.SMEM(
-          (num_wgs, epi_m, epi_n), c_gmem.dtype,
-          transforms=_swizzle_transforms(epi_n, c_gmem.dtype))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(pipeline_allocs, out_smem, c_barrier=None, c_smem=None):
@@ -603,23 +620,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
     @plgpu.nd_loop((batch, m_iters * n_iters), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
       bi, mi, ni = tile_coords(loop_info)
-      # This warpgroup's part of the CTA tile, in CTA-tile coordinates.
-      if cfg.wg_split == "m":
-        wg_m0, wg_n0 = wg * wg_m, 0
-      else:
-        wg_m0, wg_n0 = 0, wg * wg_n
-      wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
+      wg_m0, wg_n0 = wg_origin(wg)
 
       def mma_body(_, a_smem, b_smem, acc_ref):
-        if a_k_major:
-          a_op = a_smem.at[wg_ms, :] if cfg.wg_split == "m" else a_smem
-        else:
-          a_op = (a_smem.at[:, wg_ms] if cfg.wg_split == "m" else a_smem).T
-        if b_k_major:
-          b_op = (b_smem.at[wg_ns, :] if cfg.wg_split == "n" else b_smem).T
-        else:
-          b_op = b_smem.at[:, wg_ns] if cfg.wg_split == "n" else b_smem
-        plgpu.wgmma(acc_ref, a_op, b_op)  # (wg_m, bk) @ (bk, wg_n)
+        wgmma(acc_ref, a_smem, b_smem, wg)
         plgpu.wgmma_wait(wgmma_wait)
         return acc_ref
 
@@ -648,10 +652,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms,
-                          out_transforms, dtype, out_dtype, a_k_major, b_k_major,
-                          k_iters, wgmma_wait, tiles, tile_coords, a_window, b_window,
-                          epilogue, c_gmem, c_separate):
+def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
+                          a_k_major, b_k_major, k_iters, wgmma_wait, tiles, tile_coords,
+                          wg_origin, wgmma, a_window, b_window, epilogue,
+                          epilogue_allocs):
   """Config.producer == "warp": the CTA's K steps as one ring.
 
   Step s = local_tile * k_iters + kk uses buffer s % stages. One warp of the producer
@@ -663,7 +667,6 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms,
   num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
   # A ring deeper than K is never filled (smem_bytes counts it this way too).
   stages = min(cfg.stages, k_iters)
-  wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
   a_multicast = ("cluster",) if cfg.cluster_n > 1 else None
   b_multicast = ("cluster",) if cfg.cluster_m > 1 else None
   if a_multicast or b_multicast:
@@ -677,15 +680,8 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms,
       b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=b_transforms),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # A and B loads
       consumed=consumed,
-      out_smem=plgpu.SMEM((num_wgs, cfg.out_slots, cfg.epi_block_m, cfg.epi_block_n),
-                          out_dtype, transforms=out_transforms),
+      **epilogue_allocs,
   )
-  if c_gmem is not None:
-    scoped["c_barrier"] = plgpu.Barrier(num_barriers=num_wgs)
-    if c_separate:
-      scoped["c_smem"] = plgpu.SMEM(
-          (num_wgs, cfg.epi_block_m, cfg.epi_block_n), c_gmem.dtype,
-          transforms=_swizzle_transforms(cfg.epi_block_n, c_gmem.dtype))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None):
@@ -740,29 +736,17 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms,
       @plgpu.nd_loop(tiles, collective_axes="sm")
       def _tile_loop(loop_info: plgpu.NDLoopInfo):
         bi, mi, ni = tile_coords(loop_info)
-        if cfg.wg_split == "m":
-          wg_m0, wg_n0 = wg * wg_m, 0
-        else:
-          wg_m0, wg_n0 = 0, wg * wg_n
-        wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
+        wg_m0, wg_n0 = wg_origin(wg)
         first = loop_info.local_index * k_iters
 
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((cfg.wg_block_m, cfg.wg_block_n), jnp.float32))
         def _acc_scope(acc_ref):
           @pl.loop(0, k_iters)
           def _k(kk):
             slot = lax.rem(first + kk, stages)
             plgpu.barrier_wait(produced.at[slot])
-            a_s, b_s = a_smem.at[slot], b_smem.at[slot]
-            if a_k_major:
-              a_op = a_s.at[wg_ms, :] if cfg.wg_split == "m" else a_s
-            else:
-              a_op = (a_s.at[:, wg_ms] if cfg.wg_split == "m" else a_s).T
-            if b_k_major:
-              b_op = (b_s.at[wg_ns, :] if cfg.wg_split == "n" else b_s).T
-            else:
-              b_op = b_s.at[:, wg_ns] if cfg.wg_split == "n" else b_s
-            plgpu.wgmma(acc_ref, a_op, b_op)
+            wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
             plgpu.wgmma_wait(wgmma_wait)
             if wgmma_wait == 0:
               plgpu.barrier_arrive(consumed.at[slot])
