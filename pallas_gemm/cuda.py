@@ -258,10 +258,10 @@ def supports(dtype, precision) -> str | None:
 def _align_rows(a, b, *, transpose_a: bool, transpose_b: bool):
   """Zero-pads the stored rows of a and b to multiples of 4 floats (16 bytes).
 
-  The kernel's fast path copies 16 bytes at a time and needs every stored row 16-byte
-  aligned; otherwise it falls back to 4-byte copies, which ran 4097^3 at 31.4 TFLOP/s
-  on the H200 against 45-46 for aligned shapes. One padded copy of an operand costs
-  about 1% of such a GEMM. Rows along M (transposed A) or N (B) get a longer stride
+  The tiled kernels copy 16 bytes at a time and need every stored row 16-byte aligned
+  (the handler refuses other rows). Their 4-byte-copy fallback ran 4097^3 at 31.4
+  TFLOP/s on the H200 against 45-46 for aligned shapes and was deleted once nothing
+  reached it; one padded copy of an operand costs about 1% of such a GEMM. Rows along M (transposed A) or N (B) get a longer stride
   that the kernel skips; a padded K is padded in both operands, with zeros, so the
   extra products are exact zeros.
   """

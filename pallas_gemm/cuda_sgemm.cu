@@ -13,14 +13,14 @@
 //     Both operands are stored k-major in shared memory (sA[k][m], sB[k][n]) so one k
 //     step reads four consecutive m (or n) as one 128-bit load.
 //       - Global memory that is already k-major (A when transpose_a, B when not
-//         transpose_b) is copied 16 bytes at a time (4 bytes at a time when the
-//         leading dimension or the base pointer is not 16-byte aligned).
+//         transpose_b) is copied 16 bytes at a time (see SliceLoader).
 //       - Global memory that is K-contiguous (A when not transpose_a, B when
-//         transpose_b) is transposed on the way in: when 16-byte aligned, with
-//         128-bit read-only global loads into registers, issued one K-slice before
-//         they are written to shared memory with 4 scalar stores each (see
-//         RegSliceLoader); otherwise with 4-byte cp.async. Rows are padded by 4
-//         floats so the transposed writes of a warp hit 32 different banks.
+//         transpose_b) is transposed on the way in: 128-bit read-only global loads
+//         into registers, issued one K-slice before they are written to shared
+//         memory with 4 scalar stores each (see RegSliceLoader). Rows are padded by
+//         4 floats so the transposed writes of a warp hit 32 different banks.
+//     Both need every stored row and base pointer 16-byte aligned: cuda.py pads rows
+//     to multiples of 4 floats, and the handler refuses anything else.
 //     So the usual C = A @ B (row-major) transposes A and copies B straight; that is
 //     the mirror image of the seed, which is column-major and transposes B.
 //   * Each warp owns a WM×WN sub-tile. The warps of one warp-row load that row's slice
@@ -161,7 +161,6 @@ struct GemmArgs {
   int64_t batch;           // number of output matrices
   int64_t b_div;           // output entry i uses B entry i / b_div (batch when B is shared)
   float alpha, beta;
-  bool a_vec, b_vec;       // 16-byte copies allowed for a k-major A, B
   bool out_vec;            // 16-byte loads of C / stores of out allowed
 };
 
@@ -171,13 +170,6 @@ struct GemmArgs {
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 4-byte copy; writes zero instead when !valid (no global read).
-__device__ __forceinline__ void CpAsync4(uint32_t dst_smem, const float* src_gmem,
-                                         bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_smem),
-               "l"(src_gmem), "r"(valid ? 4 : 0));
 }
 
 // 16-byte copy of which the first src_bytes come from global memory, the rest zero.
@@ -254,10 +246,6 @@ struct TileConfig {
   static constexpr int TM = TM_, TN = TN_;            // thread tile
   static constexpr int STAGES = STAGES_;              // cp.async ring depth
   static constexpr int kMinBlocks = MIN_BLOCKS_;      // per SM, caps registers
-  // The 4-byte-copy fallback (an operand not 16-byte aligned: see LaunchTiled) holds
-  // a pointer and a predicate per copy while issuing them; at kMinBlocks' register
-  // cap it spills, so it runs one block fewer per SM.
-  static constexpr int kMinBlocksScalar = MIN_BLOCKS_ > 1 ? MIN_BLOCKS_ - 1 : 1;
 
   static constexpr int kWarpsM = BM / WM, kWarpsN = BN / WN;
   static constexpr int kThreads = 32 * kWarpsM * kWarpsN;
@@ -292,12 +280,6 @@ struct TileConfig {
   static_assert(BM % 32 == 0 && BN % 32 == 0,
                 "row strides of BM+4 / BN+4 floats spread a warp's transposed stores "
                 "over all 32 banks only when BM and BN are multiples of 32");
-  static_assert(kGroupA % BK == 0 && kGroupB % BK == 0,
-                "a K-contiguous operand is copied with k = thread % BK fixed per thread");
-  static_assert((BK * WM) % kGroupA == 0 && (BK * WN) % kGroupB == 0,
-                "the 4-byte copies of a slice divide evenly among its loading threads");
-  static_assert(kGroupA % WM == 0 && kGroupB % WN == 0,
-                "a k-major operand copied 4 bytes at a time keeps one column per thread");
   static_assert((BK * WM / 4) % kGroupA == 0 && (BK * WN / 4) % kGroupB == 0,
                 "the 16-byte copies of a slice divide evenly among its loading threads");
   static_assert(kGroupA % (WM / 4) == 0 && kGroupB % (WN / 4) == 0,
@@ -309,30 +291,22 @@ struct TileConfig {
 };
 
 // ---------------------------------------------------------------------------
-// Global -> shared copy of one operand's K-slices for one thread.
+// Global -> shared copy of a k-major operand's K-slices for one thread (16 bytes a copy).
 //
 // The operand is viewed as op(X): K × extent, where x indexes M (for A) or N (for B),
-// and is stored k-major in shared memory: s[k][x], kLds floats between k rows. Only
-// the kWidth columns of this thread's warp-row (A) or warp-column (B) are copied, by
-// the kGroup threads that share them.
-// kKContig: global memory holds x-rows of K contiguous floats (element (k, x) at
-// x*ld + k); otherwise k-rows of contiguous x (element (k, x) at k*ld + x).
-// The loader keeps only this thread's position; the problem constants (ld, extent,
-// K, the 16-byte flag) are re-read from the kernel parameters at each use, which
-// costs no registers across the main loop.
+// held in global memory as k-rows of contiguous x (element (k, x) at k*ld + x) and
+// stored the same way in shared memory: s[k][x], kLds floats between k rows. Only the
+// kWidth columns of this thread's warp-row (A) or warp-column (B) are copied, by the
+// kGroup threads that share them: float4 column t % (kWidth/4), k = t / (kWidth/4) +
+// i*kDk. The loader keeps only this thread's position; the problem constants (ld,
+// extent, K) are re-read from the kernel parameters at each use, which costs no
+// registers across the main loop.
 // ---------------------------------------------------------------------------
 
-template <int BK, int kWidth, int kGroup, int kLds, bool kKContig>
+template <int BK, int kWidth, int kGroup, int kLds>
 struct SliceLoader {
-  // Transposing copy (kKContig): thread t copies (k = t % BK, x = t / BK + i*kDx).
-  static constexpr int kDx = kGroup / BK;
-  static constexpr int kTransposeCopies = BK * kWidth / kGroup;
-  // 16-byte copy: float4 column t % (kWidth/4), k = t / (kWidth/4) + i*kDkVec.
-  static constexpr int kDkVec = kGroup / (kWidth / 4);
-  static constexpr int kVecCopies = BK * kWidth / (4 * kGroup);
-  // 4-byte k-major copy: column t % kWidth, k = t / kWidth + i*kDkScalar.
-  static constexpr int kDkScalar = kGroup / kWidth;
-  static constexpr int kScalarCopies = BK * kWidth / kGroup;
+  static constexpr int kDk = kGroup / (kWidth / 4);
+  static constexpr int kCopies = BK * kWidth / (4 * kGroup);
 
   const float* gptr;  // this thread's first element of the next K-slice
   uint32_t sdst;      // shared byte address of this thread's first copy in stage 0
@@ -342,23 +316,10 @@ struct SliceLoader {
   // matrix: this batch entry's operand; x_origin: global x of the group's first
   // column; s_col: its column in shared memory; t: rank in the group (< kGroup).
   __device__ __forceinline__ SliceLoader(const float* matrix, int64_t ld, int x_origin,
-                                         int s_col, bool vec, int t,
-                                         const float* s_stage0) {
-    int xl;
-    if constexpr (kKContig) {
-      kk = t % BK;
-      xl = t / BK;
-      gptr = matrix + int64_t(x_origin + xl) * ld + kk;
-    } else {
-      if (vec) {
-        xl = 4 * (t % (kWidth / 4));
-        kk = t / (kWidth / 4);
-      } else {
-        xl = t % kWidth;
-        kk = t / kWidth;
-      }
-      gptr = matrix + int64_t(kk) * ld + (x_origin + xl);
-    }
+                                         int s_col, int t, const float* s_stage0) {
+    const int xl = 4 * (t % (kWidth / 4));
+    kk = t / (kWidth / 4);
+    gptr = matrix + int64_t(kk) * ld + (x_origin + xl);
     x = x_origin + xl;
     sdst = SmemAddress(s_stage0 + kk * kLds + s_col + xl);
   }
@@ -367,57 +328,30 @@ struct SliceLoader {
   // offset stage_bytes, then advances to the next slice. Elements outside the
   // extent × k_total operand become zeros; their copies read nothing and point at
   // `fallback` (a valid address) rather than past the end, so a slice at or past
-  // k_total (the pipeline's tail) is all zeros and reads nothing. kVec: a k-major
-  // operand is copied 16 bytes at a time (else 4); a template parameter so that the
-  // main loop is one basic block (ptxas interleaves the copies with the FFMAs).
-  template <bool kVec>
+  // k_total (the pipeline's tail) is all zeros and reads nothing.
   __device__ __forceinline__ void Load(uint32_t stage_bytes, int k0, int64_t ld,
-                                       int extent, int k_total,
-                                       const float* fallback) {
+                                       int extent, int k_total, const float* fallback) {
     const uint32_t dst = sdst + stage_bytes;
     // Opaque here, so the compiler neither hoists the per-copy strides (i * ld) out
     // of the main loop nor turns each copy's address into its own induction
     // variable: either would hold ~2 registers per copy across the whole loop.
     asm volatile("" : "+l"(ld));
-    if constexpr (kKContig) {
-      const bool k_ok = k0 + kk < k_total;
-      const float* p = gptr;
+    const float* p = gptr;
+    const int bytes = 4 * max(0, min(4, extent - x));
 #pragma unroll
-      for (int i = 0; i < kTransposeCopies; ++i) {
-        const bool ok = k_ok && x + i * kDx < extent;
-        CpAsync4(dst + 4 * i * kDx, ok ? p : fallback, ok);
-        p += kDx * ld;
-      }
-      gptr += BK;
-    } else {
-      const float* p = gptr;
-      if constexpr (kVec) {
-        const int bytes = 4 * max(0, min(4, extent - x));
-#pragma unroll
-        for (int i = 0; i < kVecCopies; ++i) {
-          const int n = k0 + kk + i * kDkVec < k_total ? bytes : 0;
-          CpAsync16(dst + 4 * i * kDkVec * kLds, n ? p : fallback, n);
-          p += kDkVec * ld;
-        }
-      } else {
-        const bool x_ok = x < extent;
-#pragma unroll
-        for (int i = 0; i < kScalarCopies; ++i) {
-          const bool ok = x_ok && k0 + kk + i * kDkScalar < k_total;
-          CpAsync4(dst + 4 * i * kDkScalar * kLds, ok ? p : fallback, ok);
-          p += kDkScalar * ld;
-        }
-      }
-      gptr += BK * ld;
+    for (int i = 0; i < kCopies; ++i) {
+      const int n = k0 + kk + i * kDk < k_total ? bytes : 0;
+      CpAsync16(dst + 4 * i * kDk * kLds, n ? p : fallback, n);
+      p += kDk * ld;
     }
+    gptr += BK * ld;
   }
 };
 
 // ---------------------------------------------------------------------------
-// Register-staged copy of a K-contiguous operand (global element (k, x) at x*ld + k)
-// when ld % 4 == 0 and the base is 16-byte aligned (so ld == K, K % 4 == 0, and a
-// float4 at a k that is a multiple of 4 is either wholly inside the operand or wholly
-// past K). Fetch issues 128-bit read-only global loads of one K-slice into registers;
+// Register-staged copy of a K-contiguous operand (global element (k, x) at x*ld + k;
+// ld == K, K % 4 == 0 and the base 16-byte aligned, so a float4 at a k that is a
+// multiple of 4 is either wholly inside the operand or wholly past K). Fetch issues 128-bit read-only global loads of one K-slice into registers;
 // Store, called one K-slice later (so the global latency hides behind a whole slice
 // of FFMAs), writes them transposed into the k-major stage: 4 scalar shared stores
 // per float4.
@@ -442,10 +376,9 @@ struct RegSliceLoader {
   int kq;             // k of the first float4 within a slice
   float4 buf[kCopies];
 
-  // The same arguments as SliceLoader's (vec is true here).
+  // The same arguments as SliceLoader's.
   __device__ __forceinline__ RegSliceLoader(const float* matrix, int64_t ld, int x_origin,
-                                            int s_col, bool /*vec*/, int t,
-                                            const float* s_stage0) {
+                                            int s_col, int t, const float* s_stage0) {
     const int xl = t % kWidth;
     kq = 4 * (t / kWidth);
     x = x_origin + xl;
@@ -481,8 +414,7 @@ struct RegSliceLoader {
 
 // ---------------------------------------------------------------------------
 // The register-tiled kernel.
-// kAKContig = !transpose_a, kBKContig = transpose_b (see the file comment); kVec:
-// the k-major operands are copied 16 bytes at a time (LaunchTiled picks it).
+// kAKContig = !transpose_a, kBKContig = transpose_b (see the file comment).
 //
 // Main loop, one K-slice s (stage s % STAGES) per iteration, BK k steps unrolled:
 //   * the A/B fragments are double-buffered in registers: step k's FFMAs use the
@@ -503,25 +435,16 @@ struct RegSliceLoader {
 // ptxas's scheduling and register assignment: column by column with the rows in
 // serpentine order (consecutive FFMAs share an operand across the turn) measured
 // 2.5-7% faster than row by row (session 4: NN 0.937 -> 0.963x jnp.dot at 4096^3,
-// TT 0.887 -> 0.954x) with the same instruction count. kRowMajor keeps the row-by-row
-// order for the 4-byte-copy fallback, which spills in the other order.
-template <int TM, int TN, bool kRowMajor>
+// TT 0.887 -> 0.954x) with the same instruction count.
+template <int TM, int TN>
 __device__ __forceinline__ void OuterProduct(float (&acc)[TM][TN], const float* a,
                                              const float* b) {
-  if constexpr (kRowMajor) {
 #pragma unroll
-    for (int i = 0; i < TM; ++i) {
+  for (int j = 0; j < TN; ++j) {
 #pragma unroll
-      for (int j = 0; j < TN; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < TN; ++j) {
-#pragma unroll
-      for (int ii = 0; ii < TM; ++ii) {
-        const int i = (j & 1) ? TM - 1 - ii : ii;
-        acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
-      }
+    for (int ii = 0; ii < TM; ++ii) {
+      const int i = (j & 1) ? TM - 1 - ii : ii;
+      acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
     }
   }
 }
@@ -531,7 +454,7 @@ __device__ __forceinline__ void OuterProduct(float (&acc)[TM][TN], const float* 
 // stage at store_bytes (when `store`), then fetches this one into registers; a cp.async
 // loader copies this one into the stage at write_bytes. ld / extent / base are the
 // operand's (A: lda, M, a; B: ldb, N, b).
-template <bool kRegs, bool kVec, class Loader>
+template <bool kRegs, class Loader>
 __device__ __forceinline__ void LoadSlice(Loader& loader, uint32_t write_bytes,
                                           uint32_t store_bytes, int k0, bool store,
                                           int64_t ld, int extent, int k_total,
@@ -540,13 +463,12 @@ __device__ __forceinline__ void LoadSlice(Loader& loader, uint32_t write_bytes,
     if (store) loader.Store(store_bytes);
     loader.Fetch(k0, extent, k_total);
   } else {
-    loader.template Load<kVec>(write_bytes, k0, ld, extent, k_total, base);
+    loader.Load(write_bytes, k0, ld, extent, k_total, base);
   }
 }
 
-template <class Cfg, bool kAKContig, bool kBKContig, bool kVec>
-__global__ void __launch_bounds__(Cfg::kThreads,
-                                  kVec ? Cfg::kMinBlocks : Cfg::kMinBlocksScalar)
+template <class Cfg, bool kAKContig, bool kBKContig>
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     SgemmTiledKernel(const GemmArgs args) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
   constexpr int WM = Cfg::WM, WN = Cfg::WN, TM = Cfg::TM, TN = Cfg::TN;
@@ -558,26 +480,23 @@ __global__ void __launch_bounds__(Cfg::kThreads,
   // ptxas's schedule (session 4, 128x128 on the H200, call-by-call ratios to jnp.dot
   // HIGHEST: NN with A at step 3 and B at 0: 0.963 -> 0.996x at 4096^3, 1.000x at
   // 8192^3; TT with A at 2 and B at 6: 0.954 -> 0.979x; NT and TN were best with A at
-  // 0 and B at BK/2). The 4-byte-copy fallback keeps A at 0 and B at BK/2 (256x128 NN
-  // spills otherwise).
-  constexpr bool kNN = kVec && kAKContig && !kBKContig;
-  constexpr bool kTT = kVec && !kAKContig && kBKContig;
+  // 0 and B at BK/2).
+  constexpr bool kNN = kAKContig && !kBKContig, kTT = !kAKContig && kBKContig;
   constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? 3 * BK / 8 : kTT ? BK / 4 : 0;
   constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 2;
   // The slice's cp.async group closes after its last cp.async (a register-staged A
   // issues none: the group then closes with B, as measured).
-  // K-contiguous operands with 16-byte alignment go through registers (see
-  // RegSliceLoader); the others are copied with cp.async (see SliceLoader).
-  constexpr bool kARegs = kAKContig && kVec;
-  constexpr bool kBRegs = kBKContig && kVec;
+  // K-contiguous operands go through registers (see RegSliceLoader); k-major ones
+  // are copied with cp.async (see SliceLoader).
+  constexpr bool kARegs = kAKContig, kBRegs = kBKContig;
   static_assert(!(kARegs || kBRegs) || STAGES >= 3,
                 "a register-staged slice is stored into the stage two slices behind");
   constexpr int kCommitStep =
       kARegs || kIssueStepB > kIssueStepA ? kIssueStepB : kIssueStepA;
   using ALoader = std::conditional_t<kARegs, RegSliceLoader<BK, WM, Cfg::kGroupA, kLdsA>,
-                                     SliceLoader<BK, WM, Cfg::kGroupA, kLdsA, kAKContig>>;
+                                     SliceLoader<BK, WM, Cfg::kGroupA, kLdsA>>;
   using BLoader = std::conditional_t<kBRegs, RegSliceLoader<BK, WN, Cfg::kGroupB, kLdsB>,
-                                     SliceLoader<BK, WN, Cfg::kGroupB, kLdsB, kBKContig>>;
+                                     SliceLoader<BK, WN, Cfg::kGroupB, kLdsB>>;
 
   extern __shared__ __align__(16) float smem[];
   float* a_smem = smem;                               // STAGES x (BK, BM + 4), padded
@@ -615,18 +534,18 @@ __global__ void __launch_bounds__(Cfg::kThreads,
     int64_t a_stride = args.a_stride, b_stride = args.b_stride;
     asm volatile("" : "+l"(a_stride), "+l"(b_stride));
     ALoader a_loader(args.a + bi * a_stride, args.lda, block_m0 + warp_row * WM,
-                     warp_row * WM, kVec, t_in_row, a_smem);
+                     warp_row * WM, t_in_row, a_smem);
     BLoader b_loader(args.b + (bi / args.b_div) * b_stride, args.ldb,
-                     block_n0 + warp_col * WN, warp_col * WN, kVec, t_in_col, b_smem);
+                     block_n0 + warp_col * WN, warp_col * WN, t_in_col, b_smem);
     // Copies of slice k0 / BK: a register-staged operand fetches it (into
     // registers) and stores the slice fetched before it into the stage at byte offset
     // store_bytes; a cp.async operand copies it into the stage at write_bytes.
     auto load_a = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
-      LoadSlice<kARegs, kVec>(a_loader, write_bytes, store_bytes, k0, store, args.lda,
+      LoadSlice<kARegs>(a_loader, write_bytes, store_bytes, k0, store, args.lda,
                               args.m, args.k, args.a);
     };
     auto load_b = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
-      LoadSlice<kBRegs, kVec>(b_loader, write_bytes, store_bytes, k0, store, args.ldb,
+      LoadSlice<kBRegs>(b_loader, write_bytes, store_bytes, k0, store, args.ldb,
                               args.n, args.k, args.b);
     };
     // One block-wide barrier (one BAR instruction, no branch). The two named
@@ -700,8 +619,8 @@ __global__ void __launch_bounds__(Cfg::kThreads,
           sync_slice();
           load_frags(cur ^ 1, next_bytes, next_bytes, 0);
         }
-        OuterProduct<TM, TN, !kVec>(acc, reinterpret_cast<const float*>(a_frag[cur]),
-                                    reinterpret_cast<const float*>(b_frag[cur]));
+        OuterProduct<TM, TN>(acc, reinterpret_cast<const float*>(a_frag[cur]),
+                             reinterpret_cast<const float*>(b_frag[cur]));
       }
       ring += kStageBytes;
     }
@@ -812,9 +731,9 @@ __global__ void __launch_bounds__(TILE* TILE)
 
 constexpr int64_t kMaxGridY = 65535;
 
-template <class Cfg, bool kAKContig, bool kBKContig, bool kVec>
-cudaError_t LaunchTiledKernel(const GemmArgs& args, cudaStream_t stream) {
-  auto* kernel = SgemmTiledKernel<Cfg, kAKContig, kBKContig, kVec>;
+template <class Cfg, bool kAKContig, bool kBKContig>
+cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
+  auto* kernel = SgemmTiledKernel<Cfg, kAKContig, kBKContig>;
   if constexpr (Cfg::kSmemBytes > 48 * 1024) {
     // Opt in to more than 48 KB of dynamic shared memory, once per device.
     static std::atomic<uint64_t> opted_in{0};
@@ -836,25 +755,6 @@ cudaError_t LaunchTiledKernel(const GemmArgs& args, cudaStream_t stream) {
   const dim3 grid(unsigned(tiles), unsigned(std::min(args.batch, kMaxGridY)));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
   return cudaGetLastError();
-}
-
-// The config that runs a config's 4-byte-copy fallback: itself, except where that
-// spills (specialized below the configs).
-template <class Cfg>
-struct ScalarFallback {
-  using type = Cfg;
-};
-
-// kVec (16-byte copies of the k-major operands, register-staged 128-bit loads of the
-// K-contiguous ones) when both operands allow 16-byte accesses; else 4-byte cp.async
-// for both.
-template <class Cfg, bool kAKContig, bool kBKContig>
-cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
-  if (args.a_vec && args.b_vec) {
-    return LaunchTiledKernel<Cfg, kAKContig, kBKContig, true>(args, stream);
-  }
-  return LaunchTiledKernel<typename ScalarFallback<Cfg>::type, kAKContig, kBKContig, false>(
-      args, stream);
 }
 
 constexpr int kTextbookTile = 32;
@@ -898,13 +798,6 @@ using Config128x128 = TileConfig<128, 128, 8, 64, 64, 8, 16, 4, 2>;
 // Smaller still: 4 warps of 64×32, 8×8 per thread, three blocks per SM (at four, the
 // 128-register cap spills).
 using Config128x64 = TileConfig<128, 64, 8, 64, 32, 8, 8, 4, 3>;
-
-// 128×128's 4-byte fallback spilled 40-48 bytes even at 255 registers; it runs 8
-// warps of 64×32 (8×8 per thread) over the same 128×128 tiles instead.
-template <>
-struct ScalarFallback<Config128x128> {
-  using type = TileConfig<128, 128, 8, 64, 32, 8, 8, 4, 2>;
-};
 
 const TiledEntry kTiledEntries[] = {
     MakeEntry<Config256x128>(),
@@ -1015,8 +908,6 @@ ffi::Error SgemmImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> a,
   args.b_div = b_div;
   args.alpha = alpha;
   args.beta = beta;
-  args.a_vec = args.lda % 4 == 0 && Aligned16(args.a);
-  args.b_vec = args.ldb % 4 == 0 && Aligned16(args.b);
   args.out_vec = n % 4 == 0 && Aligned16(args.out) && (beta == 0.0f || Aligned16(args.c));
 
   const int64_t fields[8] = {block_m, block_n, block_k, warp_m, warp_n,
@@ -1030,6 +921,13 @@ ffi::Error SgemmImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> a,
   for (int i = 0; i < kNumTiled && !found; ++i) {
     if (std::equal(fields, fields + 8, kTiledEntries[i].fields)) {
       found = true;
+      // 16-byte copies and loads of every stored row (cuda.py pads rows to make it so).
+      if (args.lda % 4 || args.ldb % 4 || !Aligned16(args.a) || !Aligned16(args.b)) {
+        return ffi::Error::InvalidArgument(
+            "pallas_gemm_cuda_sgemm: the tiled kernels need 16-byte aligned rows (a multiple "
+            "of 4 floats) and base pointers; got rows of " + std::to_string(args.lda) +
+            " (a) and " + std::to_string(args.ldb) + " (b) floats");
+      }
       err = kTiledEntries[i].launch[!transpose_a][transpose_b](args, stream);
     }
   }

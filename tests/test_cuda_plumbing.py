@@ -210,3 +210,16 @@ def test_align_rows_leaves_aligned_operands_alone():
   b = jnp.ones((1, 12, 16), jnp.float32)
   a2, b2 = cuda._align_rows(a, b, transpose_a=False, transpose_b=False)
   assert a2 is a and b2 is b
+
+
+@pytest.mark.gpu
+def test_handler_refuses_rows_that_are_not_16_byte_aligned(monkeypatch):
+  # cuda.gemm pads rows to 16 bytes; the kernels have no other path, so the handler must
+  # refuse a call that skips the padding rather than read misaligned memory.
+  monkeypatch.setattr(cuda, "_align_rows", lambda a, b, **_: (a, b))
+  a = jnp.ones((1, 8, 7), jnp.float32)
+  b = jnp.ones((1, 7, 8), jnp.float32)
+  with pytest.raises(Exception, match="16-byte aligned rows"):
+    jax.block_until_ready(cuda.gemm(
+        a, b, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+        precision=None, out_dtype=jnp.float32, config=cuda.CONFIGS[1], interpret=False))
