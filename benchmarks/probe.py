@@ -187,16 +187,22 @@ def probe_ab(*sizes, iterations: int = 200):
       fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
       err = relative_error(fns[name](*inputs[0]), ref)
       print(f"  {name}: relerr {err:.1e} vs float32 HIGHEST", flush=True)
-    ms = _interleaved_ms(fns, inputs, iterations)
-    tflops = lambda t: 2 * r**3 / (t * 1e-3) / 1e12
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name},"
-          f" {iterations} interleaved iterations: jnp.dot {tflops(np.median(ms['jnp.dot'])):.1f}"
-          " TFLOP/s (median)")
-    for name in list(fns)[1:]:
-      ratios = np.array(ms["jnp.dot"]) / np.array(ms[name])
-      p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
-      print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs the adjacent jnp.dot:"
-            f" median {p50:.3f}x (10%: {p10:.3f}, 90%: {p90:.3f})", flush=True)
+    _report_ratios(f"{r}^3 {jnp.dtype(dtype).name}, {iterations} interleaved iterations",
+                   _interleaved_ms(fns, inputs, iterations), 2 * r**3)
+
+
+def _report_ratios(case: str, ms, flops: float, notes=None):
+  """Prints the median TFLOP/s of ms["jnp.dot"] and, for every other entry, its median
+  and 10th/90th percentile ratio to the jnp.dot call of the same iteration."""
+  tflops = lambda t: flops / (t * 1e-3) / 1e12
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {case}:"
+        f" jnp.dot {tflops(np.median(ms['jnp.dot'])):.1f} TFLOP/s (median)")
+  for name in list(ms)[1:]:
+    ratios = np.array(ms["jnp.dot"]) / np.array(ms[name])
+    p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
+    note = f"  {notes[name]}" if notes else ""
+    print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs the adjacent jnp.dot:"
+          f" median {p50:.3f}x (10%: {p10:.3f}, 90%: {p90:.3f}){note}", flush=True)
 
 
 def _interleaved_ms(fns, inputs, iterations):
@@ -336,6 +342,7 @@ def probe_cuda_ab(*libs: str, iterations: int = 60):
     fns = {"jnp.dot": jax.jit(lambda a, b: jnp.dot(a.T if ta else a, b.T if tb else b,
                                                    precision=HIGHEST))}
     errors = {}
+    default_target = cuda.TARGET_NAME
     for name, target in names:
       cuda.TARGET_NAME = target  # read when the function is traced (below)
       try:
@@ -345,22 +352,15 @@ def probe_cuda_ab(*libs: str, iterations: int = 60):
             a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=ta, transpose_b=tb,
             precision=HIGHEST, out_dtype=jnp.float32,
             config=cuda.default_config(n, n, n, jnp.float32), interpret=False)[0])
-        errors[name] = relative_error(fns[name](a0, b0), ref)
+        errors[name] = f"relerr {relative_error(fns[name](a0, b0), ref):.1e}"
       except Exception as e:  # noqa: BLE001 - report the variant and go on
         print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         fns.pop(name, None)
       finally:
-        cuda.TARGET_NAME = "pallas_gemm_cuda_sgemm"
-    ms = _interleaved_ms(fns, inputs, iterations if n <= 4096 else iterations // 2)
-    tflops = lambda t: 2 * n**3 / (t * 1e-3) / 1e12
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {n}^3 f32 ta={ta:d} tb={tb:d}:"
-          f" jnp.dot HIGHEST {tflops(np.median(ms['jnp.dot'])):.1f} TFLOP/s (median)")
-    for name in list(fns)[1:]:
-      ratios = np.array(ms["jnp.dot"]) / np.array(ms[name])
-      p10, p50, p90 = np.percentile(ratios, [10, 50, 90])
-      print(f"  {name:28s} {tflops(np.median(ms[name])):6.1f} TFLOP/s  vs the adjacent jnp.dot:"
-            f" median {p50:.3f}x (10%: {p10:.3f}, 90%: {p90:.3f})  relerr {errors[name]:.1e}",
-            flush=True)
+        cuda.TARGET_NAME = default_target
+    _report_ratios(f"{n}^3 f32 ta={ta:d} tb={tb:d} (jnp.dot at HIGHEST)",
+                   _interleaved_ms(fns, inputs, iterations if n <= 4096 else iterations // 2),
+                   2 * n**3, errors)
 
 
 def probe_once(what: str, n: int = 4096):
