@@ -261,9 +261,9 @@ def _align_rows(a, b, *, transpose_a: bool, transpose_b: bool):
   The tiled kernels copy 16 bytes at a time and need every stored row 16-byte aligned
   (the handler refuses other rows). Their 4-byte-copy fallback ran 4097^3 at 31.4
   TFLOP/s on the H200 against 45-46 for aligned shapes and was deleted once nothing
-  reached it; one padded copy of an operand costs about 1% of such a GEMM. Rows along M (transposed A) or N (B) get a longer stride
-  that the kernel skips; a padded K is padded in both operands, with zeros, so the
-  extra products are exact zeros.
+  reached it; one padded copy of an operand costs about 1% of such a GEMM. Rows along
+  M (transposed A) or N (B) get a longer stride that the kernel skips; a padded K is
+  padded in both operands, with zeros, so the extra products are exact zeros.
   """
   pad_to = lambda x: -(-x // 4) * 4
   k = a.shape[1] if transpose_a else a.shape[2]

@@ -351,7 +351,8 @@ struct SliceLoader {
 // ---------------------------------------------------------------------------
 // Register-staged copy of a K-contiguous operand (global element (k, x) at x*ld + k;
 // ld == K, K % 4 == 0 and the base 16-byte aligned, so a float4 at a k that is a
-// multiple of 4 is either wholly inside the operand or wholly past K). Fetch issues 128-bit read-only global loads of one K-slice into registers;
+// multiple of 4 is either wholly inside the operand or wholly past K). Fetch issues
+// 128-bit read-only global loads of one K-slice into registers;
 // Store, called one K-slice later (so the global latency hides behind a whole slice
 // of FFMAs), writes them transposed into the k-major stage: 4 scalar shared stores
 // per float4.
@@ -484,13 +485,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr bool kNN = kAKContig && !kBKContig, kTT = !kAKContig && kBKContig;
   constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? 3 * BK / 8 : kTT ? BK / 4 : 0;
   constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 2;
-  // The slice's cp.async group closes after its last cp.async (a register-staged A
-  // issues none: the group then closes with B, as measured).
   // K-contiguous operands go through registers (see RegSliceLoader); k-major ones
   // are copied with cp.async (see SliceLoader).
   constexpr bool kARegs = kAKContig, kBRegs = kBKContig;
   static_assert(!(kARegs || kBRegs) || STAGES >= 3,
                 "a register-staged slice is stored into the stage two slices behind");
+  // The slice's cp.async group closes after its last cp.async (a register-staged A
+  // issues none: the group then closes with B, as measured).
   constexpr int kCommitStep =
       kARegs || kIssueStepB > kIssueStepA ? kIssueStepB : kIssueStepA;
   using ALoader = std::conditional_t<kARegs, RegSliceLoader<BK, WM, Cfg::kGroupA, kLdsA>,
@@ -541,12 +542,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // registers) and stores the slice fetched before it into the stage at byte offset
     // store_bytes; a cp.async operand copies it into the stage at write_bytes.
     auto load_a = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
-      LoadSlice<kARegs>(a_loader, write_bytes, store_bytes, k0, store, args.lda,
-                              args.m, args.k, args.a);
+      LoadSlice<kARegs>(a_loader, write_bytes, store_bytes, k0, store, args.lda, args.m,
+                        args.k, args.a);
     };
     auto load_b = [&](uint32_t write_bytes, uint32_t store_bytes, int k0, bool store) {
-      LoadSlice<kBRegs>(b_loader, write_bytes, store_bytes, k0, store, args.ldb,
-                              args.n, args.k, args.b);
+      LoadSlice<kBRegs>(b_loader, write_bytes, store_bytes, k0, store, args.ldb, args.n,
+                        args.k, args.b);
     };
     // One block-wide barrier (one BAR instruction, no branch). The two named
     // barriers per warp-row / warp-column it replaces took a branch tree to turn the
@@ -575,16 +576,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // Fragments of one k step, double-buffered: [k % 2].
     float4 a_frag[2][Cfg::kFragsM];
     float4 b_frag[2][Cfg::kFragsN];
-    // Reads step k's fragments of the stage at byte offsets (a_stage, b_stage).
-    auto load_frags = [&](int buf, uint32_t a_stage, uint32_t b_stage, int k) {
+    // Reads step k's fragments of the stage at byte offset stage_bytes (of A and of B).
+    auto load_frags = [&](int buf, uint32_t stage_bytes, int k) {
 #pragma unroll
       for (int f = 0; f < Cfg::kFragsM; ++f) {
-        a_frag[buf][f] = LoadShared4(a_frag_smem + a_stage +
+        a_frag[buf][f] = LoadShared4(a_frag_smem + stage_bytes +
                                      4 * (k * kLdsA + f * 4 * Cfg::kThreadsM));
       }
 #pragma unroll
       for (int f = 0; f < Cfg::kFragsN; ++f) {
-        b_frag[buf][f] = LoadShared4(b_frag_smem + b_stage +
+        b_frag[buf][f] = LoadShared4(b_frag_smem + stage_bytes +
                                      4 * (k * kLdsB + f * 4 * Cfg::kThreadsN));
       }
     };
@@ -593,7 +594,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     // that copied the rest of this warp's rows and columns.
     CpAsyncWait<STAGES - 2>();
     sync_slice();
-    load_frags(0, 0, 0, 0);
+    load_frags(0, 0, 0);
 
     // Slice s uses the stage at byte offset (s * kStageBytes) & kRing, for A and for B.
     constexpr uint32_t kRing = STAGES * kStageBytes - 1;
@@ -601,8 +602,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     for (int slice = 0; slice < num_slices; ++slice) {
       const uint32_t read_bytes = ring & kRing;
       const uint32_t next_bytes = (ring + kStageBytes) & kRing;
-      const uint32_t write_bytes = (ring + (STAGES - 1) * kStageBytes) & kRing;  // slice + STAGES - 1
-      const uint32_t store_bytes = (ring + (STAGES - 2) * kStageBytes) & kRing;  // slice + STAGES - 2
+      // Stages of slices slice + STAGES - 1 (cp.async) and slice + STAGES - 2 (stores of
+      // a register-staged operand).
+      const uint32_t write_bytes = (ring + (STAGES - 1) * kStageBytes) & kRing;
+      const uint32_t store_bytes = (ring + (STAGES - 2) * kStageBytes) & kRing;
 #pragma unroll
       for (int k = 0; k < BK; ++k) {
         const int cur = k % 2;
@@ -610,14 +613,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         if (k == kIssueStepB) load_b(write_bytes, store_bytes, (slice + STAGES - 1) * BK, true);
         if (k == kCommitStep) CpAsyncCommit();
         if (k + 1 < BK) {
-          load_frags(cur ^ 1, read_bytes, read_bytes, k + 1);
+          load_frags(cur ^ 1, read_bytes, k + 1);
         } else {
           // Slice + 1 has landed (for the whole block after the barrier), and every
           // warp is done reading this slice's stage, which the next iteration's copies
           // overwrite.
           CpAsyncWait<STAGES - 2>();
           sync_slice();
-          load_frags(cur ^ 1, next_bytes, next_bytes, 0);
+          load_frags(cur ^ 1, next_bytes, 0);
         }
         OuterProduct<TM, TN>(acc, reinterpret_cast<const float*>(a_frag[cur]),
                              reinterpret_cast<const float*>(b_frag[cur]));

@@ -730,6 +730,9 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
 
     @pl.when(wg < num_wgs)
     def _consumers():
+      # The register split emit_pipeline_warp_specialized makes (its private
+      # _compute_registers): what the producer leaves of 512 per thread-slot, shared by
+      # the consumer warpgroups, at most 256, a multiple of 8.
       plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
                               action="increase")
 
