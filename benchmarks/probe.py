@@ -16,6 +16,9 @@
   python3 benchmarks/probe.py cuda_ab LIB..  builds of cuda_sgemm.cu (e.g. with different -D switches)
                                            vs jnp.dot HIGHEST, called in turn, each under its own
                                            FFI target: NN/TN/NT/TT at 4096^3 and NN at 8192^3
+  python3 benchmarks/probe.py cuda_sk        the cuda kernel's 128x128 and 128x64 tiles with stream-K
+                                           on and off vs jnp.dot HIGHEST, called in turn, on
+                                           square, ragged, skinny and long-K shapes
   python3 benchmarks/probe.py once WHAT [N] one compiled, warmed-up GEMM between cuProfilerStart /
                                            Stop, for `ncu --profile-from-start off` (WHAT: cuda,
                                            dot32 = jnp.dot HIGHEST f32, mosaic, dot16 = jnp.dot bf16):
@@ -363,6 +366,37 @@ def probe_cuda_ab(*libs: str, iterations: int = 60):
                    2 * n**3, errors)
 
 
+SK_SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (2048, 2048, 2048), (4097, 4097, 4097),
+             (1024, 1024, 1024), (3000, 3000, 3000), (997, 1009, 1013), (2047, 8191, 1023),
+             (256, 256, 16384), (16, 8192, 4096)]
+
+
+def probe_cuda_sk(iterations: int = 40):
+  """Stream-K on and off (cuda.Config.stream_k) for the 128x128 and 128x64 kernels, with
+  jnp.dot HIGHEST called in turn (ratios to the adjacent jnp.dot call)."""
+  for m, n, k in SK_SHAPES:
+    inputs = _inputs((m, k), (k, n), jnp.float32)
+    a0, b0 = inputs[0]
+    ref = jnp.dot(a0, b0, precision=HIGHEST)
+    fns = {"jnp.dot": jax.jit(lambda a, b: jnp.dot(a, b, precision=HIGHEST))}
+    errors = {}
+    default = cuda.default_config(m, n, k, jnp.float32)
+    for config in (cuda.CONFIGS[1], cuda.CONFIGS[2]):
+      for stream_k in (False, True):
+        cfg = config.replace(stream_k=stream_k)
+        name = f"{cfg.block_m}x{cfg.block_n} stream_k={stream_k:d}" + (
+            " (default)" if cfg == default else "")
+        fns[name] = jax.jit(lambda a, b, cfg=cfg: cuda.gemm(
+            a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=False,
+            transpose_b=False, precision=HIGHEST, out_dtype=jnp.float32, config=cfg,
+            interpret=False)[0])
+        errors[name] = f"relerr {relative_error(fns[name](a0, b0), ref):.1e}"
+    flops = 2 * m * n * k
+    _report_ratios(f"{m}x{n}x{k} f32 (jnp.dot at HIGHEST)",
+                   _interleaved_ms(fns, inputs, iterations if flops < 2e11 else iterations // 2),
+                   flops, errors)
+
+
 def probe_once(what: str, n: int = 4096):
   import ctypes  # the driver's profiler switch: no CUDA toolkit needed
   dtype = jnp.float32 if what in ("cuda", "dot32") else jnp.bfloat16
@@ -382,7 +416,8 @@ def probe_once(what: str, n: int = 4096):
 if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
-            "ab": probe_ab, "power": probe_power, "triton": probe_triton}
+            "ab": probe_ab, "power": probe_power, "triton": probe_triton,
+            "cuda_sk": probe_cuda_sk}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
   elif what == "once":

@@ -9,22 +9,27 @@ import sys
 import jax
 import numpy as np
 
-from pallas_gemm import gemm
+from pallas_gemm import cuda, gemm
 from pallas_gemm.reference import reference, relative_error, tolerance
 
-# Edges in every direction, misaligned leading dims (odd N/K), transposes, batch, beta.
-CASES = [(1, 1, 1), (7, 129, 33), (129, 7, 65), (257, 130, 9), (64, 64, 64), (300, 520, 17)]
+# Edges in every direction, misaligned leading dims (odd N/K), transposes, batch, beta;
+# then stream-K (tiles cut among blocks, summed through the scratch buffer): 4 tiles of
+# 128x128 cut 16 ways, and 8 tiles (2 batch entries) cut among 94 blocks, ragged.
+CASES = [(1, 1, 1, None), (7, 129, 33, None), (129, 7, 65, None), (257, 130, 9, None),
+         (64, 64, 64, None), (300, 520, 17, None),
+         (256, 256, 4096, cuda.CONFIGS[1]), (200, 136, 3001, cuda.CONFIGS[1])]
 
 
 def main():
   rng = np.random.default_rng(0)
   worst = 0.0
-  for m, n, k in CASES:
+  for m, n, k, config in CASES:
     for ta, tb in ((False, False), (True, False), (False, True), (True, True)):
       a = rng.standard_normal((2,) + ((k, m) if ta else (m, k)), dtype=np.float32)
       b = rng.standard_normal((2,) + ((n, k) if tb else (k, n)), dtype=np.float32)
       c = rng.standard_normal((2, m, n), dtype=np.float32)
-      out = gemm(a, b, c, alpha=0.5, beta=-1.5, transpose_a=ta, transpose_b=tb, backend="cuda")
+      out = gemm(a, b, c, alpha=0.5, beta=-1.5, transpose_a=ta, transpose_b=tb, backend="cuda",
+                 config=config)
       err = relative_error(out, reference(a, b, c, alpha=0.5, beta=-1.5, transpose_a=ta,
                                           transpose_b=tb))
       worst = max(worst, err)

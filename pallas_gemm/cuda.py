@@ -49,8 +49,6 @@ _TILED = (
     (128, 128, 8, 64, 64, 8, 16, 4),  # its warp/thread tiles: 4 warps, 2 blocks per SM
     (128, 64, 8, 64, 32, 8, 8, 4),    # 4 warps, 3 blocks per SM
 )
-# Blocks per SM of each _TILED entry (its __launch_bounds__ minimum in cuda_sgemm.cu).
-_BLOCKS_PER_SM = (1, 2, 3)
 # The textbook shared-memory kernel (32×32 threads, one output each), the baseline.
 _TEXTBOOK = (32, 32, 32, 1, 32, 1, 1, 1)
 _COMPILED = _TILED + (_TEXTBOOK,)
@@ -67,6 +65,11 @@ class Config:
   Fields left out are filled from the first compiled configuration that matches the
   given ones (``Config()`` is the seeds' 256×128 kernel, ``Config(block_m=128,
   block_n=64)`` the 128×64 one); ``TEXTBOOK`` is the textbook 32×32 kernel.
+
+  stream_k: where a grid of whole tiles would leave some of the GPU's resident block
+  slots idle in its last wave, share the last waves out among all of them by K-slices
+  and sum the tiles cut between blocks through a scratch buffer (the ``Schedule`` in
+  cuda_sgemm.cu). False: one block per tile. The textbook kernel ignores it.
   """
 
   block_m: int | None = None
@@ -77,8 +80,12 @@ class Config:
   thread_m: int | None = None
   thread_n: int | None = None
   stages: int | None = None
+  stream_k: bool = True
 
   def __post_init__(self):
+    if not isinstance(self.stream_k, (bool, np.bool_)):
+      raise ValueError(f"Config.stream_k must be a bool, got {self.stream_k!r}")
+    object.__setattr__(self, "stream_k", bool(self.stream_k))
     given = {}
     for name in _CONFIG_FIELDS:
       value = getattr(self, name)
@@ -105,11 +112,14 @@ class Config:
       object.__setattr__(self, name, value)
 
   def astuple(self) -> tuple[int, ...]:
+    """The tile fields (the compiled template instance), without stream_k."""
     return tuple(getattr(self, name) for name in _CONFIG_FIELDS)
 
   @property
   def is_textbook(self) -> bool:
     return self.astuple() == _TEXTBOOK
+
+  replace = dataclasses.replace
 
 
 def _valid_configs_text() -> str:
@@ -123,24 +133,18 @@ TEXTBOOK = Config(**dict(zip(_CONFIG_FIELDS, _TEXTBOOK)))
 
 
 def default_config(m: int, n: int, k: int, dtype) -> Config:
-  """128x128 where its grid fills the GPU and wastes little in its last wave, else 128x64.
+  """128x128 with stream-K where its tiles fill at least half the GPU's block slots, else
+  128x64 (more, smaller tiles for small outputs).
 
-  A wave is one block per (SM x blocks-per-SM) slot; a part-full last wave costs
-  about a whole one. At 4097^3 the 128x128 tile makes 4.1 waves of 2 blocks per SM
-  (17% of the slot time idle; 256x128: 37.3 TFLOP/s on the H200), the 128x64 tile
-  5.4 waves of 3 (41.6). The seeds' 256x128 is not a default: the 128x128 block with
-  the same warp and thread tiles fills the same grid in as many waves and ran 5-16%
-  faster for NN and NT at 2048^3 and 4096^3 on the H200 (4% slower for TT).
+  Stream-K evens out the part-full last wave that used to make 128x64 the better tile
+  for e.g. 4097^3 (4.1 waves of 2 blocks per SM). The seeds' 256x128 is not a default:
+  the 128x128 block with the same warp and thread tiles ran 5-16% faster for NN and NT
+  at 2048^3 and 4096^3 on the H200 (4% slower for TT).
   """
   del k, dtype  # the tile choice depends only on the output grid; dtype is f32
   tile, small = CONFIGS[1], CONFIGS[2]  # 128x128, 128x64
-  num_sms = tuning.num_sms()
   blocks = math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n)
-  waves = blocks / (num_sms * _BLOCKS_PER_SM[1])
-  idle = (math.ceil(waves) - waves) / math.ceil(waves)  # slot-time the last wave wastes
-  if blocks >= 0.9 * num_sms and (waves < 1 or idle <= 0.1):
-    return tile
-  return small
+  return tile if blocks >= 0.9 * tuning.num_sms() else small
 
 
 # ---------------------------------------------------------------------------
@@ -190,6 +194,11 @@ def _load_library() -> tuple[ctypes.CDLL | None, str | None]:
       ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
       ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
   lib.pallas_gemm_cuda_hilbert.restype = ctypes.c_int
+  i64, p64 = ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)
+  lib.pallas_gemm_cuda_schedule.argtypes = [i64, i64, i64, ctypes.c_int, p64]
+  lib.pallas_gemm_cuda_schedule.restype = None
+  lib.pallas_gemm_cuda_work_item.argtypes = [i64, i64, i64, i64, i64, i64, p64, p64]
+  lib.pallas_gemm_cuda_work_item.restype = ctypes.c_int
   return lib, None
 
 
@@ -227,6 +236,29 @@ def hilbert_tile(index: int, rows: int, cols: int) -> tuple[int, int]:
   if _LIB.pallas_gemm_cuda_hilbert(index, rows, cols, ctypes.byref(row), ctypes.byref(col)):
     raise ValueError(f"hilbert_tile: index {index} outside a {rows}×{cols} grid")
   return row.value, col.value
+
+
+def schedule(tiles: int, slices: int, slots: int, stream_k: bool) -> tuple[int, int, int]:
+  """(dp_tiles, sk_units, grid): how the kernel splits `tiles` tiles of `slices`
+  K-slices over `slots` resident blocks (see Schedule in cuda_sgemm.cu)."""
+  if _LIB is None:
+    raise RuntimeError(_LIB_ERROR)
+  fields = (ctypes.c_int64 * 3)()
+  _LIB.pallas_gemm_cuda_schedule(tiles, slices, slots, int(stream_k), fields)
+  return tuple(fields)
+
+
+def work_items(dp_tiles: int, sk_units: int, slices: int, block: int, grid: int):
+  """(stream-K range start, [(tile, slice_begin, slice_end), ...]): block `block`'s
+  pieces of work in the order it computes them (the kernel's own code)."""
+  if _LIB is None:
+    raise RuntimeError(_LIB_ERROR)
+  piece, begin = (ctypes.c_int64 * 3)(), ctypes.c_int64()
+  items = []
+  while _LIB.pallas_gemm_cuda_work_item(dp_tiles, sk_units, slices, block, grid, len(items),
+                                        piece, ctypes.byref(begin)):
+    items.append(tuple(piece))
+  return begin.value, items
 
 
 @functools.cache
@@ -337,6 +369,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool, transpose_b: 
       transpose_a=bool(transpose_a),
       transpose_b=bool(transpose_b),
       **{name: int(value) for name, value in zip(_CONFIG_FIELDS, config.astuple())},
+      stream_k=config.stream_k,
   )
   if jnp.dtype(out_dtype) != jnp.float32:
     out = out.astype(out_dtype)

@@ -46,6 +46,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -165,7 +166,70 @@ struct GemmArgs {
 };
 
 // ---------------------------------------------------------------------------
-// cp.async and named barriers.
+// Work schedule: which (tile, K-slice range) pieces each block computes, in order.
+//
+// Tiles are numbered batch entry by batch entry (t = entry * tiles_per_entry + index
+// along the Hilbert curve), each split into `slices` K-slices of BK. Two parts:
+//   * data-parallel: tiles [0, dp_tiles), block c computes tiles c, c + G, c + 2G, ...
+//     (G = gridDim.x) whole, as a plain grid of one tile per block would;
+//   * stream-K: the remaining tiles' sk_units K-slices, laid end to end (tile-major),
+//     cut into G equal ranges, range c for block c. A tile cut between blocks is
+//     summed through `partials`: the piece holding the tile's last K-slice (the
+//     "finisher") adds the pieces of the blocks before it, then writes the tile.
+// Why: a grid of whole tiles leaves slots idle in its last wave (4096^3 with 128x128
+// tiles at 2 blocks per SM on 132 SMs: 1024 tiles = 3.88 waves, the last 12% idle);
+// the stream-K part gives every resident block the same number of K-slices. The
+// data-parallel waves before it keep the tile order, and with it L2 reuse.
+//
+// Each block walks its stream-K range from the end: the first piece it computes is
+// the one cut at the end of its range (never a finisher: it lacks the tile's last
+// slice), which it stores to partials[c] and flags at once; the finisher of a tile
+// cut at the start of its range comes last. So a block waits only for blocks with a
+// lower index, and only for the first piece they compute: no cycle, and no wait on a
+// block that has not been scheduled (blocks are dispatched in index order).
+// ---------------------------------------------------------------------------
+
+struct Schedule {
+  int64_t dp_tiles;    // tiles computed whole, one per block in turn
+  int64_t sk_units;    // K-slices of the stream-K part (0: none)
+  int slices;          // K-slices per tile
+  float* partials;     // gridDim.x x (BM x BN) floats, one piece per block
+  unsigned* flags;     // gridDim.x; flags[c] != 0: partials[c] is complete
+};
+
+// First stream-K slice of block c (absolute: dp_tiles * slices + c * sk_units / G).
+__host__ __device__ inline int64_t StreamKBegin(const Schedule& s, int64_t c, int64_t grid) {
+  return s.dp_tiles * s.slices + c * s.sk_units / grid;
+}
+
+// Piece `item` (0, 1, ...) of block c's work: tile, and K-slices [slice_begin,
+// slice_end) of it. Returns false past the block's last piece.
+__host__ __device__ inline bool WorkItem(const Schedule& s, int64_t c, int64_t grid,
+                                         int64_t item, int64_t* tile, int* slice_begin,
+                                         int* slice_end) {
+  const int64_t dp_items = c < s.dp_tiles ? (s.dp_tiles - 1 - c) / grid + 1 : 0;
+  if (item < dp_items) {
+    *tile = c + item * grid;
+    *slice_begin = 0;
+    *slice_end = s.slices;
+    return true;
+  }
+  if (s.sk_units == 0) return false;
+  item -= dp_items;
+  const int64_t begin = StreamKBegin(s, c, grid), end = StreamKBegin(s, c + 1, grid);
+  // Walking back from the end: the first piece ends at `end`, the others at tile ends.
+  const int64_t t = (end - 1) / s.slices - item;
+  const int64_t tile_start = t * s.slices;
+  const int64_t piece_end = item == 0 ? end : tile_start + s.slices;
+  if (piece_end <= begin) return false;
+  *tile = t;
+  *slice_begin = int((begin > tile_start ? begin : tile_start) - tile_start);
+  *slice_end = int(piece_end - tile_start);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// cp.async, global and shared loads, stream-K flags.
 // ---------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t SmemAddress(const void* p) {
@@ -217,20 +281,18 @@ __device__ __forceinline__ float4 LoadShared4(uint32_t addr) {
   return v;
 }
 
-// Barrier among `kThreads` threads (whole warps) that use the same id, one of
-// kFirst .. kFirst + kCount - 1. The id is warp-uniform; it is turned into an
-// immediate so that ptxas reserves only the barriers used (a register id makes it
-// reserve all 16 of the block).
-template <int kThreads, int kFirst, int kCount>
-__device__ __forceinline__ void NamedBarrier(int id) {
-  if constexpr (kCount == 1) {
-    asm volatile("bar.sync %0, %1;\n" ::"n"(kFirst), "n"(kThreads) : "memory");
-  } else {
-    if (id == kFirst) {
-      asm volatile("bar.sync %0, %1;\n" ::"n"(kFirst), "n"(kThreads) : "memory");
-    } else {
-      NamedBarrier<kThreads, kFirst + 1, kCount - 1>(id);
-    }
+// Stream-K flags (see Schedule): a release store after the block's partial sums, an
+// acquire load (polled) before another block reads them.
+__device__ __forceinline__ void SignalFlag(unsigned* flag) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
+}
+
+__device__ __forceinline__ void WaitFlag(const unsigned* flag) {
+  for (;;) {
+    unsigned v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(flag) : "memory");
+    if (v != 0) return;
+    __nanosleep(100);
   }
 }
 
@@ -313,13 +375,15 @@ struct SliceLoader {
   int x;              // global x of this thread's first copy
   int kk;             // k of this thread's first copy within a slice
 
-  // matrix: this batch entry's operand; x_origin: global x of the group's first
-  // column; s_col: its column in shared memory; t: rank in the group (< kGroup).
-  __device__ __forceinline__ SliceLoader(const float* matrix, int64_t ld, int x_origin,
-                                         int s_col, int t, const float* s_stage0) {
+  // matrix: this batch entry's operand; k_origin: global k of the first slice to
+  // load; x_origin: global x of the group's first column; s_col: its column in shared
+  // memory; t: rank in the group (< kGroup).
+  __device__ __forceinline__ SliceLoader(const float* matrix, int64_t ld, int k_origin,
+                                         int x_origin, int s_col, int t,
+                                         const float* s_stage0) {
     const int xl = 4 * (t % (kWidth / 4));
     kk = t / (kWidth / 4);
-    gptr = matrix + int64_t(kk) * ld + (x_origin + xl);
+    gptr = matrix + int64_t(k_origin + kk) * ld + (x_origin + xl);
     x = x_origin + xl;
     sdst = SmemAddress(s_stage0 + kk * kLds + s_col + xl);
   }
@@ -378,12 +442,13 @@ struct RegSliceLoader {
   float4 buf[kCopies];
 
   // The same arguments as SliceLoader's.
-  __device__ __forceinline__ RegSliceLoader(const float* matrix, int64_t ld, int x_origin,
-                                            int s_col, int t, const float* s_stage0) {
+  __device__ __forceinline__ RegSliceLoader(const float* matrix, int64_t ld, int k_origin,
+                                            int x_origin, int s_col, int t,
+                                            const float* s_stage0) {
     const int xl = t % kWidth;
     kq = 4 * (t / kWidth);
     x = x_origin + xl;
-    gptr = matrix + int64_t(x) * ld + kq;
+    gptr = matrix + int64_t(x) * ld + (k_origin + kq);
     sdst = SmemAddress(s_stage0 + kq * kLds + s_col + xl);
   }
 
@@ -470,7 +535,7 @@ __device__ __forceinline__ void LoadSlice(Loader& loader, uint32_t write_bytes,
 
 template <class Cfg, bool kAKContig, bool kBKContig>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
-    SgemmTiledKernel(const GemmArgs args) {
+    SgemmTiledKernel(const GemmArgs args, const Schedule sched) {
   constexpr int BM = Cfg::BM, BN = Cfg::BN, BK = Cfg::BK;
   constexpr int WM = Cfg::WM, WN = Cfg::WN, TM = Cfg::TM, TN = Cfg::TN;
   constexpr int STAGES = Cfg::STAGES;
@@ -516,27 +581,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   const int t_in_row = warp_col * 32 + lane;
   const int t_in_col = warp_row * 32 + lane;
 
-  const int tiles_n = (args.n + BN - 1) / BN;
-  const int tiles_m = (args.m + BM - 1) / BM;
-  int tile_n, tile_m;
-  GilbertD2XY(blockIdx.x, tiles_n, tiles_m, &tile_n, &tile_m);
-  const int block_m0 = tile_m * BM;
-  const int block_n0 = tile_n * BN;
-  const int num_slices = (args.k + BK - 1) / BK;
-
   // Shared byte addresses of this thread's k = 0 fragments in stage 0.
   const uint32_t a_frag_smem = SmemAddress(a_smem + warp_row * WM + 4 * lane_m);
   const uint32_t b_frag_smem = SmemAddress(b_smem + warp_col * WN + 4 * lane_n);
 
-  // gridDim.y is capped at 65535, so a larger batch loops.
-  for (int64_t bi = blockIdx.y; bi < args.batch; bi += gridDim.y) {
+  // Batch entry and block tile origin of a tile (see Schedule for the numbering).
+  auto locate = [&](int64_t tile, int64_t* bi, int* block_m0, int* block_n0) {
+    const int tiles_n = (args.n + BN - 1) / BN;
+    const int tiles_m = (args.m + BM - 1) / BM;
+    const int64_t tiles_per_entry = int64_t(tiles_m) * tiles_n;
+    *bi = tile / tiles_per_entry;
+    int tile_n, tile_m;
+    GilbertD2XY(int(tile - *bi * tiles_per_entry), tiles_n, tiles_m, &tile_n, &tile_m);
+    *block_m0 = tile_m * BM;
+    *block_n0 = tile_n * BN;
+  };
+
+  // One piece of work per iteration: a whole tile, or K-slices [slice_begin, slice_end)
+  // of one (see Schedule).
+  for (int64_t item = 0;; ++item) {
+    int64_t tile;
+    int slice_begin, slice_end;
+    if (!WorkItem(sched, blockIdx.x, gridDim.x, item, &tile, &slice_begin, &slice_end)) break;
+    int64_t bi;
+    int block_m0, block_n0;
+    locate(tile, &bi, &block_m0, &block_n0);
     // Batch offsets are formed here from opaque copies of the strides, so the 64-bit
-    // products are not hoisted out of the batch loop and held across the main loop.
+    // products are not hoisted out of the work loop and held across the main loop.
     int64_t a_stride = args.a_stride, b_stride = args.b_stride;
     asm volatile("" : "+l"(a_stride), "+l"(b_stride));
-    ALoader a_loader(args.a + bi * a_stride, args.lda, block_m0 + warp_row * WM,
-                     warp_row * WM, t_in_row, a_smem);
-    BLoader b_loader(args.b + (bi / args.b_div) * b_stride, args.ldb,
+    ALoader a_loader(args.a + bi * a_stride, args.lda, slice_begin * BK,
+                     block_m0 + warp_row * WM, warp_row * WM, t_in_row, a_smem);
+    BLoader b_loader(args.b + (bi / args.b_div) * b_stride, args.ldb, slice_begin * BK,
                      block_n0 + warp_col * WN, warp_col * WN, t_in_col, b_smem);
     // Copies of slice k0 / BK: a register-staged operand fetches it (into
     // registers) and stores the slice fetched before it into the stage at byte offset
@@ -556,13 +632,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     auto sync_slice = [] { asm volatile("bar.sync 0;\n" ::: "memory"); };
 
     // Prologue: the first STAGES-1 slices in flight (slices past K are zero-filled
-    // and read nothing, which keeps the group count without a branch).
+    // and read nothing, which keeps the group count without a branch; slices past
+    // slice_end but inside K are loaded and never used).
     // A register-staged operand stores slices 0 .. STAGES-3 here and holds slice
     // STAGES-2 in registers; the first iteration stores it.
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) {
-      load_a(s * kStageBytes, (s - 1) * kStageBytes, s * BK, s > 0);
-      load_b(s * kStageBytes, (s - 1) * kStageBytes, s * BK, s > 0);
+      load_a(s * kStageBytes, (s - 1) * kStageBytes, (slice_begin + s) * BK, s > 0);
+      load_b(s * kStageBytes, (s - 1) * kStageBytes, (slice_begin + s) * BK, s > 0);
       CpAsyncCommit();
     }
 
@@ -590,16 +667,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
     };
 
-    // Slice 0 has landed for this thread; the barriers extend that to the warps
-    // that copied the rest of this warp's rows and columns.
+    // The first slice has landed for this thread; the barriers extend that to the
+    // warps that copied the rest of this warp's rows and columns.
     CpAsyncWait<STAGES - 2>();
     sync_slice();
     load_frags(0, 0, 0);
 
     // Slice s uses the stage at byte offset (s * kStageBytes) & kRing, for A and for B.
     constexpr uint32_t kRing = STAGES * kStageBytes - 1;
-    uint32_t ring = 0;  // slice * kStageBytes (mod 2^32)
-    for (int slice = 0; slice < num_slices; ++slice) {
+    uint32_t ring = 0;  // (slice - slice_begin) * kStageBytes (mod 2^32)
+    for (int slice = slice_begin; slice < slice_end; ++slice) {
       const uint32_t read_bytes = ring & kRing;
       const uint32_t next_bytes = (ring + kStageBytes) & kRing;
       // Stages of slices slice + STAGES - 1 (cp.async) and slice + STAGES - 2 (stores of
@@ -627,61 +704,100 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       }
       ring += kStageBytes;
     }
-    // The tail's zero-fill copies are still in flight; let them land before the
-    // stages are reused (next batch entry) or the block exits.
+    // The tail's copies are still in flight; let them land before the stages are
+    // reused (next piece) or the block exits.
     CpAsyncWait<0>();
 
-    // Write-back: out = alpha * acc + beta * C, 16 bytes at a time where aligned.
-    // The thread's coordinates are recomputed here (from an opaque read of the
-    // thread index) rather than kept live across the main loop.
-    int n_ = args.n;
-    asm volatile("" : "+r"(n_));
-    const int64_t mn = int64_t(args.m) * n_;
-    float* out_mat = args.out + bi * mn;
-    const float* c_mat = args.c + bi * mn;
+    // Positions are recomputed here (from opaque reads of the thread index and of the
+    // item) rather than kept live across the main loop.
     int tid;
     asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-    const int e_warp = tid / 32, e_lane = tid % 32;
-    const int e_row0 = block_m0 + (e_warp % Cfg::kWarpsM) * WM + 4 * (e_lane % Cfg::kThreadsM);
-    const int e_col0 = block_n0 + (e_warp / Cfg::kWarpsM) * WN + 4 * (e_lane / Cfg::kThreadsM);
+    int64_t item_ = item;
+    asm volatile("" : "+l"(item_));
+    WorkItem(sched, blockIdx.x, gridDim.x, item_, &tile, &slice_begin, &slice_end);
+    // Partial sums travel thread-major: value e of thread tid at e * kThreads + tid, so
+    // each access instruction of a warp covers 128 contiguous bytes. 4-byte accesses:
+    // 16-byte stores straight from the accumulators would pin them to aligned register
+    // quads, which cost the main loop ~120 more register moves (SASS, sm_90).
+    auto partial = [&](int64_t block, int e) {
+      return sched.partials + block * (BM * BN) + (e * Cfg::kThreads + tid);
+    };
+    if (slice_end < sched.slices) {
+      // A piece without the tile's last slice: publish it for the tile's finisher.
 #pragma unroll
-    for (int fm = 0; fm < Cfg::kFragsM; ++fm) {
+      for (int e = 0; e < TM * TN; ++e) __stcg(partial(blockIdx.x, e), acc[e / TN][e % TN]);
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) SignalFlag(sched.flags + blockIdx.x);
+    } else {
+      if (slice_begin > 0) {
+        // The finisher of a tile cut between blocks: add the pieces of blocks
+        // blockIdx.x - 1, - 2, ... down to the one holding the tile's first slice.
+        const int64_t tile_start = tile * sched.slices;
+        for (int64_t c = int64_t(blockIdx.x) - 1;; --c) {
+          if (tid == 0) WaitFlag(sched.flags + c);
+          __syncthreads();
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = e_row0 + fm * 4 * Cfg::kThreadsM + r;
-        if (row >= args.m) continue;
-        float* out_row = out_mat + int64_t(row) * args.n;
-        const float* c_row = c_mat + int64_t(row) * args.n;
+          for (int i = 0; i < TM; ++i) {
 #pragma unroll
-        for (int fn = 0; fn < Cfg::kFragsN; ++fn) {
-          const int col = e_col0 + fn * 4 * Cfg::kThreadsN;
-          const float* v = &acc[4 * fm + r][4 * fn];
-          if (args.out_vec && col < args.n) {  // n % 4 == 0, so col + 3 < n too
-            float4 o = make_float4(args.alpha * v[0], args.alpha * v[1],
-                                   args.alpha * v[2], args.alpha * v[3]);
-            if (args.beta != 0.0f) {
-              const float4 cv = *reinterpret_cast<const float4*>(c_row + col);
-              o.x = fmaf(args.beta, cv.x, o.x);
-              o.y = fmaf(args.beta, cv.y, o.y);
-              o.z = fmaf(args.beta, cv.z, o.z);
-              o.w = fmaf(args.beta, cv.w, o.w);
-            }
-            *reinterpret_cast<float4*>(out_row + col) = o;
-          } else {
+            for (int j = 0; j < TN; ++j) acc[i][j] += __ldcg(partial(c, i * TN + j));
+            // A scheduling fence: all TM x TN loads in flight at once spilled.
+            __syncwarp();
+          }
+          if (StreamKBegin(sched, c, gridDim.x) <= tile_start) break;
+        }
+      }
+      int64_t bi;
+      int block_m0, block_n0;
+      locate(tile, &bi, &block_m0, &block_n0);
+      // Write-back: out = alpha * acc + beta * C, 16 bytes at a time where aligned.
+      int n_ = args.n;
+      asm volatile("" : "+r"(n_));
+      const int64_t mn = int64_t(args.m) * n_;
+      float* out_mat = args.out + bi * mn;
+      const float* c_mat = args.c + bi * mn;
+      const int e_warp = tid / 32, e_lane = tid % 32;
+      const int e_row0 = block_m0 + (e_warp % Cfg::kWarpsM) * WM + 4 * (e_lane % Cfg::kThreadsM);
+      const int e_col0 = block_n0 + (e_warp / Cfg::kWarpsM) * WN + 4 * (e_lane / Cfg::kThreadsM);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              if (col + j < args.n) {
-                float o = args.alpha * v[j];
-                if (args.beta != 0.0f) o = fmaf(args.beta, c_row[col + j], o);
-                out_row[col + j] = o;
+      for (int fm = 0; fm < Cfg::kFragsM; ++fm) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = e_row0 + fm * 4 * Cfg::kThreadsM + r;
+          if (row >= args.m) continue;
+          float* out_row = out_mat + int64_t(row) * args.n;
+          const float* c_row = c_mat + int64_t(row) * args.n;
+#pragma unroll
+          for (int fn = 0; fn < Cfg::kFragsN; ++fn) {
+            const int col = e_col0 + fn * 4 * Cfg::kThreadsN;
+            const float* v = &acc[4 * fm + r][4 * fn];
+            if (args.out_vec && col < args.n) {  // n % 4 == 0, so col + 3 < n too
+              float4 o = make_float4(args.alpha * v[0], args.alpha * v[1],
+                                     args.alpha * v[2], args.alpha * v[3]);
+              if (args.beta != 0.0f) {
+                const float4 cv = *reinterpret_cast<const float4*>(c_row + col);
+                o.x = fmaf(args.beta, cv.x, o.x);
+                o.y = fmaf(args.beta, cv.y, o.y);
+                o.z = fmaf(args.beta, cv.z, o.z);
+                o.w = fmaf(args.beta, cv.w, o.w);
+              }
+              *reinterpret_cast<float4*>(out_row + col) = o;
+            } else {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) {
+                if (col + j < args.n) {
+                  float o = args.alpha * v[j];
+                  if (args.beta != 0.0f) o = fmaf(args.beta, c_row[col + j], o);
+                  out_row[col + j] = o;
+                }
               }
             }
           }
         }
       }
     }
-    // The next batch entry's prologue overwrites stages other warps may still read.
-    if (bi + gridDim.y < args.batch) __syncthreads();
+    // The next piece's prologue overwrites stages other warps may still read.
+    __syncthreads();
   }
 }
 
@@ -734,29 +850,86 @@ __global__ void __launch_bounds__(TILE* TILE)
 
 constexpr int64_t kMaxGridY = 65535;
 
+// Each block's stream-K range is kept at least this many K-slices long, so that a
+// small problem is not cut into pieces that cost more to sum than to compute.
+constexpr int64_t kMinStreamKSlices = 32;
+
+// The schedule for `tiles` tiles of `slices` K-slices each on `slots` resident blocks
+// (SMs x blocks per SM); *grid receives the number of blocks to launch. Stream-K is
+// used only where a grid of whole tiles would leave slots idle in its last wave: all
+// but the last full wave stay whole tiles; that wave and the partial one after it are
+// shared out by K-slices over every slot when each gets kMinStreamKSlices, else over
+// fewer blocks, but only if they still outnumber the tiles (then it is a split-K).
+inline Schedule MakeSchedule(int64_t tiles, int slices, int64_t slots, bool stream_k,
+                             int64_t* grid) {
+  Schedule sched{};
+  sched.slices = slices;
+  sched.dp_tiles = tiles;
+  *grid = std::min<int64_t>(tiles, INT32_MAX);
+  if (!stream_k || slices == 0 || tiles % slots == 0) return sched;
+  const int64_t waves = tiles / slots;
+  const int64_t dp_tiles = waves > 1 ? (waves - 1) * slots : 0;
+  const int64_t sk_units = (tiles - dp_tiles) * slices;
+  const int64_t sk_grid = std::min<int64_t>(slots, sk_units / kMinStreamKSlices);
+  if (sk_grid == slots || (dp_tiles == 0 && sk_grid > tiles)) {
+    *grid = sk_grid;
+    sched.dp_tiles = dp_tiles;
+    sched.sk_units = sk_units;
+  }
+  return sched;
+}
+
 template <class Cfg, bool kAKContig, bool kBKContig>
-cudaError_t LaunchTiled(const GemmArgs& args, cudaStream_t stream) {
+cudaError_t LaunchTiled(const GemmArgs& args, bool stream_k, ffi::ScratchAllocator& scratch,
+                        cudaStream_t stream) {
   auto* kernel = SgemmTiledKernel<Cfg, kAKContig, kBKContig>;
-  if constexpr (Cfg::kSmemBytes > 48 * 1024) {
-    // Opt in to more than 48 KB of dynamic shared memory, once per device.
-    static std::atomic<uint64_t> opted_in{0};
-    int device = 0;
-    if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-    if (bit == 0 || !(opted_in.load(std::memory_order_relaxed) & bit)) {
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  // Per-device launch facts, computed once: the opt-in to more than 48 KB of dynamic
+  // shared memory, and how many blocks of this kernel one SM holds at a time.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> resident[kMaxDevices] = {};  // SMs x blocks per SM; 0: unknown
+  int slots = device < kMaxDevices ? resident[device].load(std::memory_order_relaxed) : 0;
+  if (slots == 0) {
+    if constexpr (Cfg::kSmemBytes > 48 * 1024) {
       if (cudaError_t err = cudaFuncSetAttribute(
               kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(Cfg::kSmemBytes));
           err != cudaSuccess) {
         return err;
       }
-      opted_in.fetch_or(bit, std::memory_order_relaxed);
+    }
+    int sms = 0, per_sm = 0;
+    if (cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+        err != cudaSuccess) {
+      return err;
+    }
+    if (cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, kernel, Cfg::kThreads, Cfg::kSmemBytes);
+        err != cudaSuccess) {
+      return err;
+    }
+    slots = std::max(1, sms * per_sm);
+    if (device < kMaxDevices) resident[device].store(slots, std::memory_order_relaxed);
+  }
+
+  const int64_t tiles_per_entry = int64_t((args.m + Cfg::BM - 1) / Cfg::BM) *
+                                  ((args.n + Cfg::BN - 1) / Cfg::BN);
+  if (tiles_per_entry > INT32_MAX) return cudaErrorInvalidConfiguration;  // Hilbert index
+  int64_t grid = 0;
+  Schedule sched = MakeSchedule(tiles_per_entry * args.batch, (args.k + Cfg::BK - 1) / Cfg::BK,
+                                slots, stream_k, &grid);
+  if (sched.sk_units > 0) {
+    const size_t partial_bytes = size_t(grid) * Cfg::BM * Cfg::BN * sizeof(float);
+    std::optional<void*> buffer = scratch.Allocate(partial_bytes + grid * sizeof(unsigned), 16);
+    if (!buffer.has_value()) return cudaErrorMemoryAllocation;
+    sched.partials = static_cast<float*>(*buffer);
+    sched.flags = reinterpret_cast<unsigned*>(static_cast<char*>(*buffer) + partial_bytes);
+    if (cudaError_t err = cudaMemsetAsync(sched.flags, 0, grid * sizeof(unsigned), stream);
+        err != cudaSuccess) {
+      return err;
     }
   }
-  const int64_t tiles = int64_t((args.m + Cfg::BM - 1) / Cfg::BM) *
-                        ((args.n + Cfg::BN - 1) / Cfg::BN);
-  if (tiles > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const dim3 grid(unsigned(tiles), unsigned(std::min(args.batch, kMaxGridY)));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args);
+  kernel<<<unsigned(grid), Cfg::kThreads, Cfg::kSmemBytes, stream>>>(args, sched);
   return cudaGetLastError();
 }
 
@@ -777,7 +950,8 @@ cudaError_t LaunchTextbook(const GemmArgs& args, bool transpose_a, bool transpos
 // The compiled configurations, in the Python Config's field order:
 // block_m, block_n, block_k, warp_m, warp_n, thread_m, thread_n, stages.
 // pallas_gemm/cuda.py keeps the same list (a CPU test checks they agree).
-using Launcher = cudaError_t (*)(const GemmArgs&, cudaStream_t);
+using Launcher = cudaError_t (*)(const GemmArgs&, bool stream_k, ffi::ScratchAllocator&,
+                                 cudaStream_t);
 struct TiledEntry {
   int64_t fields[8];
   Launcher launch[2][2];  // [a K-contiguous][b K-contiguous]
@@ -827,12 +1001,12 @@ std::string DimsToString(ffi::Span<const int64_t> dims) {
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-ffi::Error SgemmImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> a,
+ffi::Error SgemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> a,
                      ffi::Buffer<ffi::F32> b, ffi::Buffer<ffi::F32> c,
                      ffi::ResultBuffer<ffi::F32> out, float alpha, float beta,
                      bool transpose_a, bool transpose_b, int64_t block_m,
                      int64_t block_n, int64_t block_k, int64_t warp_m, int64_t warp_n,
-                     int64_t thread_m, int64_t thread_n, int64_t stages) {
+                     int64_t thread_m, int64_t thread_n, int64_t stages, bool stream_k) {
   const auto a_dims = a.dimensions();
   const auto b_dims = b.dimensions();
   const auto out_dims = out->dimensions();
@@ -931,7 +1105,7 @@ ffi::Error SgemmImpl(cudaStream_t stream, ffi::Buffer<ffi::F32> a,
             "of 4 floats) and base pointers; got rows of " + std::to_string(args.lda) +
             " (a) and " + std::to_string(args.ldb) + " (b) floats");
       }
-      err = kTiledEntries[i].launch[!transpose_a][transpose_b](args, stream);
+      err = kTiledEntries[i].launch[!transpose_a][transpose_b](args, stream_k, scratch, stream);
     }
   }
   if (!found) {
@@ -958,6 +1132,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     PallasGemmCudaSgemm, pallas_gemm::SgemmImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream the computation runs on
+        .Ctx<ffi::ScratchAllocator>()              // stream-K partial sums and flags
         .Arg<ffi::Buffer<ffi::F32>>()              // a: (..., M, K), or (..., K, M) when transpose_a
         .Arg<ffi::Buffer<ffi::F32>>()              // b: (..., K, N), or (..., N, K) when transpose_b
         .Arg<ffi::Buffer<ffi::F32>>()              // c: (..., M, N); any placeholder when beta == 0
@@ -973,7 +1148,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("warp_n")                   // warp tile columns (WN)
         .Attr<int64_t>("thread_m")                 // thread tile rows (TM)
         .Attr<int64_t>("thread_n")                 // thread tile columns (TN)
-        .Attr<int64_t>("stages"));                 // cp.async pipeline depth (STAGES)
+        .Attr<int64_t>("stages")                   // cp.async pipeline depth (STAGES)
+        .Attr<bool>("stream_k"));                  // share the last waves out by K-slices
 
 // ---------------------------------------------------------------------------
 // Host helpers for the Python twin and its CPU tests (ctypes).
@@ -1003,4 +1179,36 @@ PALLAS_GEMM_EXPORT int pallas_gemm_cuda_hilbert(int64_t idx, int64_t rows, int64
   *row = y;
   *col = x;
   return 0;
+}
+
+// The launch schedule for the CPU tests: fields = {dp_tiles, sk_units, grid}.
+PALLAS_GEMM_EXPORT void pallas_gemm_cuda_schedule(int64_t tiles, int64_t slices, int64_t slots,
+                                                  int stream_k, int64_t* fields) {
+  int64_t grid = 0;
+  const pallas_gemm::Schedule s =
+      pallas_gemm::MakeSchedule(tiles, int(slices), slots, stream_k != 0, &grid);
+  fields[0] = s.dp_tiles;
+  fields[1] = s.sk_units;
+  fields[2] = grid;
+}
+
+// Piece `item` of block `block` (the kernel's own code): piece = {tile, slice_begin,
+// slice_end}; returns 0 past the block's last piece, else 1. *range_begin receives
+// the block's first stream-K slice (absolute), which the finisher's wait loop uses.
+PALLAS_GEMM_EXPORT int pallas_gemm_cuda_work_item(int64_t dp_tiles, int64_t sk_units,
+                                                  int64_t slices, int64_t block, int64_t grid,
+                                                  int64_t item, int64_t* piece,
+                                                  int64_t* range_begin) {
+  pallas_gemm::Schedule s{};
+  s.dp_tiles = dp_tiles;
+  s.sk_units = sk_units;
+  s.slices = int(slices);
+  *range_begin = pallas_gemm::StreamKBegin(s, block, grid);
+  int64_t tile = 0;
+  int begin = 0, end = 0;
+  if (!pallas_gemm::WorkItem(s, block, grid, item, &tile, &begin, &end)) return 0;
+  piece[0] = tile;
+  piece[1] = begin;
+  piece[2] = end;
+  return 1;
 }

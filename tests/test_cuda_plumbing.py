@@ -163,7 +163,7 @@ def test_config_is_frozen_and_keyword_only():
 @pytest.mark.parametrize("m,n,expected", [
     (4096, 4096, (128, 128)), (2048, 2048, (128, 128)), (1024, 2048, (128, 128)),
     (1024, 1024, (128, 64)), (16, 8192, (128, 64)),
-    (4097, 4097, (128, 64)),  # 128x128: 4.1 waves of 2 per SM, 17% of the slots idle
+    (4097, 4097, (128, 128)),  # 4.1 waves of 2 per SM: stream-K evens out the last
 ])
 def test_default_config_fills_the_gpu(m, n, expected):
   config = cuda.default_config(m, n, 512, np.float32)
@@ -210,6 +210,88 @@ def test_align_rows_leaves_aligned_operands_alone():
   b = jnp.ones((1, 12, 16), jnp.float32)
   a2, b2 = cuda._align_rows(a, b, transpose_a=False, transpose_b=False)
   assert a2 is a and b2 is b
+
+
+# --- The work schedule (stream-K) ------------------------------------------------------
+
+
+@needs_library
+@pytest.mark.parametrize("tiles,slices,slots", [
+    (1024, 512, 264),   # 4096^3, 128x128 on an H200: 3.88 waves, 2 whole then stream-K
+    (4096, 1024, 264),  # 8192^3
+    (1089, 129, 264),   # 4097^3
+    (4, 2048, 264),     # 256x256x16384: split-K over 256 blocks, 64 pieces per tile
+    (135, 98, 264),     # fewer tiles than slots, tiles cut in two
+    (7, 3, 264),        # too little K to cut: whole tiles
+    (528, 64, 264),     # whole waves: whole tiles
+    (300, 40, 132), (133, 40, 132), (5, 40, 132), (1, 1, 1), (3, 100, 1)])
+@pytest.mark.parametrize("stream_k", [False, True])
+def test_schedule_computes_every_slice_once_and_waits_only_backwards(tiles, slices, slots,
+                                                                     stream_k):
+  dp_tiles, sk_units, grid = cuda.schedule(tiles, slices, slots, stream_k)
+  assert sk_units % slices == 0 and dp_tiles + sk_units // slices == tiles
+  if not stream_k or tiles % slots == 0:
+    assert (dp_tiles, sk_units, grid) == (tiles, 0, tiles)
+  assert 1 <= grid <= (slots if sk_units else tiles)
+  starts, work, pieces = {}, {}, {}
+  for block in range(grid):
+    starts[block], items = cuda.work_items(dp_tiles, sk_units, slices, block, grid)
+    work[block] = sum(end - begin for _, begin, end in items)
+    for position, (tile, begin, end) in enumerate(items):
+      assert 0 <= begin < end <= slices
+      if end < slices:  # a piece the tile's finisher adds: published before any wait
+        assert sk_units and all(t < dp_tiles for t, _, _ in items[:position])
+      pieces.setdefault(tile, []).append((begin, end, block))
+  # Every K-slice of every tile exactly once.
+  assert sorted(pieces) == list(range(tiles))
+  for tile, parts in pieces.items():
+    parts.sort()
+    assert parts[0][0] == 0 and parts[-1][1] == slices
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    # The finisher (the piece with the last slice) waits, as the kernel does, for blocks
+    # finisher-1, finisher-2, ... down to the first whose range starts at or before the
+    # tile: exactly the blocks holding the tile's other pieces, all with lower indices.
+    finisher = parts[-1][2]
+    waits, c = [], finisher - 1
+    while len(parts) > 1:
+      waits.append(c)
+      if starts[c] <= tile * slices:
+        break
+      c -= 1
+    assert sorted(waits) == sorted(block for _, _, block in parts[:-1])
+    assert all(c < finisher for c in waits)
+  if sk_units:  # the point of it: every block gets the same work, to a slice
+    assert max(work.values()) - min(work.values()) <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, False),
+                                                     (False, True), (True, True)])
+@pytest.mark.parametrize("m,n,k,batch,config", [
+    (256, 256, 16384, 1, 1),   # split-K: each 128x128 tile cut among 64 blocks
+    (1031, 517, 777, 3, 1),    # fewer tiles than slots, across batch entries; ragged K
+    (4097, 4097, 1031, 1, 1),  # whole waves, then stream-K; ragged everything
+    (300, 200, 5000, 2, 0),    # 256x128 blocks, 1 per SM
+    (1000, 900, 3001, 1, 2),   # 128x64 blocks, 3 per SM
+])
+def test_stream_k_matches_the_reference(m, n, k, batch, config, transpose_a, transpose_b):
+  # Each case against float64, with stream-K on and off, through a NaN-poisoned
+  # allocator (unwritten outputs show), with an epilogue that reads C.
+  from pallas_gemm.reference import reference, relative_error, tolerance  # noqa: PLC0415
+  rng = np.random.default_rng(m * n + k)
+  a = rng.standard_normal((batch,) + ((k, m) if transpose_a else (m, k)), dtype=np.float32)
+  b = rng.standard_normal((batch,) + ((n, k) if transpose_b else (k, n)), dtype=np.float32)
+  c = rng.standard_normal((batch, m, n), dtype=np.float32)
+  ref = reference(a, b, c, alpha=0.5, beta=-2.0, transpose_a=transpose_a,
+                  transpose_b=transpose_b)
+  for stream_k in (True, False):
+    jnp.full((batch * m * n + 1,), jnp.nan, jnp.float32).block_until_ready().delete()
+    out = cuda.gemm(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), alpha=0.5, beta=-2.0,
+                    transpose_a=transpose_a, transpose_b=transpose_b, precision=None,
+                    out_dtype=jnp.float32,
+                    config=cuda.CONFIGS[config].replace(stream_k=stream_k), interpret=False)
+    err = relative_error(out, ref)
+    assert err <= tolerance(np.float32, jax.lax.Precision.HIGHEST, k), (stream_k, err)
 
 
 @pytest.mark.gpu
