@@ -715,86 +715,92 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     int64_t item_ = item;
     asm volatile("" : "+l"(item_));
     WorkItem(sched, blockIdx.x, gridDim.x, item_, &tile, &slice_begin, &slice_end);
-    // Partial sums travel thread-major: value e of thread tid at e * kThreads + tid, so
-    // each access instruction of a warp covers 128 contiguous bytes. 4-byte accesses:
-    // 16-byte stores straight from the accumulators would pin them to aligned register
-    // quads, which cost the main loop ~120 more register moves (SASS, sm_90).
-    auto partial = [&](int64_t block, int e) {
-      return sched.partials + block * (BM * BN) + (e * Cfg::kThreads + tid);
-    };
-    if (slice_end < sched.slices) {
-      // A piece without the tile's last slice: publish it for the tile's finisher.
-#pragma unroll
-      for (int e = 0; e < TM * TN; ++e) __stcg(partial(blockIdx.x, e), acc[e / TN][e % TN]);
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) SignalFlag(sched.flags + blockIdx.x);
-    } else {
-      if (slice_begin > 0) {
-        // The finisher of a tile cut between blocks: add the pieces of blocks
-        // blockIdx.x - 1, - 2, ... down to the one holding the tile's first slice.
-        const int64_t tile_start = tile * sched.slices;
-        for (int64_t c = int64_t(blockIdx.x) - 1;; --c) {
-          if (tid == 0) WaitFlag(sched.flags + c);
-          __syncthreads();
-#pragma unroll
-          for (int i = 0; i < TM; ++i) {
-#pragma unroll
-            for (int j = 0; j < TN; ++j) acc[i][j] += __ldcg(partial(c, i * TN + j));
-            // A scheduling fence: all TM x TN loads in flight at once spilled.
-            __syncwarp();
-          }
-          if (StreamKBegin(sched, c, gridDim.x) <= tile_start) break;
-        }
+    // Epilogue, one code path for the three kinds of piece (a second path, storing the
+    // accumulators straight to the scratch buffer, changed ptxas's register assignment
+    // of the main loop and cost it 3% on the H200):
+    //   * a whole tile:  out = alpha * acc + beta * C;
+    //   * a piece without the tile's last slice: partials[blockIdx.x] = acc (the tile's
+    //     BM x BN sums, row-major), then its flag;
+    //   * the tile's finisher: out = alpha * (acc + the pieces of blocks blockIdx.x - 1,
+    //     - 2, ... down to the one holding the tile's first slice) + beta * C.
+    const bool publish = slice_end < sched.slices;
+    int pieces_before = 0;
+    if (!publish && slice_begin > 0) {
+      const int64_t tile_start = tile * sched.slices;
+      for (int64_t c = int64_t(blockIdx.x) - 1;; --c) {
+        ++pieces_before;
+        if (tid == 0) WaitFlag(sched.flags + c);
+        if (StreamKBegin(sched, c, gridDim.x) <= tile_start) break;
       }
-      int64_t bi;
-      int block_m0, block_n0;
-      locate(tile, &bi, &block_m0, &block_n0);
-      // Write-back: out = alpha * acc + beta * C, 16 bytes at a time where aligned.
-      int n_ = args.n;
-      asm volatile("" : "+r"(n_));
-      const int64_t mn = int64_t(args.m) * n_;
-      float* out_mat = args.out + bi * mn;
-      const float* c_mat = args.c + bi * mn;
-      const int e_warp = tid / 32, e_lane = tid % 32;
-      const int e_row0 = block_m0 + (e_warp % Cfg::kWarpsM) * WM + 4 * (e_lane % Cfg::kThreadsM);
-      const int e_col0 = block_n0 + (e_warp / Cfg::kWarpsM) * WN + 4 * (e_lane / Cfg::kThreadsM);
+      __syncthreads();
+    }
+    locate(tile, &bi, &block_m0, &block_n0);
+    float* const own = sched.partials + int64_t(blockIdx.x) * (BM * BN);
+    const float alpha = publish ? 1.0f : args.alpha;
+    const float beta = publish ? 0.0f : args.beta;
+    int n_ = args.n;
+    asm volatile("" : "+r"(n_));
+    const int64_t mn = int64_t(args.m) * n_;
+    float* out_mat = args.out + bi * mn;
+    const float* c_mat = args.c + bi * mn;
+    const int e_warp = tid / 32, e_lane = tid % 32;
+    const int e_row0 = (e_warp % Cfg::kWarpsM) * WM + 4 * (e_lane % Cfg::kThreadsM);
+    const int e_col0 = (e_warp / Cfg::kWarpsM) * WN + 4 * (e_lane / Cfg::kThreadsM);
 #pragma unroll
-      for (int fm = 0; fm < Cfg::kFragsM; ++fm) {
+    for (int fm = 0; fm < Cfg::kFragsM; ++fm) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int row = e_row0 + fm * 4 * Cfg::kThreadsM + r;
-          if (row >= args.m) continue;
-          float* out_row = out_mat + int64_t(row) * args.n;
-          const float* c_row = c_mat + int64_t(row) * args.n;
+      for (int r = 0; r < 4; ++r) {
+        const int row_t = e_row0 + fm * 4 * Cfg::kThreadsM + r;  // in the tile
+        const int row = block_m0 + row_t;
+        if (row >= args.m) continue;
+        float* out_row = publish ? own + row_t * BN - block_n0 : out_mat + int64_t(row) * args.n;
+        const float* c_row = c_mat + int64_t(row) * args.n;
 #pragma unroll
-          for (int fn = 0; fn < Cfg::kFragsN; ++fn) {
-            const int col = e_col0 + fn * 4 * Cfg::kThreadsN;
-            const float* v = &acc[4 * fm + r][4 * fn];
-            if (args.out_vec && col < args.n) {  // n % 4 == 0, so col + 3 < n too
-              float4 o = make_float4(args.alpha * v[0], args.alpha * v[1],
-                                     args.alpha * v[2], args.alpha * v[3]);
-              if (args.beta != 0.0f) {
-                const float4 cv = *reinterpret_cast<const float4*>(c_row + col);
-                o.x = fmaf(args.beta, cv.x, o.x);
-                o.y = fmaf(args.beta, cv.y, o.y);
-                o.z = fmaf(args.beta, cv.z, o.z);
-                o.w = fmaf(args.beta, cv.w, o.w);
-              }
-              *reinterpret_cast<float4*>(out_row + col) = o;
-            } else {
+        for (int fn = 0; fn < Cfg::kFragsN; ++fn) {
+          const int col = block_n0 + e_col0 + fn * 4 * Cfg::kThreadsN;
+          const float* v = &acc[4 * fm + r][4 * fn];
+          // Partial sums of this element in the scratch buffer, of block blockIdx.x - p.
+          auto piece = [&](int p) {
+            return own - int64_t(p) * (BM * BN) + (row_t * BN + col - block_n0);
+          };
+          if (args.out_vec && col < args.n) {  // n % 4 == 0, so col + 3 < n too
+            float4 sum = make_float4(v[0], v[1], v[2], v[3]);
+            for (int p = 1; p <= pieces_before; ++p) {
+              const float4 q = __ldcg(reinterpret_cast<const float4*>(piece(p)));
+              sum.x += q.x;
+              sum.y += q.y;
+              sum.z += q.z;
+              sum.w += q.w;
+            }
+            float4 o = make_float4(alpha * sum.x, alpha * sum.y, alpha * sum.z, alpha * sum.w);
+            if (beta != 0.0f) {
+              const float4 cv = *reinterpret_cast<const float4*>(c_row + col);
+              o.x = fmaf(beta, cv.x, o.x);
+              o.y = fmaf(beta, cv.y, o.y);
+              o.z = fmaf(beta, cv.z, o.z);
+              o.w = fmaf(beta, cv.w, o.w);
+            }
+            *reinterpret_cast<float4*>(out_row + col) = o;
+          } else {
 #pragma unroll
-              for (int j = 0; j < 4; ++j) {
-                if (col + j < args.n) {
-                  float o = args.alpha * v[j];
-                  if (args.beta != 0.0f) o = fmaf(args.beta, c_row[col + j], o);
-                  out_row[col + j] = o;
-                }
+            for (int j = 0; j < 4; ++j) {
+              if (col + j < args.n) {
+                float sum = v[j];
+                for (int p = 1; p <= pieces_before; ++p) sum += __ldcg(piece(p) + j);
+                float o = alpha * sum;
+                if (beta != 0.0f) o = fmaf(beta, c_row[col + j], o);
+                out_row[col + j] = o;
               }
             }
           }
         }
       }
+    }
+    if (publish) {
+      // Every thread's stores, then the flag (a release) that the finisher acquires.
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) SignalFlag(sched.flags + blockIdx.x);
     }
     // The next piece's prologue overwrites stages other warps may still read.
     __syncthreads();
