@@ -723,16 +723,46 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     //     BM x BN sums, row-major), then its flag;
     //   * the tile's finisher: out = alpha * (acc + the pieces of blocks blockIdx.x - 1,
     //     - 2, ... down to the one holding the tile's first slice) + beta * C.
+    // Every thread waits for and raises the flags itself: a branch on the thread index
+    // here made ptxas give up the uniform registers of the main loop's stage offsets
+    // (SASS), which cost it 3% on the H200.
     const bool publish = slice_end < sched.slices;
-    int pieces_before = 0;
+    float4* const reduced = reinterpret_cast<float4*>(smem);  // the drained ring
+    bool add_pieces = false;
     if (!publish && slice_begin > 0) {
+      // Sum the pieces of blocks blockIdx.x - 1, - 2, ... (down to the one holding the
+      // tile's first slice) into shared memory with coalesced 16-byte loads; the
+      // write-back adds that sum. kInFlight loads per thread: more (8 with 128x128, 4
+      // with 128x64) raised the main loop's 4-bank register conflicts by half or
+      // spilled (SASS, sm_90).
       const int64_t tile_start = tile * sched.slices;
-      for (int64_t c = int64_t(blockIdx.x) - 1;; --c) {
-        ++pieces_before;
-        if (tid == 0) WaitFlag(sched.flags + c);
-        if (StreamKBegin(sched, c, gridDim.x) <= tile_start) break;
+      int64_t first = int64_t(blockIdx.x) - 1;
+      WaitFlag(sched.flags + first);
+      while (StreamKBegin(sched, first, gridDim.x) > tile_start) WaitFlag(sched.flags + --first);
+      __syncthreads();  // every warp is done with the ring
+      constexpr int kQuads = BM * BN / 4 / Cfg::kThreads;  // float4s per thread
+      constexpr int kInFlight = TM * TN >= 128 ? 4 : 2;
+      static_assert(kQuads % kInFlight == 0, "the tile's float4s divide into the groups");
+      const float4* pieces = reinterpret_cast<const float4*>(sched.partials);
+      for (int q0 = 0; q0 < kQuads; q0 += kInFlight) {
+        float4 sum[kInFlight];
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u) sum[u] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int64_t c = first; c < blockIdx.x; ++c) {
+#pragma unroll
+          for (int u = 0; u < kInFlight; ++u) {
+            const float4 q = __ldcg(pieces + c * (BM * BN / 4) + (q0 + u) * Cfg::kThreads + tid);
+            sum[u].x += q.x;
+            sum[u].y += q.y;
+            sum[u].z += q.z;
+            sum[u].w += q.w;
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kInFlight; ++u) reduced[(q0 + u) * Cfg::kThreads + tid] = sum[u];
       }
       __syncthreads();
+      add_pieces = true;
     }
     locate(tile, &bi, &block_m0, &block_n0);
     float* const own = sched.partials + int64_t(blockIdx.x) * (BM * BN);
@@ -759,14 +789,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
         for (int fn = 0; fn < Cfg::kFragsN; ++fn) {
           const int col = block_n0 + e_col0 + fn * 4 * Cfg::kThreadsN;
           const float* v = &acc[4 * fm + r][4 * fn];
-          // Partial sums of this element in the scratch buffer, of block blockIdx.x - p.
-          auto piece = [&](int p) {
-            return own - int64_t(p) * (BM * BN) + (row_t * BN + col - block_n0);
-          };
+          const int at = row_t * BN + col - block_n0;  // in the tile, row-major
           if (args.out_vec && col < args.n) {  // n % 4 == 0, so col + 3 < n too
             float4 sum = make_float4(v[0], v[1], v[2], v[3]);
-            for (int p = 1; p <= pieces_before; ++p) {
-              const float4 q = __ldcg(reinterpret_cast<const float4*>(piece(p)));
+            if (add_pieces) {
+              const float4 q = reduced[at / 4];
               sum.x += q.x;
               sum.y += q.y;
               sum.z += q.z;
@@ -786,7 +813,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
             for (int j = 0; j < 4; ++j) {
               if (col + j < args.n) {
                 float sum = v[j];
-                for (int p = 1; p <= pieces_before; ++p) sum += __ldcg(piece(p) + j);
+                if (add_pieces) sum += reinterpret_cast<const float*>(reduced)[at + j];
                 float o = alpha * sum;
                 if (beta != 0.0f) o = fmaf(beta, c_row[col + j], o);
                 out_row[col + j] = o;
@@ -800,7 +827,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       // Every thread's stores, then the flag (a release) that the finisher acquires.
       __threadfence();
       __syncthreads();
-      if (tid == 0) SignalFlag(sched.flags + blockIdx.x);
+      SignalFlag(sched.flags + blockIdx.x);
     }
     // The next piece's prologue overwrites stages other warps may still read.
     __syncthreads();
