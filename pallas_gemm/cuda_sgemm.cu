@@ -548,7 +548,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // 8192^3; TT with A at 2 and B at 6: 0.954 -> 0.979x; NT and TN were best with A at
   // 0 and B at BK/2).
   constexpr bool kNN = kAKContig && !kBKContig, kTT = !kAKContig && kBKContig;
-  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? 3 * BK / 8 : kTT ? BK / 4 : 0;
+#ifndef PALLAS_GEMM_NN_STEP_A  // (temporary: cuda_ab search)
+#define PALLAS_GEMM_NN_STEP_A 3 * BK / 8
+#endif
+  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? PALLAS_GEMM_NN_STEP_A : kTT ? BK / 4 : 0;
   constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 2;
   // K-contiguous operands go through registers (see RegSliceLoader); k-major ones
   // are copied with cp.async (see SliceLoader).
@@ -889,10 +892,14 @@ constexpr int64_t kMinStreamKSlices = 32;
 
 // The schedule for `tiles` tiles of `slices` K-slices each on `slots` resident blocks
 // (SMs x blocks per SM); *grid receives the number of blocks to launch. Stream-K is
-// used only where a grid of whole tiles would leave slots idle in its last wave: all
-// but the last full wave stay whole tiles; that wave and the partial one after it are
-// shared out by K-slices over every slot when each gets kMinStreamKSlices, else over
-// fewer blocks, but only if they still outnumber the tiles (then it is a split-K).
+// used where a grid of whole tiles would leave slots idle in its last wave, and either
+// fills at least one wave or at most a quarter of one: all but the last full wave stay
+// whole tiles; that wave and the partial one after it are shared out by K-slices over
+// every slot when each gets kMinStreamKSlices, else over fewer blocks, but only if
+// they still outnumber the tiles (a split-K). Between a quarter and one wave, cutting
+// every tile measured slower than leaving slots idle on the H200 (2048^3 in 128x128
+// tiles: 0.950x vs 0.976x jnp.dot; 1024^3 in 128x64: 0.767x vs 0.830x), while a
+// quarter wave or less gained 1.2-11x (256x256x16384, 16x8192x4096).
 inline Schedule MakeSchedule(int64_t tiles, int slices, int64_t slots, bool stream_k,
                              int64_t* grid) {
   Schedule sched{};
@@ -900,6 +907,7 @@ inline Schedule MakeSchedule(int64_t tiles, int slices, int64_t slots, bool stre
   sched.dp_tiles = tiles;
   *grid = std::min<int64_t>(tiles, INT32_MAX);
   if (!stream_k || slices == 0 || tiles % slots == 0) return sched;
+  if (tiles < slots && 4 * tiles > slots) return sched;
   const int64_t waves = tiles / slots;
   const int64_t dp_tiles = waves > 1 ? (waves - 1) * slots : 0;
   const int64_t sk_units = (tiles - dp_tiles) * slices;
