@@ -551,8 +551,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 #ifndef PALLAS_GEMM_NN_STEP_A  // (temporary: cuda_ab search)
 #define PALLAS_GEMM_NN_STEP_A 3 * BK / 8
 #endif
-  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? PALLAS_GEMM_NN_STEP_A : kTT ? BK / 4 : 0;
-  constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 2;
+#ifndef PALLAS_GEMM_OTHER_STEP_A  // (temporary: cuda_ab search)
+#define PALLAS_GEMM_OTHER_STEP_A 0
+#define PALLAS_GEMM_OTHER_STEP_B BK / 2
+#endif
+  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? PALLAS_GEMM_NN_STEP_A : kTT ? BK / 4 : PALLAS_GEMM_OTHER_STEP_A;
+  constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : PALLAS_GEMM_OTHER_STEP_B;
   // K-contiguous operands go through registers (see RegSliceLoader); k-major ones
   // are copied with cp.async (see SliceLoader).
   constexpr bool kARegs = kAKContig, kBRegs = kBKContig;
