@@ -543,20 +543,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   constexpr uint32_t kStageBytes = 4 * Cfg::kStageFloats;  // of A, and of B
   // Steps of a slice at which the next copies are issued (spread among the FFMAs).
   // Which steps issue them depends on the layout: chosen by measurement, since it moves
-  // ptxas's schedule (session 4, 128x128 on the H200, call-by-call ratios to jnp.dot
-  // HIGHEST: NN with A at step 3 and B at 0: 0.963 -> 0.996x at 4096^3, 1.000x at
-  // 8192^3; TT with A at 2 and B at 6: 0.954 -> 0.979x; NT and TN were best with A at
-  // 0 and B at BK/2).
+  // ptxas's schedule (128x128 on the H200, call-by-call ratios to jnp.dot HIGHEST at
+  // 4096^3. Session 4: NN with A at step 3 and B at 0: 0.963 -> 0.996x; TT with A at 2
+  // and B at 6: 0.954 -> 0.979x. Session 5, after the stream-K work loop moved the
+  // schedule again: NN A at 1, 2, 3 within 0.3% (0 and 5: -3%); the other two layouts
+  // A at 0 and B at BK/4: transpose_a 0.969 -> 0.985x, transpose_b 0.913 -> 0.925x).
   constexpr bool kNN = kAKContig && !kBKContig, kTT = !kAKContig && kBKContig;
-#ifndef PALLAS_GEMM_NN_STEP_A  // (temporary: cuda_ab search)
-#define PALLAS_GEMM_NN_STEP_A 3 * BK / 8
-#endif
-#ifndef PALLAS_GEMM_OTHER_STEP_A  // (temporary: cuda_ab search)
-#define PALLAS_GEMM_OTHER_STEP_A 0
-#define PALLAS_GEMM_OTHER_STEP_B BK / 2
-#endif
-  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? PALLAS_GEMM_NN_STEP_A : kTT ? BK / 4 : PALLAS_GEMM_OTHER_STEP_A;
-  constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : PALLAS_GEMM_OTHER_STEP_B;
+  constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? 3 * BK / 8 : kTT ? BK / 4 : 0;
+  constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 4;
   // K-contiguous operands go through registers (see RegSliceLoader); k-major ones
   // are copied with cp.async (see SliceLoader).
   constexpr bool kARegs = kAKContig, kBRegs = kBKContig;
