@@ -5,9 +5,11 @@
 // The Python twin is pallas_gemm/cuda.py.
 //
 // Design (the seeds' kernel, seed 000, generalised to any shape, layout and batch):
-//   * A thread block computes a BM×BN output tile (256×128 in the main configuration);
-//     blocks walk the output tiles along a generalised Hilbert curve, so the blocks
-//     resident at one time share rows of A and columns of B in L2.
+//   * A thread block computes BM×BN output tiles (256×128 in the seeds' configuration),
+//     numbered along a generalised Hilbert curve, so the blocks resident at one time
+//     share rows of A and columns of B in L2. Where whole tiles would leave block slots
+//     idle in the last wave, the last waves are shared out by K-slices (stream-K) and
+//     the tiles cut between blocks are summed through a scratch buffer (see Schedule).
 //   * op(A) and op(B) are consumed in K-slices of BK: a BK×BM slice of op(A)^T and a
 //     BK×BN slice of op(B) per stage, copied with cp.async through a STAGES-deep ring.
 //     Both operands are stored k-major in shared memory (sA[k][m], sB[k][n]) so one k
@@ -744,6 +746,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
       constexpr int kQuads = BM * BN / 4 / Cfg::kThreads;  // float4s per thread
       constexpr int kInFlight = TM * TN >= 128 ? 4 : 2;
       static_assert(kQuads % kInFlight == 0, "the tile's float4s divide into the groups");
+      // (Elements outside the matrix were never published: their sums are garbage that
+      // the masked write-back never reads.)
       const float4* pieces = reinterpret_cast<const float4*>(sched.partials);
       for (int q0 = 0; q0 < kQuads; q0 += kInFlight) {
         float4 sum[kInFlight];
