@@ -109,9 +109,10 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
                   leading_dims: tuple[int, ...], batch: int = 1) -> str:
   """The `backend="auto"` decision, from the H200 measurements in benchmarks/results.
 
-  cuBLAS (jnp.dot) is 1.0-1.03x our best kernels on aligned shapes, so it keeps them.
-  Our kernels win where cuBLAS falls off its fast path: a row stride that is not
-  16-byte aligned (bf16 4097^3: jnp.dot 135 TFLOP/s, mosaic 405; TF32: 117 vs 220).
+  cuBLAS (jnp.dot) is 1.0-1.03x our best kernels on aligned 16-bit shapes, so it keeps
+  them. Our kernels win where cuBLAS falls off its fast path: a row stride that is not
+  16-byte aligned (bf16 4097^3: jnp.dot 135 TFLOP/s, mosaic 545; TF32: 118 vs 239), and
+  IEEE f32 grids that leave cuBLAS a part-full last wave (cuda with stream-K).
   """
   if not _on_gpu():
     return "xla"
@@ -128,6 +129,15 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
     return "xla"
   misaligned = any(d * dtype.itemsize % 16 for d in leading_dims)
   ieee_f32 = dtype == np.float32 and precision == jax.lax.Precision.HIGHEST
+  # IEEE f32 with a full wave of the cuda kernel's 128x128 tiles (2 blocks per SM) or
+  # more and a long K: its stream-K tail evens out the part-full last wave that cuBLAS
+  # leaves (H200, session 5: 3000^3 1.12x, 4097^3 1.07x, 4096^3 1.00x, 8192^3 1.01x);
+  # below a wave or with a short K it lost (2048^3 0.98x, 2047x8191x1023 0.84x).
+  # Not batched: unmeasured.
+  from pallas_gemm import tuning  # noqa: PLC0415 - imported late, as in _resolve_config
+  full_wave = -(-m // 128) * -(-n // 128) >= 2 * tuning.num_sms()
+  if ieee_f32 and batch == 1 and k >= 2048 and full_wave and status["cuda"] is None:
+    return "cuda"
   # TF32 pays for a transposed copy of B besides the pads: at 997x1009x1013 that lost
   # (0.88x), from 2047x8191x1023 (1.5x) up it wins.
   small_tf32 = dtype == np.float32 and m * n * k * batch < 2**32

@@ -23,7 +23,10 @@ def fake_gpu(monkeypatch):
     (BF16, None, (4097, 4097, 4097), "mosaic"),     # misaligned rows: cuBLAS falls off TMA
     (BF16, None, (4096, 4097, 4096), "mosaic"),     # N alone misaligns B and C
     (F32, None, (4097, 4097, 4097), "mosaic"),      # TF32 allowed
-    (F32, HIGHEST, (4097, 4097, 4097), "xla"),      # IEEE f32: no faster kernel here
+    (F32, HIGHEST, (4097, 4097, 4097), "cuda"),     # IEEE f32, >= a wave of tiles: stream-K
+    (F32, HIGHEST, (3000, 3000, 3000), "cuda"),
+    (F32, HIGHEST, (2048, 2048, 2048), "xla"),      # IEEE f32 below a wave of 128x128 tiles
+    (F32, HIGHEST, (2047, 8191, 1023), "xla"),      # IEEE f32, short K
     (BF16, None, (16, 8193, 8193), "xla"),          # skinny
     (BF16, None, (300, 301, 301), "triton"),        # small 16-bit: one short Triton launch
     (F32, None, (300, 301, 301), "xla"),            # small f32
@@ -35,6 +38,10 @@ def fake_gpu(monkeypatch):
 def test_auto_on_gpu(fake_gpu, dtype, precision, shape, expected):
   m, n, k = shape
   assert api._auto_backend(dtype, precision, m, n, k, (k, n, n)) == expected
+
+
+def test_auto_batched_ieee_f32_stays_on_cublas(fake_gpu):
+  assert api._auto_backend(F32, HIGHEST, 4097, 4097, 4097, (4097,) * 3, batch=2) == "xla"
 
 
 def test_auto_batched_small_cubes_stay_on_cublas(fake_gpu):
