@@ -548,11 +548,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // ptxas's schedule (128x128 on the H200, call-by-call ratios to jnp.dot HIGHEST at
   // 4096^3. Session 4: NN with A at step 3 and B at 0: 0.963 -> 0.996x; TT with A at 2
   // and B at 6: 0.954 -> 0.979x. Session 5, after the stream-K work loop moved the
-  // schedule again: NN A at 1, 2, 3 within 0.3% (0 and 5: -3%); the other two layouts
-  // A at 0 and B at BK/4: transpose_a 0.969 -> 0.985x, transpose_b 0.913 -> 0.925x).
+  // schedule again: NN A at 1, 2, 3 within 0.3% (0 and 5: -3%), then B at 4 instead of
+  // 0: 1.003 -> 1.014x (8192^3: 1.008 -> 1.021x; B at 1 or 2: -1.5%); the other two
+  // layouts A at 0 and B at BK/4: transpose_a 0.969 -> 0.985x, transpose_b 0.913 ->
+  // 0.925x).
   constexpr bool kNN = kAKContig && !kBKContig, kTT = !kAKContig && kBKContig;
   constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? 3 * BK / 8 : kTT ? BK / 4 : 0;
-  constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? 0 : kTT ? 3 * BK / 4 : BK / 4;
+  constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? BK / 2 : kTT ? 3 * BK / 4 : BK / 4;
   // K-contiguous operands go through registers (see RegSliceLoader); k-major ones
   // are copied with cp.async (see SliceLoader).
   constexpr bool kARegs = kAKContig, kBRegs = kBKContig;
