@@ -32,7 +32,7 @@ fi
 
 if has sanitize; then
   log compute-sanitizer
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_cuda.py \
       >"$OUT/sanitize_$tool.log" 2>&1
     echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"

@@ -106,7 +106,8 @@ def _on_gpu() -> bool:
 
 
 def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
-                  leading_dims: tuple[int, ...], batch: int = 1) -> str:
+                  leading_dims: tuple[int, ...], batch: int = 1, transpose_a: bool = False,
+                  transpose_b: bool = False) -> str:
   """The `backend="auto"` decision, from the H200 measurements in benchmarks/results.
 
   cuBLAS (jnp.dot) is 1.0-1.03x our best kernels on aligned 16-bit shapes, so it keeps
@@ -131,12 +132,16 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   ieee_f32 = dtype == np.float32 and precision == jax.lax.Precision.HIGHEST
   # IEEE f32 with a full wave of the cuda kernel's 128x128 tiles (2 blocks per SM) or
   # more and a long K: its stream-K tail evens out the part-full last wave that cuBLAS
-  # leaves (H200, session 5: 3000^3 1.12x, 4097^3 1.07x, 4096^3 1.00x, 8192^3 1.01x);
-  # below a wave or with a short K it lost (2048^3 0.98x, 2047x8191x1023 0.84x).
-  # Not batched: unmeasured.
-  from pallas_gemm import tuning  # noqa: PLC0415 - imported late, as in _resolve_config
-  full_wave = -(-m // 128) * -(-n // 128) >= 2 * tuning.num_sms()
-  if ieee_f32 and batch == 1 and k >= 2048 and full_wave and status["cuda"] is None:
+  # leaves (H200, session 5: 3000^3 1.12x, 4097^3 1.07x, 4096^3 1.01x, 8192^3 1.02x);
+  # below a wave or with a short K it lost (2048^3 0.98x, 2047x8191x1023 0.84x), and
+  # its layout with both operands K-contiguous (transpose_b alone) runs 0.91x at 4096^3.
+  # Not batched: unmeasured. (A backward pass reuses the forward's backend, so the
+  # gradient a @ b^T of a cuda forward does run in that layout.)
+  from pallas_gemm import cuda, tuning  # noqa: PLC0415 - imported late, as in _resolve_config
+  tile = cuda.CONFIGS[1]  # 128x128, two blocks per SM
+  full_wave = -(-m // tile.block_m) * -(-n // tile.block_n) >= 2 * tuning.num_sms()
+  if (ieee_f32 and batch == 1 and k >= 2048 and full_wave and (transpose_a or not transpose_b)
+      and status["cuda"] is None):
     return "cuda"
   # TF32 pays for a transposed copy of B besides the pads: at 997x1009x1013 that lost
   # (0.88x), from 2047x8191x1023 (1.5x) up it wins.
@@ -249,7 +254,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     backend = name
   if backend == "auto":
     backend = _auto_backend(dtype, precision, m, n, k, (a.shape[-1], b.shape[-1], n),
-                            batch=math.prod(batch_shape))
+                            batch=math.prod(batch_shape), transpose_a=transpose_a,
+                            transpose_b=transpose_b)
   elif backend not in BACKENDS:
     raise ValueError(f"backend must be 'auto' or one of {BACKENDS}; got {backend!r}")
   reason = backends()[backend]

@@ -133,13 +133,15 @@ TEXTBOOK = Config(**dict(zip(_CONFIG_FIELDS, _TEXTBOOK)))
 
 
 def default_config(m: int, n: int, k: int, dtype) -> Config:
-  """128x128 with stream-K where its tiles fill at least half the GPU's block slots, else
-  128x64 (more, smaller tiles for small outputs).
+  """128x128 where its tiles number at least 0.9x the SMs (0.45 of a wave at 2 blocks per
+  SM), else 128x64 (more, smaller tiles for small outputs).
 
-  Stream-K evens out the part-full last wave that used to make 128x64 the better tile
-  for e.g. 4097^3 (4.1 waves of 2 blocks per SM). The seeds' 256x128 is not a default:
-  the 128x128 block with the same warp and thread tiles ran 5-16% faster for NN and NT
-  at 2048^3 and 4096^3 on the H200 (4% slower for TT).
+  From a full wave of 128x128 tiles up, stream-K (the default) evens out the part-full
+  last wave that used to make 128x64 the better tile for e.g. 4097^3 (4.1 waves): 1.07x
+  jnp.dot vs 1.02x on the H200. Below a wave the kernel runs whole tiles (see
+  MakeSchedule in cuda_sgemm.cu). The seeds' 256x128 is not a default: the 128x128 block
+  with the same warp and thread tiles ran 5-16% faster for NN and NT at 2048^3 and 4096^3
+  on the H200 (4% slower for TT).
   """
   del k, dtype  # the tile choice depends only on the output grid; dtype is f32
   tile, small = CONFIGS[1], CONFIGS[2]  # 128x128, 128x64
@@ -239,7 +241,7 @@ def hilbert_tile(index: int, rows: int, cols: int) -> tuple[int, int]:
 
 
 def schedule(tiles: int, slices: int, slots: int, stream_k: bool) -> tuple[int, int, int]:
-  """(dp_tiles, sk_units, grid): how the kernel splits `tiles` tiles of `slices`
+  """(dp_tiles, sk_slices, grid): how the kernel splits `tiles` tiles of `slices`
   K-slices over `slots` resident blocks (see Schedule in cuda_sgemm.cu)."""
   if _LIB is None:
     raise RuntimeError(_LIB_ERROR)
@@ -248,14 +250,14 @@ def schedule(tiles: int, slices: int, slots: int, stream_k: bool) -> tuple[int, 
   return tuple(fields)
 
 
-def work_items(dp_tiles: int, sk_units: int, slices: int, block: int, grid: int):
+def work_items(dp_tiles: int, sk_slices: int, slices: int, block: int, grid: int):
   """(stream-K range start, [(tile, slice_begin, slice_end), ...]): block `block`'s
   pieces of work in the order it computes them (the kernel's own code)."""
   if _LIB is None:
     raise RuntimeError(_LIB_ERROR)
   piece, begin = (ctypes.c_int64 * 3)(), ctypes.c_int64()
   items = []
-  while _LIB.pallas_gemm_cuda_work_item(dp_tiles, sk_units, slices, block, grid, len(items),
+  while _LIB.pallas_gemm_cuda_work_item(dp_tiles, sk_slices, slices, block, grid, len(items),
                                         piece, ctypes.byref(begin)):
     items.append(tuple(piece))
   return begin.value, items

@@ -174,7 +174,7 @@ struct GemmArgs {
 // along the Hilbert curve), each split into `slices` K-slices of BK. Two parts:
 //   * data-parallel: tiles [0, dp_tiles), block c computes tiles c, c + G, c + 2G, ...
 //     (G = gridDim.x) whole, as a plain grid of one tile per block would;
-//   * stream-K: the remaining tiles' sk_units K-slices, laid end to end (tile-major),
+//   * stream-K: the remaining tiles' sk_slices K-slices, laid end to end (tile-major),
 //     cut into G equal ranges, range c for block c. A tile cut between blocks is
 //     summed through `partials`: the piece holding the tile's last K-slice (the
 //     "finisher") adds the pieces of the blocks before it, then writes the tile.
@@ -183,25 +183,29 @@ struct GemmArgs {
 // the stream-K part gives every resident block the same number of K-slices. The
 // data-parallel waves before it keep the tile order, and with it L2 reuse.
 //
-// Each block walks its stream-K range from the end: the first piece it computes is
-// the one cut at the end of its range (never a finisher: it lacks the tile's last
-// slice), which it stores to partials[c] and flags at once; the finisher of a tile
-// cut at the start of its range comes last. So a block waits only for blocks with a
-// lower index, and only for the first piece they compute: no cycle, and no wait on a
-// block that has not been scheduled (blocks are dispatched in index order).
+// Each block walks its stream-K range from the end (after its whole tiles). Its first
+// stream-K piece ends where its range ends: if that is inside a tile, the piece lacks
+// the tile's last slice and is published at once (partials[c], then flags[c]); every
+// later piece ends on a tile boundary and so holds its tile's last slice. A tile's
+// finisher therefore waits only for blocks with lower indices, and only for the first
+// stream-K piece of each, which waits for nothing: no cycle. (A block whose range ends
+// on a tile boundary publishes nothing and nobody waits for it.) Like other stream-K
+// kernels this assumes the blocks with lower indices get scheduled, which holds when
+// the grid fits the GPU at once, as it does here (one block per resident slot), and
+// with in-order block dispatch.
 // ---------------------------------------------------------------------------
 
 struct Schedule {
   int64_t dp_tiles;    // tiles computed whole, one per block in turn
-  int64_t sk_units;    // K-slices of the stream-K part (0: none)
+  int64_t sk_slices;    // K-slices of the stream-K part (0: none)
   int slices;          // K-slices per tile
   float* partials;     // gridDim.x x (BM x BN) floats, one piece per block
   unsigned* flags;     // gridDim.x; flags[c] != 0: partials[c] is complete
 };
 
-// First stream-K slice of block c (absolute: dp_tiles * slices + c * sk_units / G).
+// First stream-K slice of block c (absolute: dp_tiles * slices + c * sk_slices / G).
 __host__ __device__ inline int64_t StreamKBegin(const Schedule& s, int64_t c, int64_t grid) {
-  return s.dp_tiles * s.slices + c * s.sk_units / grid;
+  return s.dp_tiles * s.slices + c * s.sk_slices / grid;
 }
 
 // Piece `item` (0, 1, ...) of block c's work: tile, and K-slices [slice_begin,
@@ -216,7 +220,7 @@ __host__ __device__ inline bool WorkItem(const Schedule& s, int64_t c, int64_t g
     *slice_end = s.slices;
     return true;
   }
-  if (s.sk_units == 0) return false;
+  if (s.sk_slices == 0) return false;
   item -= dp_items;
   const int64_t begin = StreamKBegin(s, c, grid), end = StreamKBegin(s, c + 1, grid);
   // Walking back from the end: the first piece ends at `end`, the others at tile ends.
@@ -334,8 +338,6 @@ struct TileConfig {
   static constexpr size_t kSmemBytes = sizeof(float) * size_t(STAGES) * 2 * kStageFloats;
 
   static_assert(BM % WM == 0 && BN % WN == 0, "the block tile must be a grid of warp tiles");
-  static_assert(kWarpsM + kWarpsN <= 15,
-                "one named barrier per warp-row and per warp-column; ids 1..15 exist");
   static_assert(kThreads <= 1024, "at most 1024 threads per block");
   static_assert(WM % TM == 0 && WN % TN == 0, "the warp tile must be a grid of thread tiles");
   static_assert(kThreadsM * kThreadsN == 32, "a warp tile holds exactly 32 thread tiles");
@@ -484,7 +486,8 @@ struct RegSliceLoader {
 // The register-tiled kernel.
 // kAKContig = !transpose_a, kBKContig = transpose_b (see the file comment).
 //
-// Main loop, one K-slice s (stage s % STAGES) per iteration, BK k steps unrolled:
+// Main loop, one K-slice s per iteration (stage (s - slice_begin) % STAGES), BK k steps
+// unrolled:
 //   * the A/B fragments are double-buffered in registers: step k's FFMAs use the
 //     fragments loaded during step k-1, while step k+1's are read from shared memory;
 //   * the cp.async copies of slice s + STAGES - 1 go to the stage slice s - 1 used
@@ -734,6 +737,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
     const bool publish = slice_end < sched.slices;
     float4* const reduced = reinterpret_cast<float4*>(smem);  // the drained ring
     bool add_pieces = false;
+    static_assert(sizeof(float) * BM * BN <= Cfg::kSmemBytes,
+                  "a finisher sums the pieces of its tile into the drained ring");
     if (!publish && slice_begin > 0) {
       // Sum the pieces of blocks blockIdx.x - 1, - 2, ... (down to the one holding the
       // tile's first slice) into shared memory with coalesced 16-byte loads; the
@@ -914,12 +919,12 @@ inline Schedule MakeSchedule(int64_t tiles, int slices, int64_t slots, bool stre
   if (tiles < slots && 4 * tiles > slots) return sched;
   const int64_t waves = tiles / slots;
   const int64_t dp_tiles = waves > 1 ? (waves - 1) * slots : 0;
-  const int64_t sk_units = (tiles - dp_tiles) * slices;
-  const int64_t sk_grid = std::min<int64_t>(slots, sk_units / kMinStreamKSlices);
+  const int64_t sk_slices = (tiles - dp_tiles) * slices;
+  const int64_t sk_grid = std::min<int64_t>(slots, sk_slices / kMinStreamKSlices);
   if (sk_grid == slots || (dp_tiles == 0 && sk_grid > tiles)) {
     *grid = sk_grid;
     sched.dp_tiles = dp_tiles;
-    sched.sk_units = sk_units;
+    sched.sk_slices = sk_slices;
   }
   return sched;
 }
@@ -963,10 +968,12 @@ cudaError_t LaunchTiled(const GemmArgs& args, bool stream_k, ffi::ScratchAllocat
   int64_t grid = 0;
   Schedule sched = MakeSchedule(tiles_per_entry * args.batch, (args.k + Cfg::BK - 1) / Cfg::BK,
                                 slots, stream_k, &grid);
-  if (sched.sk_units > 0) {
+  if (sched.sk_slices > 0) {
     const size_t partial_bytes = size_t(grid) * Cfg::BM * Cfg::BN * sizeof(float);
     std::optional<void*> buffer = scratch.Allocate(partial_bytes + grid * sizeof(unsigned), 16);
-    if (!buffer.has_value()) return cudaErrorMemoryAllocation;
+    if (!buffer.has_value()) {  // stream-K is only a speed-up: whole tiles instead
+      return LaunchTiled<Cfg, kAKContig, kBKContig>(args, false, scratch, stream);
+    }
     sched.partials = static_cast<float*>(*buffer);
     sched.flags = reinterpret_cast<unsigned*>(static_cast<char*>(*buffer) + partial_bytes);
     if (cudaError_t err = cudaMemsetAsync(sched.flags, 0, grid * sizeof(unsigned), stream);
@@ -1010,7 +1017,7 @@ constexpr TiledEntry MakeEntry() {
 }
 
 // The seeds' kernel: 256×128 block, 8 warps of 64×64, 8×16 per thread, 4 stages;
-// ~50 KB shared memory, one block per SM.
+// 128 KB shared memory (power-of-two stages), one block per SM.
 using Config256x128 = TileConfig<256, 128, 8, 64, 64, 8, 16, 4, 1>;
 // The seeds' warp and thread tiles in a 128×128 block: 4 warps of 64×64, 8×16 per
 // thread, two blocks per SM. Two independent blocks whose barriers each hold 4 warps
@@ -1226,27 +1233,27 @@ PALLAS_GEMM_EXPORT int pallas_gemm_cuda_hilbert(int64_t idx, int64_t rows, int64
   return 0;
 }
 
-// The launch schedule for the CPU tests: fields = {dp_tiles, sk_units, grid}.
+// The launch schedule for the CPU tests: fields = {dp_tiles, sk_slices, grid}.
 PALLAS_GEMM_EXPORT void pallas_gemm_cuda_schedule(int64_t tiles, int64_t slices, int64_t slots,
                                                   int stream_k, int64_t* fields) {
   int64_t grid = 0;
   const pallas_gemm::Schedule s =
       pallas_gemm::MakeSchedule(tiles, int(slices), slots, stream_k != 0, &grid);
   fields[0] = s.dp_tiles;
-  fields[1] = s.sk_units;
+  fields[1] = s.sk_slices;
   fields[2] = grid;
 }
 
 // Piece `item` of block `block` (the kernel's own code): piece = {tile, slice_begin,
 // slice_end}; returns 0 past the block's last piece, else 1. *range_begin receives
 // the block's first stream-K slice (absolute), which the finisher's wait loop uses.
-PALLAS_GEMM_EXPORT int pallas_gemm_cuda_work_item(int64_t dp_tiles, int64_t sk_units,
+PALLAS_GEMM_EXPORT int pallas_gemm_cuda_work_item(int64_t dp_tiles, int64_t sk_slices,
                                                   int64_t slices, int64_t block, int64_t grid,
                                                   int64_t item, int64_t* piece,
                                                   int64_t* range_begin) {
   pallas_gemm::Schedule s{};
   s.dp_tiles = dp_tiles;
-  s.sk_units = sk_units;
+  s.sk_slices = sk_slices;
   s.slices = int(slices);
   *range_begin = pallas_gemm::StreamKBegin(s, block, grid);
   int64_t tile = 0;

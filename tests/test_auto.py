@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_gemm import api
+from pallas_gemm import api, tuning
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = np.dtype(jnp.bfloat16)
@@ -16,6 +16,7 @@ F32 = np.dtype(np.float32)
 def fake_gpu(monkeypatch):
   monkeypatch.setattr(api, "_on_gpu", lambda: True)
   monkeypatch.setattr(api, "backends", lambda: {name: None for name in api.BACKENDS})
+  monkeypatch.setattr(tuning, "num_sms", lambda: 132)  # the H200 the table was measured on
 
 
 @pytest.mark.parametrize("dtype,precision,shape,expected", [
@@ -42,6 +43,15 @@ def test_auto_on_gpu(fake_gpu, dtype, precision, shape, expected):
 
 def test_auto_batched_ieee_f32_stays_on_cublas(fake_gpu):
   assert api._auto_backend(F32, HIGHEST, 4097, 4097, 4097, (4097,) * 3, batch=2) == "xla"
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b,expected", [
+    (False, False, "cuda"), (True, False, "cuda"), (True, True, "cuda"),
+    (False, True, "xla"),  # both operands K-contiguous: the cuda kernel's slow layout
+])
+def test_auto_ieee_f32_by_layout(fake_gpu, transpose_a, transpose_b, expected):
+  assert api._auto_backend(F32, HIGHEST, 4097, 4097, 4097, (4097,) * 3,
+                           transpose_a=transpose_a, transpose_b=transpose_b) == expected
 
 
 def test_auto_batched_small_cubes_stay_on_cublas(fake_gpu):

@@ -216,32 +216,35 @@ def test_align_rows_leaves_aligned_operands_alone():
 
 
 @needs_library
-@pytest.mark.parametrize("tiles,slices,slots", [
-    (1024, 512, 264),   # 4096^3, 128x128 on an H200: 3.88 waves, 2 whole then stream-K
-    (4096, 1024, 264),  # 8192^3
-    (1089, 129, 264),   # 4097^3
-    (4, 2048, 264),     # 256x256x16384: split-K over 256 blocks, 64 pieces per tile
-    (135, 98, 264),     # half a wave: whole tiles
-    (66, 98, 264),      # a quarter wave: cut in four
-    (7, 3, 264),        # too little K to cut: whole tiles
-    (528, 64, 264),     # whole waves: whole tiles
-    (300, 40, 132), (133, 40, 132), (5, 40, 132), (1, 1, 1), (3, 100, 1)])
+@pytest.mark.parametrize("tiles,slices,slots,expected", [
+    # expected (dp_tiles, sk_slices, grid) with stream-K on
+    (1024, 512, 264, (528, 253952, 264)),   # 4096^3, 128x128 on an H200: 3.88 waves
+    (4096, 1024, 264, (3696, 409600, 264)),  # 8192^3
+    (1089, 129, 264, (792, 38313, 264)),    # 4097^3
+    (4, 2048, 264, (0, 8192, 256)),         # 256x256x16384: split-K, 64 pieces per tile
+    (66, 98, 264, (0, 6468, 202)),          # a quarter wave: ~3 pieces per tile
+    (4, 1 << 28, 264, (0, 1 << 30, 264)),   # K = 2^31: 64-bit slice counts
+    (300, 40, 132, (132, 6720, 132)), (133, 40, 132, (0, 5320, 132)), (5, 40, 132, (0, 200, 6)),
+    (135, 98, 264, None),   # half a wave: whole tiles (cutting every tile measured slower)
+    (7, 3, 264, None),      # too little K to cut
+    (528, 64, 264, None),   # whole waves
+    (300, 3, 132, None),    # fewer than kMinStreamKSlices per block
+    (1, 1, 1, None), (3, 100, 1, None)])
 @pytest.mark.parametrize("stream_k", [False, True])
 def test_schedule_computes_every_slice_once_and_waits_only_backwards(tiles, slices, slots,
-                                                                     stream_k):
-  dp_tiles, sk_units, grid = cuda.schedule(tiles, slices, slots, stream_k)
-  assert sk_units % slices == 0 and dp_tiles + sk_units // slices == tiles
-  if not stream_k or tiles % slots == 0 or slots < 4 * tiles < 4 * slots:
-    assert (dp_tiles, sk_units, grid) == (tiles, 0, tiles)
-  assert 1 <= grid <= (slots if sk_units else tiles)
+                                                                     expected, stream_k):
+  dp_tiles, sk_slices, grid = cuda.schedule(tiles, slices, slots, stream_k)
+  assert sk_slices % slices == 0 and dp_tiles + sk_slices // slices == tiles
+  assert (dp_tiles, sk_slices, grid) == (expected if stream_k and expected else (tiles, 0, tiles))
+  assert 1 <= grid <= (slots if sk_slices else tiles)
   starts, work, pieces = {}, {}, {}
   for block in range(grid):
-    starts[block], items = cuda.work_items(dp_tiles, sk_units, slices, block, grid)
+    starts[block], items = cuda.work_items(dp_tiles, sk_slices, slices, block, grid)
     work[block] = sum(end - begin for _, begin, end in items)
     for position, (tile, begin, end) in enumerate(items):
       assert 0 <= begin < end <= slices
       if end < slices:  # a piece the tile's finisher adds: published before any wait
-        assert sk_units and all(t < dp_tiles for t, _, _ in items[:position])
+        assert sk_slices and all(t < dp_tiles for t, _, _ in items[:position])
       pieces.setdefault(tile, []).append((begin, end, block))
   # Every K-slice of every tile exactly once.
   assert sorted(pieces) == list(range(tiles))
@@ -261,7 +264,7 @@ def test_schedule_computes_every_slice_once_and_waits_only_backwards(tiles, slic
       c -= 1
     assert sorted(waits) == sorted(block for _, _, block in parts[:-1])
     assert all(c < finisher for c in waits)
-  if sk_units:  # the point of it: every block gets the same work, to a slice
+  if sk_slices:  # the point of it: every block gets the same work, to a slice
     assert max(work.values()) - min(work.values()) <= 1
 
 
@@ -285,9 +288,11 @@ def test_stream_k_matches_the_reference(m, n, k, batch, config, transpose_a, tra
   c = rng.standard_normal((batch, m, n), dtype=np.float32)
   ref = reference(a, b, c, alpha=0.5, beta=-2.0, transpose_a=transpose_a,
                   transpose_b=transpose_b)
+  a_dev, b_dev, c_dev = jnp.asarray(a), jnp.asarray(b), jnp.asarray(c)
   for stream_k in (True, False):
+    # Poisoned last, so that the output (not an input) likely reuses the NaN block.
     jnp.full((batch * m * n + 1,), jnp.nan, jnp.float32).block_until_ready().delete()
-    out = cuda.gemm(jnp.asarray(a), jnp.asarray(b), jnp.asarray(c), alpha=0.5, beta=-2.0,
+    out = cuda.gemm(a_dev, b_dev, c_dev, alpha=0.5, beta=-2.0,
                     transpose_a=transpose_a, transpose_b=transpose_b, precision=None,
                     out_dtype=jnp.float32,
                     config=cuda.CONFIGS[config].replace(stream_k=stream_k), interpret=False)
