@@ -114,6 +114,14 @@ def _mosaic(a, b, config=None):
                      interpret=False)[0]
 
 
+def _cuda(a, b, config, transpose_a=False, transpose_b=False):
+  """cuda.gemm itself (IEEE f32), without gemm()'s per-plan caches (which would also keep
+  the FFI target of the first trace: probe_cuda_ab swaps it)."""
+  return cuda.gemm(a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=transpose_a,
+                   transpose_b=transpose_b, precision=HIGHEST, out_dtype=jnp.float32,
+                   config=config, interpret=False)[0]
+
+
 def probe_mosaic(*sizes):
   """Mosaic configs vs jnp.dot (and hopper_matmul_mgpu on aligned shapes).
 
@@ -349,12 +357,8 @@ def probe_cuda_ab(*libs: str, iterations: int = 60):
     for name, target in names:
       cuda.TARGET_NAME = target  # read when the function is traced (below)
       try:
-        # cuda.gemm itself: gemm() caches its traced backend call per plan, which would
-        # keep the first target.
-        fns[name] = jax.jit(lambda a, b: cuda.gemm(
-            a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=ta, transpose_b=tb,
-            precision=HIGHEST, out_dtype=jnp.float32,
-            config=cuda.default_config(n, n, n, jnp.float32), interpret=False)[0])
+        fns[name] = jax.jit(lambda a, b: _cuda(a, b, cuda.default_config(n, n, n, jnp.float32),
+                                               ta, tb))
         errors[name] = f"relerr {relative_error(fns[name](a0, b0), ref):.1e}"
       except Exception as e:  # noqa: BLE001 - report the variant and go on
         print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -386,10 +390,7 @@ def probe_cuda_sk(iterations: int = 40):
         cfg = config.replace(stream_k=stream_k)
         name = f"{cfg.block_m}x{cfg.block_n} stream_k={stream_k:d}" + (
             " (default)" if cfg == default else "")
-        fns[name] = jax.jit(lambda a, b, cfg=cfg: cuda.gemm(
-            a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=False,
-            transpose_b=False, precision=HIGHEST, out_dtype=jnp.float32, config=cfg,
-            interpret=False)[0])
+        fns[name] = jax.jit(lambda a, b, cfg=cfg: _cuda(a, b, cfg))
         errors[name] = f"relerr {relative_error(fns[name](a0, b0), ref):.1e}"
     flops = 2 * m * n * k
     _report_ratios(f"{m}x{n}x{k} f32 (jnp.dot at HIGHEST)",
