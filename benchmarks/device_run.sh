@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [cuda_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -49,6 +49,11 @@ fi
 if has cuda_sk; then
   log cuda kernel with stream-K on and off, called in turn with jnp.dot
   timeout 400 python3 benchmarks/probe.py cuda_sk 2>&1 | tee "$OUT/cuda_sk_probe.log"
+fi
+
+if has mosaic_sk; then
+  log mosaic default config with stream-K on and off, called in turn with jnp.dot
+  timeout 400 python3 benchmarks/probe.py mosaic_sk 2>&1 | tee "$OUT/mosaic_sk_probe.log"
 fi
 
 if has cuda_ab; then

@@ -19,6 +19,8 @@
   python3 benchmarks/probe.py cuda_sk        the cuda kernel's 128x128 and 128x64 tiles with stream-K
                                            on and off vs jnp.dot HIGHEST, called in turn, on
                                            square, ragged, skinny and long-K shapes
+  python3 benchmarks/probe.py mosaic_sk     the default mosaic config with stream-K on and off vs
+                                           jnp.dot, called in turn, then by wall clock
   python3 benchmarks/probe.py once WHAT [N] one compiled, warmed-up GEMM between cuProfilerStart /
                                            Stop, for `ncu --profile-from-start off` (WHAT: cuda,
                                            dot32 = jnp.dot HIGHEST f32, mosaic, dot16 = jnp.dot bf16):
@@ -133,7 +135,8 @@ def probe_mosaic(*sizes):
   configs = {
       "default": None,
       "256x128 cluster_n2 wait1": Cfg(**tall, cluster_n=2, wgmma_wait=1),
-      "256x128 cluster_n2 warpgroup producer": Cfg(**tall, cluster_n=2, producer="warpgroup"),
+      "256x128 cluster_n2 warpgroup producer": Cfg(**tall, cluster_n=2, producer="warpgroup",
+                                                     stream_k=False),
       "128x256": Cfg(block_m=128, block_n=256, wg_split="n"),
       "128x256 cluster_m2": Cfg(block_m=128, block_n=256, cluster_m=2),
       "256x128": Cfg(**tall),
@@ -185,7 +188,7 @@ def probe_ab(*sizes, iterations: int = 200):
   """
   variants = {  # name: fields replaced in the shape's default config
       "default (warp producer)": {},
-      "warpgroup producer": {"producer": "warpgroup"},
+      "warpgroup producer": {"producer": "warpgroup", "stream_k": False},
       "wgmma_wait=1": {"wgmma_wait": 1},
   }
   cases = [(n, jnp.bfloat16) for n in (sizes or (4096, 8192))] + [(8192, jnp.float16)]
@@ -398,6 +401,48 @@ def probe_cuda_sk(iterations: int = 40):
                    flops, errors)
 
 
+MOSAIC_SK_SHAPES = [  # (m, n, k, dtype): rounds of default tiles over the H200's 132 SMs
+    (4096, 4096, 4096, jnp.bfloat16),    # 3.88 rounds of 256x128 cluster tiles
+    (8192, 8192, 8192, jnp.bfloat16),    # 15.5
+    (8192, 8192, 8192, jnp.float16),     # 15.5
+    (6144, 6144, 6144, jnp.bfloat16),    # 8.73
+    (3072, 3072, 3072, jnp.bfloat16),    # 2.18
+    (4096, 4096, 16384, jnp.bfloat16),   # 3.88, long K
+    (4097, 4097, 4097, jnp.bfloat16),    # 2.83 rounds of 256x192 tiles
+]
+
+
+def probe_mosaic_sk(iterations: int = 200):
+  """The default mosaic config with stream-K on and off (Config.stream_k) vs jnp.dot,
+  called in turn (CUPTI: ratios to the adjacent jnp.dot call); then each function alone
+  by wall clock over `iterations` queued calls, which also counts what CUPTI's kernel
+  list may not (the zeroing of the semaphores, launch gaps)."""
+  import time  # noqa: PLC0415
+  for m, n, k, dtype in MOSAIC_SK_SHAPES:
+    inputs = _inputs((m, k), (k, n), dtype)
+    a0, b0 = inputs[0]
+    ref = jnp.dot(a0.astype(jnp.float32), b0.astype(jnp.float32), precision=HIGHEST)
+    default = mosaic.default_config(m, n, k, dtype)
+    fns = {"jnp.dot": jax.jit(jnp.dot)}
+    notes = {}
+    for stream_k in (True, False):
+      cfg = default.replace(stream_k=stream_k)
+      name = f"stream_k={stream_k:d}" + (" (default)" if cfg == default else "")
+      fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
+      notes[name] = f"relerr {relative_error(fns[name](a0, b0), ref):.1e}"
+    flops = 2 * m * n * k
+    ms = _interleaved_ms(fns, inputs, iterations if flops < 4e11 else iterations // 2)
+    wall = {}
+    for name, fn in fns.items():
+      jax.block_until_ready([fn(*x) for x in inputs])
+      start = time.perf_counter()
+      jax.block_until_ready([fn(*inputs[i % len(inputs)]) for i in range(iterations)])
+      wall[name] = (time.perf_counter() - start) / iterations
+    for name in notes:
+      notes[name] += f", wall clock {wall['jnp.dot'] / wall[name]:.3f}x jnp.dot"
+    _report_ratios(f"{m}x{n}x{k} {jnp.dtype(dtype).name}, config {default}", ms, flops, notes)
+
+
 def probe_once(what: str, n: int = 4096):
   import ctypes  # the driver's profiler switch: no CUDA toolkit needed
   dtype = jnp.float32 if what in ("cuda", "dot32") else jnp.bfloat16
@@ -418,7 +463,7 @@ if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
-            "cuda_sk": probe_cuda_sk}
+            "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
   elif what == "once":

@@ -116,6 +116,14 @@ class Config:
     multicasts it to both, halving B's L2->SM traffic (cluster_n=2: A's).
   num_sms: CTAs of the persistent grid. None: the device's SM count on GPU, 4
     in interpret mode.
+  stream_k: cut the last rounds of tiles into K ranges (``producer="warp"`` only).
+    When the tiles do not fill whole rounds of CTAs (bf16 4096^3: 256 cluster
+    tiles on 66 clusters, 3.88 rounds), every CTA first runs all but one of the
+    full rounds as whole tiles, then the rest (one full round plus the partial one)
+    as equal ranges of (tile, K block) steps, so that all CTAs finish together. A
+    tile cut between two CTAs is summed through global memory (see
+    ``_warp_producer_kernel``). Interpret mode runs whole tiles: its interpreter
+    has no global semaphores (jax 0.11.2).
   """
 
   block_m: int = 128
@@ -133,6 +141,7 @@ class Config:
   cluster_m: int = 1
   cluster_n: int = 1
   num_sms: int | None = None
+  stream_k: bool = True
 
   def __post_init__(self):
     def fail(field, why):
@@ -156,6 +165,11 @@ class Config:
       fail("wgmma_wait", "must be 0 or 1")
     if self.producer not in ("warp", "warpgroup"):
       fail("producer", "must be 'warp' or 'warpgroup'")
+    if not isinstance(self.stream_k, bool):
+      fail("stream_k", "must be a bool")
+    if self.stream_k and self.producer != "warp":
+      fail("stream_k", "needs producer='warp' (the warpgroup producer's pipelines"
+           " run whole tiles); pass stream_k=False with producer='warpgroup'")
     if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
       fail("cluster_m" if self.cluster_m not in (1, 2) else "cluster_n",
            "must be 1 or 2")
@@ -431,6 +445,73 @@ def _is_highest(precision) -> bool:
 
 
 # ----------------------------------------------------------------------------
+# Stream-K schedule
+# ----------------------------------------------------------------------------
+
+# Fewest K blocks per tile worth cutting: a cut tile costs its two CTAs a
+# round trip of the f32 accumulator through global memory.
+_MIN_STREAM_K_ITERS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamK:
+  """Which steps each CTA runs when the last rounds of tiles are cut along K.
+
+  Tiles are numbered g = batch entry * tiles per batch entry + planar-snake index.
+  CTA c first runs the whole tiles c + r * num_ctas for r < dp_rounds, then its range
+  [c * sk_iters // num_ctas, (c + 1) * sk_iters // num_ctas) of the remaining
+  (tile, K block) steps, numbered (g - dp_rounds * num_ctas) * k_iters + kk.
+  The remaining tiles number between one and two rounds, so every range holds at
+  least k_iters steps (a tile is cut between at most two consecutive CTAs) and at
+  most three pieces: the end of a tile begun by CTA c - 1, a whole tile, the
+  beginning of a tile that CTA c + 1 ends.
+  """
+
+  num_ctas: int
+  k_iters: int
+  dp_rounds: int
+  sk_iters: int
+
+  def range(self, cta):
+    """[start, end) of the CTA's stream-K steps (ints or int32 arrays)."""
+    return (lax.div(cta * self.sk_iters, self.num_ctas),
+            lax.div((cta + 1) * self.sk_iters, self.num_ctas))
+
+  def piece(self, start, end, i):
+    """Piece i (0, 1, 2) of the range: (tile g, k0, k1, first step); empty if k0 >= k1.
+
+    Pieces end on tile boundaries: piece i spans [p_i, p_i+1) with
+    p_i = clamp((start // k_iters + i) * k_iters, start, end).
+    """
+    first_tile = lax.div(start, self.k_iters)
+    lo = lax.max(start, lax.min((first_tile + i) * self.k_iters, end))
+    hi = lax.max(start, lax.min((first_tile + i + 1) * self.k_iters, end))
+    tile = lax.div(lo, self.k_iters)
+    k0 = lo - tile * self.k_iters
+    return (self.dp_rounds * self.num_ctas + tile, k0, k0 + hi - lo,
+            self.dp_rounds * self.k_iters + lo - start)
+
+
+def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
+                      interpret: bool) -> StreamK | None:
+  """The stream-K schedule of a launch, or None to run whole tiles only.
+
+  tiles: CTA (cluster) tiles over all batch entries; num_ctas: CTAs (clusters).
+  None when stream-K is off, in interpret mode (no global semaphores), when the
+  tiles fill whole rounds or less than one, or when K is too short to cut.
+  """
+  if (not config.stream_k or interpret or tiles % num_ctas == 0
+      or tiles < num_ctas or k_iters < _MIN_STREAM_K_ITERS):
+    return None
+  dp_rounds = tiles // num_ctas - 1
+  sk_iters = (tiles - dp_rounds * num_ctas) * k_iters
+  if (num_ctas + 1) * sk_iters >= 2**31:  # the int32 range arithmetic
+    return None
+  return StreamK(num_ctas=num_ctas, k_iters=k_iters, dp_rounds=dp_rounds,
+                 sk_iters=sk_iters)
+
+
+# ----------------------------------------------------------------------------
 # Kernel body
 # ----------------------------------------------------------------------------
 
@@ -444,15 +525,17 @@ def _swizzle_transforms(minor_elems: int, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
-            k: int, batch: int, a_k_major: bool, b_k_major: bool,
+def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, partials_gmem, *, config: Config, m: int,
+            n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
             b_shared: bool, alpha: float, beta: float, c_separate: bool,
-            num_ctas: int):
+            num_ctas: int, stream_k: StreamK | None):
   """One persistent CTA (of num_ctas, or of num_ctas clusters).
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
   b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
   c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N.
+  partials_gmem: None, or with stream_k (CTAs * warpgroups, wg_block_m, wg_block_n)
+    f32: the accumulator a CTA hands over for a tile it began and another ends.
   """
   cfg = config
   dtype = a_gmem.dtype
@@ -528,7 +611,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
     ns = pl.ds(ni * bn, bn)
     return b_gmem.at[bb, ns, :] if b_k_major else b_gmem.at[bb, :, ns]
 
-  def _epilogue(acc, bi, row0, col0, wg, out_smem, c_smem, c_barrier):
+  def _epilogue(acc, bi, row0, col0, wg, out_smem, c_smem, c_barrier, partial=None):
     # Wait until this warpgroup's previous tile stores no longer read smem.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     step = 0
@@ -543,6 +626,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
         # The slot's store from two sub-tiles ago must have read it.
         plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
         val = acc[es_m, es_n]
+        if partial is not None:  # the f32 sum of the tile's other K range
+          # optimized=False: Mosaic GPU vectorizes only shared-memory transfers.
+          val = val + plgpu.load(partial.at[es_m, es_n], layout=plgpu.Layout.WGMMA,
+                                 optimized=False)
         if alpha != 1.0:
           val = val * jnp.float32(alpha)
         if c_gmem is not None:
@@ -559,8 +646,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_window)
 
-  def tile_coords(loop_info):  # (batch entry, m tile, n tile) of this CTA's step
-    bi, lin = loop_info.index
+  def tile_coords(bi, lin):  # (batch entry, m tile, n tile) of tile lin of entry bi
     mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters),
                                 0 if cfg.grid_minor_dim == "m" else 1,
                                 cfg.grid_tile_width)
@@ -601,6 +687,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
         cfg=cfg, a_block=a_block, b_block=b_block, a_transforms=a_transforms,
         b_transforms=b_transforms, dtype=dtype, a_k_major=a_k_major, b_k_major=b_k_major,
         k_iters=k_iters, wgmma_wait=wgmma_wait, tiles=(batch, m_iters * n_iters),
+        num_ctas=num_ctas, stream_k=stream_k, partials_gmem=partials_gmem,
         tile_coords=tile_coords, wg_origin=wg_origin, wgmma=wgmma, a_window=a_window,
         b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs)
     return
@@ -619,7 +706,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
 
     @plgpu.nd_loop((batch, m_iters * n_iters), collective_axes="sm")
     def _tile_loop(loop_info: plgpu.NDLoopInfo):
-      bi, mi, ni = tile_coords(loop_info)
+      bi, mi, ni = tile_coords(*loop_info.index)
       wg_m0, wg_n0 = wg_origin(wg)
 
       def mma_body(_, a_smem, b_smem, acc_ref):
@@ -653,16 +740,27 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, *, config: Config, m: int, n: int,
 
 
 def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
-                          a_k_major, b_k_major, k_iters, wgmma_wait, tiles, tile_coords,
-                          wg_origin, wgmma, a_window, b_window, epilogue,
-                          epilogue_allocs):
+                          a_k_major, b_k_major, k_iters, wgmma_wait, tiles, num_ctas,
+                          stream_k, partials_gmem, tile_coords, wg_origin, wgmma,
+                          a_window, b_window, epilogue, epilogue_allocs):
   """Config.producer == "warp": the CTA's K steps as one ring.
 
-  Step s = local_tile * k_iters + kk uses buffer s % stages. One warp of the producer
-  warpgroup issues the TMA loads of every step, after the buffer's release from step
-  s - stages; the consumer warpgroups wait for step s's loads, run wgmma, release the
-  buffer (one step later with wgmma_wait=1) and, after a tile's last step, run the
-  epilogue while the producer is already loading the next tile.
+  The CTA's work is a sequence of pieces, each a tile and a range [k0, k1) of its K
+  blocks: whole tiles (k0 = 0, k1 = k_iters) strided by the CTA count, then, with
+  stream_k, up to three pieces of a K range (see ``StreamK``). Step s (counted over
+  all pieces) uses buffer s % stages. One warp of the producer warpgroup issues the
+  TMA loads of every step, after the buffer's release from step s - stages; the
+  consumer warpgroups wait for step s's loads, run wgmma, release the buffer (one
+  step later with wgmma_wait=1) and, after a piece's last step, run the epilogue
+  while the producer is already loading the next piece.
+
+  A tile cut between CTAs c and c + 1 (stream-K): c runs its first K blocks as the
+  last piece of its range, c + 1 the rest as its first piece. c + 1 stores its f32
+  accumulator to partials_gmem and signals a global semaphore (release); c waits
+  for it (acquire), adds the partial in its epilogue and writes the tile. A CTA
+  only waits for the first piece of the next CTA, which waits for nothing, and
+  all CTAs are resident (one per SM), so there is no cycle; since c + 1's first
+  piece is shorter than c's whole range, the partial is normally ready in time.
   """
   num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
   # A ring deeper than K is never filled (smem_bytes counts it this way too).
@@ -682,6 +780,46 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
       consumed=consumed,
       **epilogue_allocs,
   )
+  batch, per_batch = tiles
+  cta = lax.axis_index("sm")  # the CTA, or the cluster: both CTAs run the same pieces
+  if stream_k is not None:
+    # One semaphore and one partial accumulator per (CTA, consumer warpgroup): the
+    # warpgroups of a tile's two CTAs pair up. Zeroed per call by Pallas; each wait
+    # decrements its semaphore back to 0.
+    semaphores = pl.get_global(plgpu.SemaphoreType.REGULAR((partials_gmem.shape[0],)))
+    rank = lax.axis_index("cluster") if cfg.cluster_size > 1 else 0
+
+  def for_each_piece(body):
+    """Calls body(tile g, k0, k1, first step, cut) for the CTA's pieces in order.
+
+    cut is False for the whole tiles of the first phase (static: no stream-K code
+    there) and True for the stream-K pieces. Returns the CTA's number of steps.
+    """
+    if stream_k is None:
+      local_tiles = lax.div(batch * per_batch - cta + num_ctas - 1, num_ctas)
+    else:
+      local_tiles = stream_k.dp_rounds
+
+    @pl.loop(0, local_tiles)
+    def _whole_tiles(j):
+      body(cta + j * num_ctas, 0, k_iters, j * k_iters, False)
+
+    if stream_k is None:
+      return local_tiles * k_iters
+    start, end = stream_k.range(cta)
+
+    @pl.loop(0, 3)
+    def _pieces(i):
+      g, k0, k1, step = stream_k.piece(start, end, i)
+
+      @pl.when(k0 < k1)
+      def _():
+        body(g, k0, k1, step, True)
+
+    return stream_k.dp_rounds * k_iters + end - start
+
+  def coords(g):  # tile g -> (batch entry, m tile, n tile)
+    return tile_coords(lax.div(g, per_batch), lax.rem(g, per_batch))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None):
@@ -695,15 +833,14 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
       def _per_warp(warp):
         @pl.when(warp == 0)
         def _loads():
-          @plgpu.nd_loop(tiles, collective_axes="sm")
-          def _tile_loop(loop_info: plgpu.NDLoopInfo):
-            bi, mi, ni = tile_coords(loop_info)
+          def load_piece(g, k0, k1, first, cut):
+            del cut  # the loads do not depend on it
+            bi, mi, ni = coords(g)
             a_src, b_src = a_window(bi, mi), b_window(bi, ni)
-            first = loop_info.local_index * k_iters
 
-            @pl.loop(0, k_iters)
+            @pl.loop(k0, k1)
             def _k(kk):
-              step = first + kk
+              step = first + kk - k0
               slot = lax.rem(step, stages)
 
               @pl.when(step >= stages)
@@ -718,15 +855,13 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
                                       b_smem.at[slot], produced.at[slot],
                                       collective_axes=b_multicast)
 
-            # After the CTA's last loads: wait for the last releases, so no arrival
-            # (from this CTA or the cluster peer) is pending when the CTA exits.
-            @pl.when(loop_info.local_index == loop_info.num_local_steps - 1)
-            def _drain():
-              end = first + k_iters
+          steps = for_each_piece(load_piece)
 
-              @pl.loop(jnp.maximum(end - stages, 0), end)
-              def _(step):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+          # After the CTA's last loads: wait for the last releases, so no arrival
+          # (from this CTA or the cluster peer) is pending when the CTA exits.
+          @pl.loop(jnp.maximum(steps - stages, 0), steps)
+          def _drain(step):
+            plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
 
     @pl.when(wg < num_wgs)
     def _consumers():
@@ -736,18 +871,17 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
       plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
                               action="increase")
 
-      @plgpu.nd_loop(tiles, collective_axes="sm")
-      def _tile_loop(loop_info: plgpu.NDLoopInfo):
-        bi, mi, ni = tile_coords(loop_info)
+      def mma_piece(g, k0, k1, first, cut):
+        bi, mi, ni = coords(g)
         wg_m0, wg_n0 = wg_origin(wg)
-        first = loop_info.local_index * k_iters
 
         @functools.partial(pl.run_scoped,
                            acc_ref=plgpu.ACC((cfg.wg_block_m, cfg.wg_block_n), jnp.float32))
         def _acc_scope(acc_ref):
-          @pl.loop(0, k_iters)
+          @pl.loop(k0, k1)
           def _k(kk):
-            slot = lax.rem(first + kk, stages)
+            step = first + kk - k0
+            slot = lax.rem(step, stages)
             plgpu.barrier_wait(produced.at[slot])
             wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
             plgpu.wgmma_wait(wgmma_wait)
@@ -755,15 +889,39 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
               plgpu.barrier_arrive(consumed.at[slot])
             else:  # the previous step's wgmma is done: its buffer is free
 
-              @pl.when(kk > 0)
+              @pl.when(kk > k0)
               def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(first + kk - 1, stages)])
+                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
 
           if wgmma_wait:
             plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[lax.rem(first + k_iters - 1, stages)])
-          epilogue(acc_ref[...], bi, mi * cfg.block_m + wg_m0, ni * cfg.block_n + wg_n0,
-                   wg, out_smem, c_smem, c_barrier)
+            plgpu.barrier_arrive(consumed.at[lax.rem(first + k1 - k0 - 1, stages)])
+          acc = acc_ref[...]
+          write = functools.partial(epilogue, acc, bi, mi * cfg.block_m + wg_m0,
+                                    ni * cfg.block_n + wg_n0, wg, out_smem, c_smem,
+                                    c_barrier)
+          if not cut:
+            write()
+            return
+          mine = (cta * cfg.cluster_size + rank) * num_wgs + wg
+          nexts = mine + cfg.cluster_size * num_wgs  # same warpgroup of CTA cta + 1
+          ends_tile, begins_tile = k1 == k_iters, k0 == 0
+
+          @pl.when(~begins_tile)  # CTA cta - 1 ends this tile: hand the sum over
+          def _publish():
+            partials_gmem[mine] = acc
+            plgpu.semaphore_signal(semaphores.at[mine], 1, memory_scope="gpu")
+
+          @pl.when(begins_tile & ~ends_tile)  # CTA cta + 1 has the rest of K
+          def _finish():
+            plgpu.semaphore_wait(semaphores.at[nexts], 1, memory_scope="gpu")
+            write(partial=partials_gmem.at[nexts])
+
+          @pl.when(begins_tile & ends_tile)
+          def _whole():
+            write()
+
+      for_each_piece(mma_piece)
 
   del _scope  # run_scoped ran it
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -883,25 +1041,32 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
   # One CTA (or cluster of CTAs) per SM (or SM pair).
   num_ctas = _num_sms(config, interpret) // config.cluster_size
+  tiles = batch * -(-m // (bm * config.cluster_m)) * -(-n // (bn * config.cluster_n))
+  stream_k = stream_k_schedule(config, tiles, -(-k // bk), num_ctas, interpret)
   kernel_body = functools.partial(
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
-      num_ctas=num_ctas)
-  if c is None:
-    body = lambda a_gmem, b_gmem, out_gmem: kernel_body(
-        a_gmem, b_gmem, None, out_gmem)
-    operands = (a, b)
-  else:
-    body = kernel_body
-    operands = (a, b, c)
+      num_ctas=num_ctas, stream_k=stream_k)
+  out_type = jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype)
+  if stream_k is not None:  # + the partial accumulators handed between CTAs
+    out_type = (out_type, jax.ShapeDtypeStruct(
+        (num_ctas * config.cluster_size * config.num_compute_wgs, config.wg_block_m,
+         config.wg_block_n), jnp.float32))
+
+  def body(*refs):  # a, b[, c], out[, partials]
+    a_gmem, b_gmem, *rest = refs
+    c_gmem = rest.pop(0) if c is not None else None
+    kernel_body(a_gmem, b_gmem, c_gmem, *rest, *([None] if stream_k is None else []))
+
   body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
+  operands = (a, b) if c is None else (a, b, c)
 
   cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
              if config.cluster_size > 1 else {})
   call = plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
+      out_type=out_type,
       grid=(num_ctas,),
       grid_names=("sm",),
       **cluster,
@@ -915,6 +1080,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       out = call(*operands)
   else:
     out = call(*operands)
+  if stream_k is not None:
+    out = out[0]
   if (m_out, n_out) != (m, n):
     out = _unpad(out, m, n, interpret)
   return out

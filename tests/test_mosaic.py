@@ -122,7 +122,7 @@ def test_unavailable_reason_on_cpu_is_none():
 
 def _check(batch, m, n, k, dtype=jnp.bfloat16, *, transpose_a=False,
            transpose_b=False, alpha=1.0, beta=0.0, batch_b=None,
-           out_dtype=None, c_dtype=None, config=None, seed=0):
+           out_dtype=None, c_dtype=None, config=None, seed=0, interpret=True):
   rng = np.random.default_rng(seed)
   batch_b = batch if batch_b is None else batch_b
   a_shape = (batch, k, m) if transpose_a else (batch, m, k)
@@ -137,9 +137,12 @@ def _check(batch, m, n, k, dtype=jnp.bfloat16, *, transpose_a=False,
     config = mosaic.default_config(
         m, n, k, dtype, out_dtype=out_dtype,
         c_dtype=None if c is None else c.dtype).replace(num_sms=3)
+  if not interpret:  # a NaN block freed last, so that the output likely reuses it
+    jnp.full((batch * m * n * 4 // out_dtype.itemsize + 1,), jnp.nan,
+             out_dtype).block_until_ready().delete()
   out = mosaic.gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
                     transpose_b=transpose_b, precision=None,
-                    out_dtype=out_dtype, config=config, interpret=True)
+                    out_dtype=out_dtype, config=config, interpret=interpret)
   assert out.shape == (batch, m, n) and out.dtype == out_dtype
 
   f32 = lambda x: None if x is None else np.asarray(x.astype(jnp.float32))
@@ -167,7 +170,8 @@ def test_ragged_split_m_more_tiles_than_sms():
 @pytest.mark.parametrize("producer", ["warp", "warpgroup"])
 def test_wgmma_wait_one_deep_k(producer):
   _check(1, 150, 150, 300, config=Config(
-      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2, producer=producer))
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2, producer=producer,
+      stream_k=producer == "warp"))
 
 
 def test_cluster_m_odd_tile_count():
@@ -205,7 +209,7 @@ def test_wgmma_wait_one_single_k_step(producer):
   # ring shrinks to one stage, which cannot delay a release; it faulted on the H200).
   _check(1, 300, 300, 64, config=Config(
       block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4,
-      producer=producer))
+      producer=producer, stream_k=producer == "warp"))
 
 
 # Both producers over the shapes that stress their rings (interpret mode also checks
@@ -241,7 +245,7 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
   # (plgpu.PipelinePipeline) when every CTA has >= 2 tiles and K blocks are a
   # multiple of the stages. Check which path is taken and the result.
   cfg = Config(block_m=128, block_n=128, block_k=64, stages=stages,
-               cluster_n=cluster_n, num_sms=num_sms, producer="warpgroup")
+               cluster_n=cluster_n, num_sms=num_sms, producer="warpgroup", stream_k=False)
   states = []
   emit = mosaic.plgpu.emit_pipeline_warp_specialized
   def spy(*args, pipeline_state=None, **kwargs):
@@ -250,6 +254,101 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
   monkeypatch.setattr(mosaic.plgpu, "emit_pipeline_warp_specialized", spy)
   _check(batch, m, n, k, config=cfg)
   assert states and any(state is not None for state in states) == chained
+
+
+# ----------------------------------------------------------------------------
+# Stream-K schedule (the kernel's own piece arithmetic, evaluated on ints; the
+# kernel itself runs it on the GPU only: interpret mode has no global semaphores)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tiles, k_iters, num_ctas, dp_rounds", [
+    (256, 64, 66, 2),     # bf16 4096^3, 256x128 tiles in clusters of 2: 3.88 rounds
+    (1024, 128, 66, 14),  # bf16 8192^3: 15.5 rounds
+    (374, 65, 132, 1),    # bf16 4097^3, 256x192 tiles: 2.83 rounds
+    (7, 8, 4, 0),         # between one and two rounds: all of it cut
+    (9, 9, 4, 1),         # ranges of 9..10 steps that start mid-tile
+    (133, 1000, 132, 0),  # one tile more than a round
+])
+def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_rounds):
+  sk = mosaic.stream_k_schedule(Config(), tiles, k_iters, num_ctas, interpret=False)
+  assert (sk.dp_rounds, sk.sk_iters) == (dp_rounds, (tiles - dp_rounds * num_ctas) * k_iters)
+  owner = {}  # (tile, K block) -> CTA
+  pieces = {}  # CTA -> [(tile, k0, k1)]
+  steps = []
+  for cta in range(num_ctas):
+    for r in range(sk.dp_rounds):
+      for kk in range(k_iters):
+        assert owner.setdefault((cta + r * num_ctas, kk), cta) == cta
+    start, end = (int(x) for x in sk.range(cta))
+    next_step = sk.dp_rounds * k_iters
+    for i in range(3):
+      g, k0, k1, step = (int(x) for x in sk.piece(start, end, i))
+      if k0 >= k1:
+        continue
+      assert step == next_step  # the ring's steps continue without a gap
+      next_step += k1 - k0
+      pieces.setdefault(cta, []).append((g, k0, k1))
+      for kk in range(k0, k1):
+        assert (g, kk) not in owner
+        owner[g, kk] = cta
+    assert next_step == sk.dp_rounds * k_iters + end - start
+    steps.append(next_step)
+  assert set(owner) == {(g, kk) for g in range(tiles) for kk in range(k_iters)}
+  assert max(steps) - min(steps) <= 1  # every CTA gets the same work, +-1 step
+  for cta, cta_pieces in pieces.items():
+    for g, k0, k1 in cta_pieces:
+      if k0 > 0:  # the end of a tile: CTA cta - 1 began it, as its last piece
+        assert cta_pieces[0] == (g, k0, k1) and pieces[cta - 1][-1] == (g, 0, k0)
+      if k0 == 0 and k1 < k_iters:  # the beginning: the next CTA ends it, first
+        assert cta_pieces[-1] == (g, k0, k1) and pieces[cta + 1][0] == (g, k1, k_iters)
+
+
+@pytest.mark.parametrize("config, tiles, k_iters, interpret", [
+    (Config(), 264, 64, False),                 # whole rounds
+    (Config(), 100, 64, False),                 # less than one round
+    (Config(), 200, 7, False),                  # K too short to cut
+    (Config(stream_k=False), 200, 64, False),   # switched off
+    (Config(), 200, 64, True),                  # interpret mode
+])
+def test_stream_k_schedule_off(config, tiles, k_iters, interpret):
+  assert mosaic.stream_k_schedule(config, tiles, k_iters, 132, interpret) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, m, n, k, dtype, kwargs, config", [
+    # the large-shape tiles, 256x128 in clusters of 2: 16 cluster tiles on 5 clusters
+    (1, 1000, 1000, 1000, jnp.bfloat16, {},
+     dict(block_m=256, block_n=128, wg_split="m", cluster_n=2, num_sms=10)),
+    # 128x256 tiles, batched, transposed, alpha/beta with C: 84 tiles on 8 CTAs
+    (2, 777, 1300, 2000, jnp.float16, dict(transpose_a=True, transpose_b=True, alpha=0.5,
+                                           beta=-2.0, out_dtype=jnp.float32),
+     dict(block_m=128, block_n=256, stages=3, epi_block_n=32, num_sms=8)),
+    # delayed releases (wgmma_wait=1), clusters along m with an odd tile count
+    (1, 1300, 1024, 4096, jnp.bfloat16, dict(beta=1.0),
+     dict(block_m=128, block_n=128, cluster_m=2, wgmma_wait=1, num_sms=10)),
+    # K of 9 blocks, the last ragged; batch-shared B
+    (3, 500, 600, 519, jnp.bfloat16, dict(batch_b=1), dict(block_m=128, block_n=128, num_sms=7)),
+    # f32 inputs as TF32 (K-major copies), 128x128 tiles
+    (1, 640, 896, 2048, jnp.float32, {}, dict(block_m=128, block_n=128, block_k=32, num_sms=6)),
+])
+def test_stream_k_on_the_gpu(monkeypatch, batch, m, n, k, dtype, kwargs, config):
+  # The stream-K pieces, the partials' round trip and the semaphores, on the GPU
+  # (interpret mode has no global semaphores): few CTAs make several rounds of tiles
+  # and cut the last ones. Checks that stream-K ran, against float32 HIGHEST, through
+  # a NaN-poisoned allocator.
+  schedules = []
+  schedule = mosaic.stream_k_schedule
+  monkeypatch.setattr(mosaic, "stream_k_schedule",
+                      lambda *args: schedules.append(schedule(*args)) or schedules[-1])
+  _check(batch, m, n, k, dtype, config=Config(**config), interpret=False, **kwargs)
+  assert schedules and schedules[-1] is not None
+
+
+def test_stream_k_needs_the_warp_producer():
+  with pytest.raises(ValueError, match="stream_k"):
+    Config(producer="warpgroup")
+  Config(producer="warpgroup", stream_k=False)
 
 
 def test_batched_and_shared_b():
