@@ -409,6 +409,7 @@ MOSAIC_SK_SHAPES = [  # (m, n, k, dtype): rounds of default tiles over the H200'
     (3072, 3072, 3072, jnp.bfloat16),    # 2.18
     (4096, 4096, 16384, jnp.bfloat16),   # 3.88, long K
     (4097, 4097, 4097, jnp.bfloat16),    # 2.83 rounds of 256x192 tiles
+    (2048, 2048, 2048, jnp.bfloat16),    # 0.97 rounds
 ]
 
 

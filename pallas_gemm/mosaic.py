@@ -116,14 +116,14 @@ class Config:
     multicasts it to both, halving B's L2->SM traffic (cluster_n=2: A's).
   num_sms: CTAs of the persistent grid. None: the device's SM count on GPU, 4
     in interpret mode.
-  stream_k: cut the last rounds of tiles into K ranges (``producer="warp"`` only).
-    When the tiles do not fill whole rounds of CTAs (bf16 4096^3: 256 cluster
-    tiles on 66 clusters, 3.88 rounds), every CTA first runs all but one of the
-    full rounds as whole tiles, then the rest (one full round plus the partial one)
-    as equal ranges of (tile, K block) steps, so that all CTAs finish together. A
-    tile cut between two CTAs is summed through global memory (see
-    ``_warp_producer_kernel``). Interpret mode runs whole tiles: its interpreter
-    has no global semaphores (jax 0.11.2).
+  stream_k: cut the last tiles into K ranges (``producer="warp"`` only). When the
+    tiles do not fill whole rounds of CTAs (bf16 4096^3: 256 cluster tiles on 66
+    clusters, 3.88 rounds), every CTA first runs the full rounds as whole tiles,
+    then an equal range of (tile, K block) steps of the rest (the partial round, and
+    the last full one if the partial one is under half a round), so that all CTAs
+    finish together (``stream_k_schedule``). A tile cut between CTAs is summed
+    through global memory (see ``_warp_producer_kernel``). Interpret mode runs
+    whole tiles: its interpreter has no global semaphores (jax 0.11.2).
   """
 
   block_m: int = 128
@@ -455,16 +455,17 @@ _MIN_STREAM_K_ITERS = 8
 
 @dataclasses.dataclass(frozen=True)
 class StreamK:
-  """Which steps each CTA runs when the last rounds of tiles are cut along K.
+  """Which steps each CTA runs when the last tiles are cut along K.
 
   Tiles are numbered g = batch entry * tiles per batch entry + planar-snake index.
   CTA c first runs the whole tiles c + r * num_ctas for r < dp_rounds, then its range
   [c * sk_iters // num_ctas, (c + 1) * sk_iters // num_ctas) of the remaining
   (tile, K block) steps, numbered (g - dp_rounds * num_ctas) * k_iters + kk.
-  The remaining tiles number between one and two rounds, so every range holds at
-  least k_iters steps (a tile is cut between at most two consecutive CTAs) and at
-  most three pieces: the end of a tile begun by CTA c - 1, a whole tile, the
-  beginning of a tile that CTA c + 1 ends.
+  The remaining tiles number between half a round and 1.5 rounds, so every range
+  holds at least k_iters // 2 steps (a tile is cut among at most three consecutive
+  CTAs) and at most three pieces (the end of a tile begun by an earlier CTA, a whole
+  tile, the beginning of a tile that later CTAs end), or one piece from the middle
+  of a tile.
   """
 
   num_ctas: int
@@ -497,18 +498,24 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   """The stream-K schedule of a launch, or None to run whole tiles only.
 
   tiles: CTA (cluster) tiles over all batch entries; num_ctas: CTAs (clusters).
+  Cut only the last, partial round when it holds at least half a round of tiles,
+  else it and the last full round: CTAs at different K offsets of their tiles
+  share fewer operand tiles in L2, so the cut part is kept small (on the H200,
+  cutting the last full round too cost 4% at bf16 4096^3 and 12% at 4097^3,
+  where the operands' whole K extent no longer fit in L2).
   None when stream-K is off, in interpret mode (no global semaphores), when the
-  tiles fill whole rounds or less than one, or when K is too short to cut.
+  tiles fill whole rounds or less than half of one, or when K is too short to cut.
   """
-  if (not config.stream_k or interpret or tiles % num_ctas == 0
-      or tiles < num_ctas or k_iters < _MIN_STREAM_K_ITERS):
+  rest = tiles % num_ctas
+  if (not config.stream_k or interpret or rest == 0 or k_iters < _MIN_STREAM_K_ITERS
+      or (2 * rest < num_ctas and tiles < num_ctas)):
     return None
-  dp_rounds = tiles // num_ctas - 1
-  sk_iters = (tiles - dp_rounds * num_ctas) * k_iters
+  sk_tiles = rest if 2 * rest >= num_ctas else rest + num_ctas
+  sk_iters = sk_tiles * k_iters
   if (num_ctas + 1) * sk_iters >= 2**31:  # the int32 range arithmetic
     return None
-  return StreamK(num_ctas=num_ctas, k_iters=k_iters, dp_rounds=dp_rounds,
-                 sk_iters=sk_iters)
+  return StreamK(num_ctas=num_ctas, k_iters=k_iters,
+                 dp_rounds=(tiles - sk_tiles) // num_ctas, sk_iters=sk_iters)
 
 
 # ----------------------------------------------------------------------------
@@ -754,13 +761,15 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
   step later with wgmma_wait=1) and, after a piece's last step, run the epilogue
   while the producer is already loading the next piece.
 
-  A tile cut between CTAs c and c + 1 (stream-K): c runs its first K blocks as the
-  last piece of its range, c + 1 the rest as its first piece. c + 1 stores its f32
-  accumulator to partials_gmem and signals a global semaphore (release); c waits
-  for it (acquire), adds the partial in its epilogue and writes the tile. A CTA
-  only waits for the first piece of the next CTA, which waits for nothing, and
-  all CTAs are resident (one per SM), so there is no cycle; since c + 1's first
-  piece is shorter than c's whole range, the partial is normally ready in time.
+  A tile cut among CTAs c < c + 1 (< c + 2) (stream-K): c runs its first K blocks as
+  the last piece of its range, the others the rest, each as its first piece. The
+  last of them stores its f32 accumulator to partials_gmem and signals a global
+  semaphore (release); a middle one waits for it (acquire), adds it and hands the
+  sum on the same way; c waits for c + 1's, adds it in its epilogue and writes the
+  tile. Waits go only from a CTA to the first piece of the next one, the ones that
+  wait for nothing come last, and all CTAs are resident (one per SM), so there is
+  no cycle; a first piece ends before the previous CTA's range does, so a partial
+  is normally ready when it is needed.
   """
   num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
   # A ring deeper than K is never filled (smem_bytes counts it this way too).
@@ -905,14 +914,28 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
             return
           mine = (cta * cfg.cluster_size + rank) * num_wgs + wg
           nexts = mine + cfg.cluster_size * num_wgs  # same warpgroup of CTA cta + 1
-          ends_tile, begins_tile = k1 == k_iters, k0 == 0
+          begins_tile, ends_tile = k0 == 0, k1 == k_iters
 
-          @pl.when(~begins_tile)  # CTA cta - 1 ends this tile: hand the sum over
-          def _publish():
-            partials_gmem[mine] = acc
+          def hand_over(add_next):  # this piece's sum (+ the next CTA's) to the tile's
+            if add_next:            # earlier CTAs
+              plgpu.semaphore_wait(semaphores.at[nexts], 1, memory_scope="gpu")
+            for ei in range(cfg.wg_block_m // cfg.epi_block_m):
+              for ej in range(cfg.wg_block_n // cfg.epi_block_n):
+                es = (slice(ei * cfg.epi_block_m, (ei + 1) * cfg.epi_block_m),
+                      slice(ej * cfg.epi_block_n, (ej + 1) * cfg.epi_block_n))
+                val = acc[es]
+                if add_next:
+                  val = val + plgpu.load(partials_gmem.at[(nexts, *es)],
+                                         layout=plgpu.Layout.WGMMA, optimized=False)
+                partials_gmem[(mine, *es)] = val
             plgpu.semaphore_signal(semaphores.at[mine], 1, memory_scope="gpu")
 
-          @pl.when(begins_tile & ~ends_tile)  # CTA cta + 1 has the rest of K
+          # An earlier CTA ends this tile. A piece from the middle of the tile first
+          # adds what CTA cta + 1 did of the rest: the tile's first CTA reads one sum.
+          pl.when(~begins_tile & ends_tile)(lambda: hand_over(False))
+          pl.when(~begins_tile & ~ends_tile)(lambda: hand_over(True))
+
+          @pl.when(begins_tile & ~ends_tile)  # CTA cta + 1 has (the sum of) the rest
           def _finish():
             plgpu.semaphore_wait(semaphores.at[nexts], 1, memory_scope="gpu")
             write(partial=partials_gmem.at[nexts])

@@ -263,18 +263,20 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
 
 
 @pytest.mark.parametrize("tiles, k_iters, num_ctas, dp_rounds", [
-    (256, 64, 66, 2),     # bf16 4096^3, 256x128 tiles in clusters of 2: 3.88 rounds
-    (1024, 128, 66, 14),  # bf16 8192^3: 15.5 rounds
-    (374, 65, 132, 1),    # bf16 4097^3, 256x192 tiles: 2.83 rounds
-    (7, 8, 4, 0),         # between one and two rounds: all of it cut
-    (9, 9, 4, 1),         # ranges of 9..10 steps that start mid-tile
+    (256, 64, 66, 3),     # bf16 4096^3, 256x128 tiles in clusters of 2: 3.88 rounds
+    (1024, 128, 66, 15),  # bf16 8192^3: 15.5 rounds
+    (374, 65, 132, 2),    # bf16 4097^3, 256x192 tiles: 2.83 rounds
+    (144, 48, 66, 1),     # bf16 3072^3: 2.18 rounds, the last full round is cut too
+    (64, 64, 66, 0),      # bf16 2048^3: one partial round
+    (7, 8, 4, 1),         # ranges of 6 steps: tiles cut among three CTAs
+    (9, 9, 4, 1),         # ranges of 11..12 steps that start mid-tile
     (133, 1000, 132, 0),  # one tile more than a round
 ])
 def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_rounds):
   sk = mosaic.stream_k_schedule(Config(), tiles, k_iters, num_ctas, interpret=False)
   assert (sk.dp_rounds, sk.sk_iters) == (dp_rounds, (tiles - dp_rounds * num_ctas) * k_iters)
   owner = {}  # (tile, K block) -> CTA
-  pieces = {}  # CTA -> [(tile, k0, k1)]
+  pieces = {}  # CTA -> [(tile, k0, k1)] in the order the CTA runs them
   steps = []
   for cta in range(num_ctas):
     for r in range(sk.dp_rounds):
@@ -296,17 +298,27 @@ def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_roun
     steps.append(next_step)
   assert set(owner) == {(g, kk) for g in range(tiles) for kk in range(k_iters)}
   assert max(steps) - min(steps) <= 1  # every CTA gets the same work, +-1 step
+  # What the kernel's hand-over assumes of a tile cut among CTAs: consecutive CTAs,
+  # at most three; the first runs the tile's beginning as its last piece, the others
+  # run theirs as their first piece.
+  by_tile = {}
   for cta, cta_pieces in pieces.items():
     for g, k0, k1 in cta_pieces:
-      if k0 > 0:  # the end of a tile: CTA cta - 1 began it, as its last piece
-        assert cta_pieces[0] == (g, k0, k1) and pieces[cta - 1][-1] == (g, 0, k0)
-      if k0 == 0 and k1 < k_iters:  # the beginning: the next CTA ends it, first
-        assert cta_pieces[-1] == (g, k0, k1) and pieces[cta + 1][0] == (g, k1, k_iters)
+      by_tile.setdefault(g, []).append((k0, k1, cta))
+  for g, parts in by_tile.items():
+    parts.sort()
+    if len(parts) == 1:
+      continue
+    assert len(parts) <= 3
+    (_, _, first), *rest = parts
+    assert pieces[first][-1] == (g, parts[0][0], parts[0][1])
+    for i, (k0, k1, cta) in enumerate(rest, 1):
+      assert cta == first + i and pieces[cta][0] == (g, k0, k1)
 
 
 @pytest.mark.parametrize("config, tiles, k_iters, interpret", [
     (Config(), 264, 64, False),                 # whole rounds
-    (Config(), 100, 64, False),                 # less than one round
+    (Config(), 60, 64, False),                  # less than half a round
     (Config(), 200, 7, False),                  # K too short to cut
     (Config(stream_k=False), 200, 64, False),   # switched off
     (Config(), 200, 64, True),                  # interpret mode
