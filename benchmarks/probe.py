@@ -23,7 +23,8 @@
                                            jnp.dot, called in turn, then by wall clock
   python3 benchmarks/probe.py once WHAT [N] one compiled, warmed-up GEMM between cuProfilerStart /
                                            Stop, for `ncu --profile-from-start off` (WHAT: cuda,
-                                           dot32 = jnp.dot HIGHEST f32, mosaic, dot16 = jnp.dot bf16):
+                                           dot32 = jnp.dot HIGHEST f32, mosaic, mosaic_nosk (stream-K
+                                           off), dot16 = jnp.dot bf16):
                                            XLA's autotuning launches are not captured
 """
 
@@ -407,17 +408,16 @@ MOSAIC_SK_SHAPES = [  # (m, n, k, dtype): rounds of default tiles over the H200'
     (8192, 8192, 8192, jnp.float16),     # 15.5
     (6144, 6144, 6144, jnp.bfloat16),    # 8.73
     (3072, 3072, 3072, jnp.bfloat16),    # 2.18
-    (4096, 4096, 16384, jnp.bfloat16),   # 3.88, long K
+    (2048, 2048, 2048, jnp.bfloat16),    # 0.97
     (4097, 4097, 4097, jnp.bfloat16),    # 2.83 rounds of 256x192 tiles
-    (2048, 2048, 2048, jnp.bfloat16),    # 0.97 rounds
 ]
 
 
 def probe_mosaic_sk(iterations: int = 200):
   """The default mosaic config with stream-K on and off (Config.stream_k) vs jnp.dot,
-  called in turn (CUPTI: ratios to the adjacent jnp.dot call); then each function alone
-  by wall clock over `iterations` queued calls, which also counts what CUPTI's kernel
-  list may not (the zeroing of the semaphores, launch gaps)."""
+  called in turn (CUPTI: ratios to the adjacent jnp.dot call); where the schedule's
+  policy leaves stream-K off (a last round over _STREAM_K_MAX_FILL full), also forced
+  on. Then each function alone by wall clock over `iterations` queued calls."""
   import time  # noqa: PLC0415
   for m, n, k, dtype in MOSAIC_SK_SHAPES:
     inputs = _inputs((m, k), (k, n), dtype)
@@ -425,12 +425,16 @@ def probe_mosaic_sk(iterations: int = 200):
     ref = jnp.dot(a0.astype(jnp.float32), b0.astype(jnp.float32), precision=HIGHEST)
     default = mosaic.default_config(m, n, k, dtype)
     fns = {"jnp.dot": jax.jit(jnp.dot)}
-    notes = {}
-    for stream_k in (True, False):
-      cfg = default.replace(stream_k=stream_k)
-      name = f"stream_k={stream_k:d}" + (" (default)" if cfg == default else "")
-      fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
-      notes[name] = f"relerr {relative_error(fns[name](a0, b0), ref):.1e}"
+    notes, schedules = {}, []
+    for name, cfg, max_fill in (("stream_k=1 (default)", default, None),
+                                ("stream_k=0", default.replace(stream_k=False), None),
+                                ("stream_k forced", default, 1.0)):
+      fn, out, schedule = _traced_with_schedule(cfg, a0, b0, max_fill)
+      schedules.append(schedule)
+      if max_fill is not None and (schedule is None or schedules[0] is not None):
+        continue  # forcing changes nothing here
+      fns[name] = fn
+      notes[name] = f"relerr {relative_error(out, ref):.1e}, stream-K {schedule}"
     flops = 2 * m * n * k
     ms = _interleaved_ms(fns, inputs, iterations if flops < 4e11 else iterations // 2)
     wall = {}
@@ -444,12 +448,28 @@ def probe_mosaic_sk(iterations: int = 200):
     _report_ratios(f"{m}x{n}x{k} {jnp.dtype(dtype).name}, config {default}", ms, flops, notes)
 
 
+def _traced_with_schedule(cfg, a, b, max_fill=None):
+  """(jitted _mosaic with cfg, its output for a, b, the stream-K schedule it traced with);
+  max_fill replaces mosaic._STREAM_K_MAX_FILL while it is traced."""
+  seen, schedule, fill = [], mosaic.stream_k_schedule, mosaic._STREAM_K_MAX_FILL
+  mosaic.stream_k_schedule = lambda *args: seen.append(schedule(*args)) or seen[-1]
+  mosaic._STREAM_K_MAX_FILL = fill if max_fill is None else max_fill
+  try:
+    fn = jax.jit(lambda a, b: _mosaic(a, b, cfg))
+    out = fn(a, b)
+  finally:
+    mosaic.stream_k_schedule, mosaic._STREAM_K_MAX_FILL = schedule, fill
+  return fn, out, seen[-1]
+
+
 def probe_once(what: str, n: int = 4096):
   import ctypes  # the driver's profiler switch: no CUDA toolkit needed
   dtype = jnp.float32 if what in ("cuda", "dot32") else jnp.bfloat16
   fn = {"cuda": lambda a, b: gemm(a, b, backend="cuda"),
         "dot32": lambda a, b: jnp.dot(a, b, precision=HIGHEST),
         "mosaic": lambda a, b: gemm(a, b, backend="mosaic"),
+        "mosaic_nosk": lambda a, b: _mosaic(a, b, mosaic.default_config(
+            n, n, n, jnp.bfloat16).replace(stream_k=False)),
         "dot16": jnp.dot}[what]
   (a, b), = _inputs((n, n), (n, n), dtype)[:1]
   f = jax.jit(fn)

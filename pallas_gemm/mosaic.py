@@ -451,6 +451,8 @@ def _is_highest(precision) -> bool:
 # Fewest K blocks per tile worth cutting: a cut tile costs its two CTAs a
 # round trip of the f32 accumulator through global memory.
 _MIN_STREAM_K_ITERS = 8
+# Fullest last round that stream-K cuts (see stream_k_schedule).
+_STREAM_K_MAX_FILL = 0.75
 
 
 @dataclasses.dataclass(frozen=True)
@@ -504,11 +506,15 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   cutting the last full round too cost 4% at bf16 4096^3 and 12% at 4097^3,
   where the operands' whole K extent no longer fit in L2).
   None when stream-K is off, in interpret mode (no global semaphores), when the
-  tiles fill whole rounds or less than half of one, or when K is too short to cut.
+  tiles fill whole rounds, when the last round is over _STREAM_K_MAX_FILL full,
+  when the tiles are under half a round, or when K is too short to cut. The 3/4: a cut tile
+  costs its CTAs a hand-over through global memory (~2-3 us at bf16 2048^3), and the
+  H200 runs a round with idle SMs at a higher clock; with 88% of a round full (bf16
+  4096^3) stream-K was 4% slower, with 52% full (8192^3) 2% faster.
   """
   rest = tiles % num_ctas
-  if (not config.stream_k or interpret or rest == 0 or k_iters < _MIN_STREAM_K_ITERS
-      or (2 * rest < num_ctas and tiles < num_ctas)):
+  if (not config.stream_k or interpret or k_iters < _MIN_STREAM_K_ITERS or rest == 0
+      or rest > _STREAM_K_MAX_FILL * num_ctas or (2 * rest < num_ctas and tiles < num_ctas)):
     return None
   sk_tiles = rest if 2 * rest >= num_ctas else rest + num_ctas
   sk_iters = sk_tiles * k_iters
@@ -621,37 +627,45 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, partials_gmem, *, config: Config, 
   def _epilogue(acc, bi, row0, col0, wg, out_smem, c_smem, c_barrier, partial=None):
     # Wait until this warpgroup's previous tile stores no longer read smem.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    step = 0
-    for ei in range(wg_m // epi_m):
-      for ej in range(wg_n // epi_n):
-        slot = step % cfg.out_slots
-        step += 1
-        es_m = slice(ei * epi_m, (ei + 1) * epi_m)
-        es_n = slice(ej * epi_n, (ej + 1) * epi_n)
-        out_window = out_gmem.at[bi, pl.ds(row0 + ei * epi_m, epi_m),
-                                 pl.ds(col0 + ej * epi_n, epi_n)]
-        # The slot's store from two sub-tiles ago must have read it.
-        plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
-        val = acc[es_m, es_n]
-        if partial is not None:  # the f32 sum of the tile's other K range
-          # optimized=False: Mosaic GPU vectorizes only shared-memory transfers.
-          val = val + plgpu.load(partial.at[es_m, es_n], layout=plgpu.Layout.WGMMA,
-                                 optimized=False)
-        if alpha != 1.0:
-          val = val * jnp.float32(alpha)
-        if c_gmem is not None:
-          c_window = c_gmem.at[bi, pl.ds(row0 + ei * epi_m, epi_m),
-                               pl.ds(col0 + ej * epi_n, epi_n)]
-          c_dst = c_smem.at[wg] if c_separate else out_smem.at[wg, slot]
-          plgpu.copy_gmem_to_smem(c_window, c_dst, c_barrier.at[wg])
-          plgpu.barrier_wait(c_barrier.at[wg])
-          c_val = c_dst[...].astype(jnp.float32)
-          if beta != 1.0:
-            c_val = c_val * jnp.float32(beta)
-          val = val + c_val
-        out_smem[wg, slot] = val.astype(out_dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_window)
+    sub_tiles = [(slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n))
+                 for ei in range(wg_m // epi_m) for ej in range(wg_n // epi_n)]
+
+    def load_partial(i):  # the f32 sum of the tile's other K range, sub-tile i
+      # optimized=False: Mosaic GPU vectorizes only shared-memory transfers.
+      return plgpu.load(partial.at[sub_tiles[i]], layout=plgpu.Layout.WGMMA,
+                        optimized=False)
+
+    # Each sub-tile's partial is loaded one sub-tile ahead: the loads (from L2) wait
+    # behind the previous sub-tile's stores instead of in front of its adds (on the
+    # H200 the adds waiting for them were a tenth of a 2048^3 stream-K kernel).
+    next_partial = None if partial is None else load_partial(0)
+    for step, (es_m, es_n) in enumerate(sub_tiles):
+      slot = step % cfg.out_slots
+      out_window = out_gmem.at[bi, pl.ds(row0 + es_m.start, epi_m),
+                               pl.ds(col0 + es_n.start, epi_n)]
+      # The slot's store from two sub-tiles ago must have read it.
+      plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
+      val = acc[es_m, es_n]
+      if partial is not None:
+        this_partial = next_partial
+        if step + 1 < len(sub_tiles):
+          next_partial = load_partial(step + 1)
+        val = val + this_partial
+      if alpha != 1.0:
+        val = val * jnp.float32(alpha)
+      if c_gmem is not None:
+        c_window = c_gmem.at[bi, pl.ds(row0 + es_m.start, epi_m),
+                             pl.ds(col0 + es_n.start, epi_n)]
+        c_dst = c_smem.at[wg] if c_separate else out_smem.at[wg, slot]
+        plgpu.copy_gmem_to_smem(c_window, c_dst, c_barrier.at[wg])
+        plgpu.barrier_wait(c_barrier.at[wg])
+        c_val = c_dst[...].astype(jnp.float32)
+        if beta != 1.0:
+          c_val = c_val * jnp.float32(beta)
+        val = val + c_val
+      out_smem[wg, slot] = val.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_window)
 
   def tile_coords(bi, lin):  # (batch entry, m tile, n tile) of tile lin of entry bi
     mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters),

@@ -263,11 +263,10 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
 
 
 @pytest.mark.parametrize("tiles, k_iters, num_ctas, dp_rounds", [
-    (256, 64, 66, 3),     # bf16 4096^3, 256x128 tiles in clusters of 2: 3.88 rounds
-    (1024, 128, 66, 15),  # bf16 8192^3: 15.5 rounds
-    (374, 65, 132, 2),    # bf16 4097^3, 256x192 tiles: 2.83 rounds
+    (1024, 128, 66, 15),  # bf16 8192^3, 256x128 tiles in clusters of 2: 15.5 rounds
+    (576, 96, 66, 8),     # bf16 6144^3: 8.73 rounds
     (144, 48, 66, 1),     # bf16 3072^3: 2.18 rounds, the last full round is cut too
-    (64, 64, 66, 0),      # bf16 2048^3: one partial round
+    (40, 64, 66, 0),      # 0.6 rounds
     (7, 8, 4, 1),         # ranges of 6 steps: tiles cut among three CTAs
     (9, 9, 4, 1),         # ranges of 11..12 steps that start mid-tile
     (133, 1000, 132, 0),  # one tile more than a round
@@ -316,15 +315,16 @@ def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_roun
       assert cta == first + i and pieces[cta][0] == (g, k0, k1)
 
 
-@pytest.mark.parametrize("config, tiles, k_iters, interpret", [
-    (Config(), 264, 64, False),                 # whole rounds
-    (Config(), 60, 64, False),                  # less than half a round
-    (Config(), 200, 7, False),                  # K too short to cut
-    (Config(stream_k=False), 200, 64, False),   # switched off
-    (Config(), 200, 64, True),                  # interpret mode
+@pytest.mark.parametrize("config, tiles, k_iters, num_ctas, interpret", [
+    (Config(), 264, 64, 132, False),                # whole rounds
+    (Config(), 256, 64, 66, False),                 # bf16 4096^3: the last round 88% full
+    (Config(), 60, 64, 132, False),                 # less than half a round
+    (Config(), 200, 7, 132, False),                 # K too short to cut
+    (Config(stream_k=False), 200, 64, 132, False),  # switched off
+    (Config(), 200, 64, 132, True),                 # interpret mode
 ])
-def test_stream_k_schedule_off(config, tiles, k_iters, interpret):
-  assert mosaic.stream_k_schedule(config, tiles, k_iters, 132, interpret) is None
+def test_stream_k_schedule_off(config, tiles, k_iters, num_ctas, interpret):
+  assert mosaic.stream_k_schedule(config, tiles, k_iters, num_ctas, interpret) is None
 
 
 @pytest.mark.gpu
@@ -342,7 +342,7 @@ def test_stream_k_schedule_off(config, tiles, k_iters, interpret):
     # K of 9 blocks, the last ragged; batch-shared B
     (3, 500, 600, 519, jnp.bfloat16, dict(batch_b=1), dict(block_m=128, block_n=128, num_sms=7)),
     # f32 inputs as TF32 (K-major copies), 128x128 tiles
-    (1, 640, 896, 2048, jnp.float32, {}, dict(block_m=128, block_n=128, block_k=32, num_sms=6)),
+    (1, 640, 896, 2048, jnp.float32, {}, dict(block_m=128, block_n=128, block_k=32, num_sms=8)),
 ])
 def test_stream_k_on_the_gpu(monkeypatch, batch, m, n, k, dtype, kwargs, config):
   # The stream-K pieces, the partials' round trip and the semaphores, on the GPU
