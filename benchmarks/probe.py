@@ -416,8 +416,8 @@ MOSAIC_SK_SHAPES = [  # (m, n, k, dtype): rounds of default tiles over the H200'
 def probe_mosaic_sk(iterations: int = 200):
   """The default mosaic config with stream-K on and off (Config.stream_k) vs jnp.dot,
   called in turn (CUPTI: ratios to the adjacent jnp.dot call); where the schedule's
-  policy leaves stream-K off (a last round over _STREAM_K_MAX_FILL full), also forced
-  on. Then each function alone by wall clock over `iterations` queued calls."""
+  policy leaves stream-K off (it would save under _STREAM_K_MIN_SAVED_STEPS), also
+  forced on. Then each function alone by wall clock over `iterations` queued calls."""
   import time  # noqa: PLC0415
   for m, n, k, dtype in MOSAIC_SK_SHAPES:
     inputs = _inputs((m, k), (k, n), dtype)
@@ -426,12 +426,12 @@ def probe_mosaic_sk(iterations: int = 200):
     default = mosaic.default_config(m, n, k, dtype)
     fns = {"jnp.dot": jax.jit(jnp.dot)}
     notes, schedules = {}, []
-    for name, cfg, max_fill in (("stream_k=1 (default)", default, None),
+    for name, cfg, min_saved in (("stream_k=1 (default)", default, None),
                                 ("stream_k=0", default.replace(stream_k=False), None),
-                                ("stream_k forced", default, 1.0)):
-      fn, out, schedule = _traced_with_schedule(cfg, a0, b0, max_fill)
+                                ("stream_k forced", default, 0)):
+      fn, out, schedule = _traced_with_schedule(cfg, a0, b0, min_saved)
       schedules.append(schedule)
-      if max_fill is not None and (schedule is None or schedules[0] is not None):
+      if min_saved is not None and (schedule is None or schedules[0] is not None):
         continue  # forcing changes nothing here
       fns[name] = fn
       notes[name] = f"relerr {relative_error(out, ref):.1e}, stream-K {schedule}"
@@ -448,17 +448,17 @@ def probe_mosaic_sk(iterations: int = 200):
     _report_ratios(f"{m}x{n}x{k} {jnp.dtype(dtype).name}, config {default}", ms, flops, notes)
 
 
-def _traced_with_schedule(cfg, a, b, max_fill=None):
+def _traced_with_schedule(cfg, a, b, min_saved=None):
   """(jitted _mosaic with cfg, its output for a, b, the stream-K schedule it traced with);
-  max_fill replaces mosaic._STREAM_K_MAX_FILL while it is traced."""
-  seen, schedule, fill = [], mosaic.stream_k_schedule, mosaic._STREAM_K_MAX_FILL
+  min_saved replaces mosaic._STREAM_K_MIN_SAVED_STEPS while it is traced."""
+  seen, schedule, saved = [], mosaic.stream_k_schedule, mosaic._STREAM_K_MIN_SAVED_STEPS
   mosaic.stream_k_schedule = lambda *args: seen.append(schedule(*args)) or seen[-1]
-  mosaic._STREAM_K_MAX_FILL = fill if max_fill is None else max_fill
+  mosaic._STREAM_K_MIN_SAVED_STEPS = saved if min_saved is None else min_saved
   try:
     fn = jax.jit(lambda a, b: _mosaic(a, b, cfg))
     out = fn(a, b)
   finally:
-    mosaic.stream_k_schedule, mosaic._STREAM_K_MAX_FILL = schedule, fill
+    mosaic.stream_k_schedule, mosaic._STREAM_K_MIN_SAVED_STEPS = schedule, saved
   return fn, out, seen[-1]
 
 

@@ -448,11 +448,8 @@ def _is_highest(precision) -> bool:
 # Stream-K schedule
 # ----------------------------------------------------------------------------
 
-# Fewest K blocks per tile worth cutting: a cut tile costs its two CTAs a
-# round trip of the f32 accumulator through global memory.
-_MIN_STREAM_K_ITERS = 8
-# Fullest last round that stream-K cuts (see stream_k_schedule).
-_STREAM_K_MAX_FILL = 0.75
+# K steps that cutting the last round must save each CTA (see stream_k_schedule).
+_STREAM_K_MIN_SAVED_STEPS = 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,15 +503,18 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   cutting the last full round too cost 4% at bf16 4096^3 and 12% at 4097^3,
   where the operands' whole K extent no longer fit in L2).
   None when stream-K is off, in interpret mode (no global semaphores), when the
-  tiles fill whole rounds, when the last round is over _STREAM_K_MAX_FILL full,
-  when the tiles are under half a round, or when K is too short to cut. The 3/4: a cut tile
-  costs its CTAs a hand-over through global memory (~2-3 us at bf16 2048^3), and the
-  H200 runs a round with idle SMs at a higher clock; with 88% of a round full (bf16
-  4096^3) stream-K was 4% slower, with 52% full (8192^3) 2% faster.
+  tiles fill whole rounds or are under half a round, or when it would save each
+  CTA fewer than _STREAM_K_MIN_SAVED_STEPS K steps: the idle share of the last
+  round times k_iters. The hand-over of the cut tiles (their f32 partials written
+  and read through L2 by all CTAs at once, and the zeroing of the semaphores) cost
+  ~12 us per call on the H200, ~17 K steps of a 256x128 bf16 tile (run 4 of
+  session 6: bf16 8192^3 saves 0.48 * 128 = 61 steps and ran 2% faster, 6144^3
+  0.27 * 96 = 26 steps, 1% faster; 4096^3 0.12 * 64 = 8 steps, 4% slower).
   """
   rest = tiles % num_ctas
-  if (not config.stream_k or interpret or k_iters < _MIN_STREAM_K_ITERS or rest == 0
-      or rest > _STREAM_K_MAX_FILL * num_ctas or (2 * rest < num_ctas and tiles < num_ctas)):
+  if (not config.stream_k or interpret or rest == 0
+      or (num_ctas - rest) * k_iters < _STREAM_K_MIN_SAVED_STEPS * num_ctas
+      or (2 * rest < num_ctas and tiles < num_ctas)):
     return None
   sk_tiles = rest if 2 * rest >= num_ctas else rest + num_ctas
   sk_iters = sk_tiles * k_iters

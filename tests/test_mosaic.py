@@ -267,8 +267,8 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
     (576, 96, 66, 8),     # bf16 6144^3: 8.73 rounds
     (144, 48, 66, 1),     # bf16 3072^3: 2.18 rounds, the last full round is cut too
     (40, 64, 66, 0),      # 0.6 rounds
-    (7, 8, 4, 1),         # ranges of 6 steps: tiles cut among three CTAs
-    (9, 9, 4, 1),         # ranges of 11..12 steps that start mid-tile
+    (7, 100, 4, 1),       # ranges of 75 steps: tiles cut among three CTAs
+    (9, 50, 4, 1),        # ranges of 62..63 steps that start mid-tile
     (133, 1000, 132, 0),  # one tile more than a round
 ])
 def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_rounds):
@@ -317,9 +317,10 @@ def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_roun
 
 @pytest.mark.parametrize("config, tiles, k_iters, num_ctas, interpret", [
     (Config(), 264, 64, 132, False),                # whole rounds
-    (Config(), 256, 64, 66, False),                 # bf16 4096^3: the last round 88% full
+    (Config(), 256, 64, 66, False),                 # bf16 4096^3: saves 7.7 steps
     (Config(), 60, 64, 132, False),                 # less than half a round
-    (Config(), 200, 7, 132, False),                 # K too short to cut
+    (Config(), 200, 7, 132, False),                 # K too short to save enough
+    (Config(), 260, 500, 132, False),               # last round 97% full: saves 15 steps
     (Config(stream_k=False), 200, 64, 132, False),  # switched off
     (Config(), 200, 64, 132, True),                 # interpret mode
 ])
@@ -330,17 +331,17 @@ def test_stream_k_schedule_off(config, tiles, k_iters, num_ctas, interpret):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, m, n, k, dtype, kwargs, config", [
     # the large-shape tiles, 256x128 in clusters of 2: 16 cluster tiles on 5 clusters
-    (1, 1000, 1000, 1000, jnp.bfloat16, {},
+    (1, 1000, 1000, 4096, jnp.bfloat16, {},
      dict(block_m=256, block_n=128, wg_split="m", cluster_n=2, num_sms=10)),
     # 128x256 tiles, batched, transposed, alpha/beta with C: 84 tiles on 8 CTAs
-    (2, 777, 1300, 2000, jnp.float16, dict(transpose_a=True, transpose_b=True, alpha=0.5,
+    (2, 777, 1300, 4000, jnp.float16, dict(transpose_a=True, transpose_b=True, alpha=0.5,
                                            beta=-2.0, out_dtype=jnp.float32),
      dict(block_m=128, block_n=256, stages=3, epi_block_n=32, num_sms=8)),
     # delayed releases (wgmma_wait=1), clusters along m with an odd tile count
     (1, 1300, 1024, 4096, jnp.bfloat16, dict(beta=1.0),
      dict(block_m=128, block_n=128, cluster_m=2, wgmma_wait=1, num_sms=10)),
-    # K of 9 blocks, the last ragged; batch-shared B
-    (3, 500, 600, 519, jnp.bfloat16, dict(batch_b=1), dict(block_m=128, block_n=128, num_sms=7)),
+    # K of 65 blocks, the last ragged; batch-shared B
+    (3, 500, 600, 4111, jnp.bfloat16, dict(batch_b=1), dict(block_m=128, block_n=128, num_sms=7)),
     # f32 inputs as TF32 (K-major copies), 128x128 tiles
     (1, 640, 896, 2048, jnp.float32, {}, dict(block_m=128, block_n=128, block_k=32, num_sms=8)),
 ])
