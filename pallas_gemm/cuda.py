@@ -189,6 +189,16 @@ def _load_library() -> tuple[ctypes.CDLL | None, str | None]:
     lib = ctypes.CDLL(str(found[0]))
   except OSError as e:
     return None, f"could not load {found[0]}: {e}"
+  try:
+    _declare(lib)
+  except AttributeError as e:  # a build from before an entry point was added
+    return None, (f"{found[0]} lacks an entry point this pallas_gemm needs ({e}): a stale"
+                  " build; reinstall pallas_gemm (see BUILD.md)")
+  return lib, None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+  """The C signatures of the library's host entry points."""
   lib.pallas_gemm_cuda_num_configs.restype = ctypes.c_int
   lib.pallas_gemm_cuda_config.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
   lib.pallas_gemm_cuda_config.restype = ctypes.c_int
@@ -201,7 +211,6 @@ def _load_library() -> tuple[ctypes.CDLL | None, str | None]:
   lib.pallas_gemm_cuda_schedule.restype = None
   lib.pallas_gemm_cuda_work_item.argtypes = [i64, i64, i64, i64, i64, i64, p64, p64]
   lib.pallas_gemm_cuda_work_item.restype = ctypes.c_int
-  return lib, None
 
 
 _LIB, _LIB_ERROR = _load_library()

@@ -28,6 +28,20 @@ def test_library_loads_and_exports_the_handler():
   assert lib.pallas_gemm_cuda_num_configs() == len(cuda._COMPILED)
 
 
+def test_a_library_without_the_entry_points_is_reported_stale(monkeypatch):
+  # A shared library that loads but lacks the entry points (here the C library, in
+  # place of a _cuda_sgemm.so built from older sources) makes the backend unavailable
+  # with a reason, instead of failing `import pallas_gemm`.
+  import ctypes.util  # noqa: PLC0415
+  libc = ctypes.util.find_library("c")
+  if libc is None:
+    pytest.skip("no C library found to stand in for a stale build")
+  monkeypatch.setenv(cuda.LIBRARY_ENV, str(ctypes.CDLL(libc)._name))
+  monkeypatch.setattr(cuda.pathlib.Path, "is_file", lambda self: True)
+  lib, why = cuda._load_library()
+  assert lib is None and "stale build" in why
+
+
 @needs_library
 def test_compiled_configs_match_python_list():
   # Config validation uses cuda._COMPILED; the handler dispatches on the C++ table.
