@@ -2,12 +2,17 @@
 
 Design (one CTA per SM, persistent):
   * Grid: ``num_sms`` CTAs; each walks the flattened (batch, m_tiles, n_tiles)
-    space with ``plgpu.nd_loop`` (strided by the CTA count). Optionally CTAs
-    pair up in clusters of 2 that compute adjacent tiles and multicast the
-    operand tile they share (``Config.cluster_m`` / ``cluster_n``). Within a batch entry
-    the output tiles are visited in this order:
-    ``plgpu.planar_snake`` bands of ``grid_tile_width`` tiles along
-    ``grid_minor_dim``, so CTAs that run together share A rows / B columns in L2.
+    space strided by the CTA count. Optionally CTAs pair up in clusters of 2 that
+    compute adjacent tiles and multicast the operand tile they share
+    (``Config.cluster_m`` / ``cluster_n``). Within a batch entry the output tiles
+    are visited in this order: ``plgpu.planar_snake`` bands of
+    ``grid_tile_width`` tiles along ``grid_minor_dim``, so CTAs that run together
+    share A rows / B columns in L2.
+  * Stream-K (``Config.stream_k``): when the tiles leave the last round of CTAs
+    idle enough to pay for it, the last tiles are cut into equal ranges of K
+    steps, one per CTA, and a tile cut between CTAs is summed through an f32
+    buffer in global memory, ordered by Pallas global semaphores
+    (``stream_k_schedule``, ``StreamK``, ``_warp_producer_kernel``).
   * K pipeline: a ``stages``-deep ring of swizzled shared-memory buffers for
     (block_m, block_k) A tiles and (block_k, block_n) B tiles (tiling/swizzle
     transforms), filled by TMA. ``Config.producer`` picks who issues the loads:
