@@ -513,7 +513,7 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   round times k_iters. The hand-over of the cut tiles (their f32 partials written
   and read through L2 by all CTAs at once, and the zeroing of the semaphores) cost
   ~12 us per call on the H200, ~17 K steps of a 256x128 bf16 tile (run 4 of
-  session 6: bf16 8192^3 saves 0.48 * 128 = 61 steps and ran 2% faster, 6144^3
+  session 6: bf16 8192^3 saves 0.48 * 128 = 62 steps and ran 2% faster, 6144^3
   0.27 * 96 = 26 steps, 1% faster; 4096^3 0.12 * 64 = 8 steps, 4% slower).
   """
   rest = tiles % num_ctas
