@@ -136,8 +136,7 @@ def probe_mosaic(*sizes):
   configs = {
       "default": None,
       "256x128 cluster_n2 wait1": Cfg(**tall, cluster_n=2, wgmma_wait=1),
-      "256x128 cluster_n2 warpgroup producer": Cfg(**tall, cluster_n=2, producer="warpgroup",
-                                                     stream_k=False),
+      "256x128 cluster_n2 warpgroup producer": Cfg(**tall, cluster_n=2, producer="warpgroup"),
       "128x256": Cfg(block_m=128, block_n=256, wg_split="n"),
       "128x256 cluster_m2": Cfg(block_m=128, block_n=256, cluster_m=2),
       "256x128": Cfg(**tall),
@@ -189,7 +188,7 @@ def probe_ab(*sizes, iterations: int = 200):
   """
   variants = {  # name: fields replaced in the shape's default config
       "default (warp producer)": {},
-      "warpgroup producer": {"producer": "warpgroup", "stream_k": False},
+      "warpgroup producer": {"producer": "warpgroup"},
       "wgmma_wait=1": {"wgmma_wait": 1},
   }
   cases = [(n, jnp.bfloat16) for n in (sizes or (4096, 8192))] + [(8192, jnp.float16)]

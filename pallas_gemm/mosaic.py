@@ -24,7 +24,8 @@ Design (one CTA per SM, persistent):
     CTA tile (split along ``wg_split``) and run ``plgpu.wgmma`` into an f32
     register accumulator.
   * Epilogue (consumer warpgroups, overlapped with the producer already loading
-    the next tile): the accumulator is scaled by alpha, beta*C is added (C
+    the next tile): the partial sum of a stream-K tile's other K range is added,
+    the accumulator is scaled by alpha, beta*C is added (C
     fetched by TMA into shared memory), the result is cast to the out dtype,
     written to a double-buffered shared-memory slot and stored with TMA in
     (epi_block_m, epi_block_n) sub-tiles.
@@ -121,14 +122,17 @@ class Config:
     multicasts it to both, halving B's L2->SM traffic (cluster_n=2: A's).
   num_sms: CTAs of the persistent grid. None: the device's SM count on GPU, 4
     in interpret mode.
-  stream_k: cut the last tiles into K ranges (``producer="warp"`` only). When the
-    tiles do not fill whole rounds of CTAs (bf16 4096^3: 256 cluster tiles on 66
-    clusters, 3.88 rounds), every CTA first runs the full rounds as whole tiles,
+  stream_k: cut the last tiles into K ranges (``producer="warp"`` only; None: on
+    with the warp producer, off with the warpgroup one). When the tiles leave the
+    last round of CTAs idle enough (bf16 8192^3: 1024 cluster tiles on 66
+    clusters, 15.5 rounds), every CTA first runs the full rounds as whole tiles,
     then an equal range of (tile, K block) steps of the rest (the partial round, and
     the last full one if the partial one is under half a round), so that all CTAs
-    finish together (``stream_k_schedule``). A tile cut between CTAs is summed
-    through global memory (see ``_warp_producer_kernel``). Interpret mode runs
-    whole tiles: its interpreter has no global semaphores (jax 0.11.2).
+    finish together. A tile cut between CTAs is summed through global memory (see
+    ``_warp_producer_kernel``), which costs more than it saves when the last round
+    is nearly full (bf16 4096^3: 3.88 rounds): ``stream_k_schedule`` decides per
+    launch. Interpret mode runs whole tiles: its interpreter has no global
+    semaphores (jax 0.11.2).
   """
 
   block_m: int = 128
@@ -146,7 +150,7 @@ class Config:
   cluster_m: int = 1
   cluster_n: int = 1
   num_sms: int | None = None
-  stream_k: bool = True
+  stream_k: bool | None = None
 
   def __post_init__(self):
     def fail(field, why):
@@ -170,11 +174,11 @@ class Config:
       fail("wgmma_wait", "must be 0 or 1")
     if self.producer not in ("warp", "warpgroup"):
       fail("producer", "must be 'warp' or 'warpgroup'")
-    if not isinstance(self.stream_k, bool):
-      fail("stream_k", "must be a bool")
+    if self.stream_k is not None and not isinstance(self.stream_k, bool):
+      fail("stream_k", "must be None or a bool")
     if self.stream_k and self.producer != "warp":
       fail("stream_k", "needs producer='warp' (the warpgroup producer's pipelines"
-           " run whole tiles); pass stream_k=False with producer='warpgroup'")
+           " run whole tiles)")
     if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
       fail("cluster_m" if self.cluster_m not in (1, 2) else "cluster_n",
            "must be 1 or 2")
@@ -226,6 +230,11 @@ class Config:
     if self.wg_split == "n":
       return self.block_n // self.num_compute_wgs
     return self.block_n
+
+  @property
+  def uses_stream_k(self) -> bool:
+    """stream_k, or for None: whether the producer is the warp producer."""
+    return self.producer == "warp" if self.stream_k is None else self.stream_k
 
   @property
   def cluster_size(self) -> int:
@@ -517,7 +526,7 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   0.27 * 96 = 26 steps, 1% faster; 4096^3 0.12 * 64 = 8 steps, 4% slower).
   """
   rest = tiles % num_ctas
-  if (not config.stream_k or interpret or rest == 0
+  if (not config.uses_stream_k or interpret or rest == 0
       or (num_ctas - rest) * k_iters < _STREAM_K_MIN_SAVED_STEPS * num_ctas
       or (2 * rest < num_ctas and tiles < num_ctas)):
     return None
@@ -552,8 +561,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, partials_gmem, *, config: Config, 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
   b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
   c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N.
-  partials_gmem: None, or with stream_k (CTAs * warpgroups, wg_block_m, wg_block_n)
-    f32: the accumulator a CTA hands over for a tile it began and another ends.
+  num_ctas: CTAs of the grid, or clusters of CTAs (both CTAs of a cluster run the same
+    tiles' two halves, so the schedule counts clusters).
+  partials_gmem: None, or with stream_k (num_ctas * cluster_size * num_compute_wgs,
+    wg_block_m, wg_block_n) f32: per warpgroup, the sum it hands over for a tile that
+    another CTA finishes.
   """
   cfg = config
   dtype = a_gmem.dtype
@@ -786,8 +798,9 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
   semaphore (release); a middle one waits for it (acquire), adds it and hands the
   sum on the same way; c waits for c + 1's, adds it in its epilogue and writes the
   tile. Waits go only from a CTA to the first piece of the next one, the ones that
-  wait for nothing come last, and all CTAs are resident (one per SM), so there is
-  no cycle; a first piece ends before the previous CTA's range does, so a partial
+  wait for nothing come last, and all CTAs are resident (one per SM; ``gemm`` runs
+  whole tiles when Config.num_sms exceeds the device's SMs), so there is no cycle;
+  a first piece ends at about the time the previous CTA's range does, so a partial
   is normally ready when it is needed.
   """
   num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
@@ -1085,6 +1098,10 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   num_ctas = _num_sms(config, interpret) // config.cluster_size
   tiles = batch * -(-m // (bm * config.cluster_m)) * -(-n // (bn * config.cluster_n))
   stream_k = stream_k_schedule(config, tiles, -(-k // bk), num_ctas, interpret)
+  if not interpret and num_ctas * config.cluster_size > tuning.num_sms():
+    # More CTAs than SMs: not all resident at once, and a stream-K CTA may wait for
+    # one that is not scheduled yet (CUDA does not promise the order). Whole tiles.
+    stream_k = None
   kernel_body = functools.partial(
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,

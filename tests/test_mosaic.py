@@ -122,7 +122,8 @@ def test_unavailable_reason_on_cpu_is_none():
 
 def _check(batch, m, n, k, dtype=jnp.bfloat16, *, transpose_a=False,
            transpose_b=False, alpha=1.0, beta=0.0, batch_b=None,
-           out_dtype=None, c_dtype=None, config=None, seed=0, interpret=True):
+           out_dtype=None, c_dtype=None, config=None, seed=0, interpret=True,
+           poison_bytes=None):
   rng = np.random.default_rng(seed)
   batch_b = batch if batch_b is None else batch_b
   a_shape = (batch, k, m) if transpose_a else (batch, m, k)
@@ -137,9 +138,9 @@ def _check(batch, m, n, k, dtype=jnp.bfloat16, *, transpose_a=False,
     config = mosaic.default_config(
         m, n, k, dtype, out_dtype=out_dtype,
         c_dtype=None if c is None else c.dtype).replace(num_sms=3)
-  if not interpret:  # a NaN block freed last, so that the output likely reuses it
-    jnp.full((batch * m * n * 4 // out_dtype.itemsize + 1,), jnp.nan,
-             out_dtype).block_until_ready().delete()
+  if not interpret:  # a NaN block freed last, so that the outputs likely reuse it
+    jnp.full(((poison_bytes or batch * m * n * out_dtype.itemsize) // 4 + 1,), jnp.nan,
+             jnp.float32).block_until_ready().delete()
   out = mosaic.gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
                     transpose_b=transpose_b, precision=None,
                     out_dtype=out_dtype, config=config, interpret=interpret)
@@ -170,8 +171,7 @@ def test_ragged_split_m_more_tiles_than_sms():
 @pytest.mark.parametrize("producer", ["warp", "warpgroup"])
 def test_wgmma_wait_one_deep_k(producer):
   _check(1, 150, 150, 300, config=Config(
-      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2, producer=producer,
-      stream_k=producer == "warp"))
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2, producer=producer))
 
 
 def test_cluster_m_odd_tile_count():
@@ -209,7 +209,7 @@ def test_wgmma_wait_one_single_k_step(producer):
   # ring shrinks to one stage, which cannot delay a release; it faulted on the H200).
   _check(1, 300, 300, 64, config=Config(
       block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4,
-      producer=producer, stream_k=producer == "warp"))
+      producer=producer))
 
 
 # Both producers over the shapes that stress their rings (interpret mode also checks
@@ -245,7 +245,7 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
   # (plgpu.PipelinePipeline) when every CTA has >= 2 tiles and K blocks are a
   # multiple of the stages. Check which path is taken and the result.
   cfg = Config(block_m=128, block_n=128, block_k=64, stages=stages,
-               cluster_n=cluster_n, num_sms=num_sms, producer="warpgroup", stream_k=False)
+               cluster_n=cluster_n, num_sms=num_sms, producer="warpgroup")
   states = []
   emit = mosaic.plgpu.emit_pipeline_warp_specialized
   def spy(*args, pipeline_state=None, **kwargs):
@@ -267,7 +267,7 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
     (576, 96, 66, 8),     # bf16 6144^3: 8.73 rounds
     (144, 48, 66, 1),     # bf16 3072^3: 2.18 rounds, the last full round is cut too
     (40, 64, 66, 0),      # 0.6 rounds
-    (7, 100, 4, 1),       # ranges of 75 steps: tiles cut among three CTAs
+    (7, 100, 4, 1),       # ranges of 75 steps: tiles cut in two at different K
     (9, 50, 4, 1),        # ranges of 62..63 steps that start mid-tile
     (133, 1000, 132, 0),  # one tile more than a round
 ])
@@ -349,19 +349,40 @@ def test_stream_k_on_the_gpu(monkeypatch, batch, m, n, k, dtype, kwargs, config)
   # The stream-K pieces, the partials' round trip and the semaphores, on the GPU
   # (interpret mode has no global semaphores): few CTAs make several rounds of tiles
   # and cut the last ones. Checks that stream-K ran, against float32 HIGHEST, through
-  # a NaN-poisoned allocator.
+  # a NaN-poisoned allocator (sized for the output and the f32 partials, so that a
+  # partial left from an earlier call cannot pass for one written by this call).
   schedules = []
   schedule = mosaic.stream_k_schedule
   monkeypatch.setattr(mosaic, "stream_k_schedule",
                       lambda *args: schedules.append(schedule(*args)) or schedules[-1])
-  _check(batch, m, n, k, dtype, config=Config(**config), interpret=False, **kwargs)
+  cfg = Config(**config)
+  partials = cfg.num_sms * cfg.num_compute_wgs * cfg.wg_block_m * cfg.wg_block_n * 4
+  _check(batch, m, n, k, dtype, config=cfg, interpret=False, **kwargs,
+         poison_bytes=2 * (partials + batch * m * n * 4))
   assert schedules and schedules[-1] is not None
 
 
 def test_stream_k_needs_the_warp_producer():
+  assert Config().uses_stream_k and not Config(stream_k=False).uses_stream_k
+  assert not Config(producer="warpgroup").uses_stream_k  # None: off with that producer
   with pytest.raises(ValueError, match="stream_k"):
-    Config(producer="warpgroup")
-  Config(producer="warpgroup", stream_k=False)
+    Config(producer="warpgroup", stream_k=True)
+
+
+def test_stream_k_off_with_more_ctas_than_sms(monkeypatch):
+  # Stream-K CTAs wait for each other, which needs all of them resident: a grid
+  # larger than the device (Config.num_sms above its SM count) runs whole tiles.
+  monkeypatch.setattr(mosaic.tuning, "num_sms", lambda: 132)
+  a = jax.ShapeDtypeStruct((1, 8192, 8192), jnp.bfloat16)
+  for num_sms, cut in ((132, True), (134, False)):
+    cfg = mosaic.default_config(8192, 8192, 8192, jnp.bfloat16).replace(num_sms=num_sms)
+    f = lambda a, b, cfg=cfg: mosaic.gemm(
+        a, b, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+        precision=None, out_dtype=np.dtype(jnp.bfloat16), config=cfg, interpret=False)
+    text = jax.jit(f).trace(a, a).lower(lowering_platforms=("cuda",)).as_text()
+    # With stream-K the kernel has a second output: the f32 partial sums.
+    partials = f"x{cfg.wg_block_m}x{cfg.wg_block_n}xf32>"
+    assert (f"tensor<{num_sms * cfg.num_compute_wgs}{partials}" in text) == cut, num_sms
 
 
 def test_batched_and_shared_b():
