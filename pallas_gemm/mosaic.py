@@ -408,6 +408,15 @@ def _rounds(config: Config, m: int, n: int) -> int:
   return -(-clusters // (tuning.num_sms() // config.cluster_size))
 
 
+def _sub_tiles(config: Config) -> list[tuple[slice, slice]]:
+  """The (epi_block_m, epi_block_n) sub-tiles of a warpgroup's accumulator, row-major:
+  the epilogue stores them one by one, and a stream-K hand-over writes and reads the
+  f32 partials in the same pieces."""
+  em, en = config.epi_block_m, config.epi_block_n
+  return [(slice(i * em, (i + 1) * em), slice(j * en, (j + 1) * en))
+          for i in range(config.wg_block_m // em) for j in range(config.wg_block_n // en)]
+
+
 def _c_separate(c_dtype, out_dtype) -> bool:
   return c_dtype is not None and jnp.dtype(c_dtype) != jnp.dtype(out_dtype)
 
@@ -517,6 +526,8 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   cutting the last full round too cost 4% at bf16 4096^3 and 12% at 4097^3,
   where the operands' whole K extent no longer fit in L2).
   None when stream-K is off, in interpret mode (no global semaphores), when the
+  grid has more CTAs than the device has SMs (a CTA may then wait for one that is
+  not scheduled yet: CUDA does not promise the order), when the
   tiles fill whole rounds or are under half a round, or when it would save each
   CTA fewer than _STREAM_K_MIN_SAVED_STEPS K steps: the idle share of the last
   round times k_iters. The hand-over of the cut tiles (their f32 partials written
@@ -527,6 +538,7 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   """
   rest = tiles % num_ctas
   if (not config.uses_stream_k or interpret or rest == 0
+      or num_ctas * config.cluster_size > tuning.num_sms()
       or (num_ctas - rest) * k_iters < _STREAM_K_MIN_SAVED_STEPS * num_ctas
       or (2 * rest < num_ctas and tiles < num_ctas)):
     return None
@@ -644,8 +656,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, partials_gmem, *, config: Config, 
   def _epilogue(acc, bi, row0, col0, wg, out_smem, c_smem, c_barrier, partial=None):
     # Wait until this warpgroup's previous tile stores no longer read smem.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    sub_tiles = [(slice(ei * epi_m, (ei + 1) * epi_m), slice(ej * epi_n, (ej + 1) * epi_n))
-                 for ei in range(wg_m // epi_m) for ej in range(wg_n // epi_n)]
+    sub_tiles = _sub_tiles(cfg)
 
     def load_partial(i):  # the f32 sum of the tile's other K range, sub-tile i
       # optimized=False: Mosaic GPU vectorizes only shared-memory transfers.
@@ -798,8 +809,8 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
   semaphore (release); a middle one waits for it (acquire), adds it and hands the
   sum on the same way; c waits for c + 1's, adds it in its epilogue and writes the
   tile. Waits go only from a CTA to the first piece of the next one, the ones that
-  wait for nothing come last, and all CTAs are resident (one per SM; ``gemm`` runs
-  whole tiles when Config.num_sms exceeds the device's SMs), so there is no cycle;
+  wait for nothing come last, and all CTAs are resident (one per SM;
+  ``stream_k_schedule`` refuses a grid larger than the device), so there is no cycle;
   a first piece ends at about the time the previous CTA's range does, so a partial
   is normally ready when it is needed.
   """
@@ -951,15 +962,12 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def hand_over(add_next):  # this piece's sum (+ the next CTA's) to the tile's
             if add_next:            # earlier CTAs
               plgpu.semaphore_wait(semaphores.at[nexts], 1, memory_scope="gpu")
-            for ei in range(cfg.wg_block_m // cfg.epi_block_m):
-              for ej in range(cfg.wg_block_n // cfg.epi_block_n):
-                es = (slice(ei * cfg.epi_block_m, (ei + 1) * cfg.epi_block_m),
-                      slice(ej * cfg.epi_block_n, (ej + 1) * cfg.epi_block_n))
-                val = acc[es]
-                if add_next:
-                  val = val + plgpu.load(partials_gmem.at[(nexts, *es)],
-                                         layout=plgpu.Layout.WGMMA, optimized=False)
-                partials_gmem[(mine, *es)] = val
+            for es in _sub_tiles(cfg):
+              val = acc[es]
+              if add_next:
+                val = val + plgpu.load(partials_gmem.at[(nexts, *es)],
+                                       layout=plgpu.Layout.WGMMA, optimized=False)
+              partials_gmem[(mine, *es)] = val
             plgpu.semaphore_signal(semaphores.at[mine], 1, memory_scope="gpu")
 
           # An earlier CTA ends this tile. A piece from the middle of the tile first
@@ -1098,10 +1106,6 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   num_ctas = _num_sms(config, interpret) // config.cluster_size
   tiles = batch * -(-m // (bm * config.cluster_m)) * -(-n // (bn * config.cluster_n))
   stream_k = stream_k_schedule(config, tiles, -(-k // bk), num_ctas, interpret)
-  if not interpret and num_ctas * config.cluster_size > tuning.num_sms():
-    # More CTAs than SMs: not all resident at once, and a stream-K CTA may wait for
-    # one that is not scheduled yet (CUDA does not promise the order). Whole tiles.
-    stream_k = None
   kernel_body = functools.partial(
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,

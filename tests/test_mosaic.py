@@ -271,7 +271,9 @@ def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, s
     (9, 50, 4, 1),        # ranges of 62..63 steps that start mid-tile
     (133, 1000, 132, 0),  # one tile more than a round
 ])
-def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_rounds):
+def test_stream_k_pieces_cover_every_step_once(monkeypatch, tiles, k_iters, num_ctas,
+                                               dp_rounds):
+  monkeypatch.setattr(mosaic.tuning, "num_sms", lambda: 132)  # the grids above fit it
   sk = mosaic.stream_k_schedule(Config(), tiles, k_iters, num_ctas, interpret=False)
   assert (sk.dp_rounds, sk.sk_iters) == (dp_rounds, (tiles - dp_rounds * num_ctas) * k_iters)
   owner = {}  # (tile, K block) -> CTA
@@ -324,7 +326,8 @@ def test_stream_k_pieces_cover_every_step_once(tiles, k_iters, num_ctas, dp_roun
     (Config(stream_k=False), 200, 64, 132, False),  # switched off
     (Config(), 200, 64, 132, True),                 # interpret mode
 ])
-def test_stream_k_schedule_off(config, tiles, k_iters, num_ctas, interpret):
+def test_stream_k_schedule_off(monkeypatch, config, tiles, k_iters, num_ctas, interpret):
+  monkeypatch.setattr(mosaic.tuning, "num_sms", lambda: 132)  # off for the reason given
   assert mosaic.stream_k_schedule(config, tiles, k_iters, num_ctas, interpret) is None
 
 
