@@ -7,16 +7,13 @@ problem (see `_contract.md`): 3-D operands (batch, rows, cols), one dtype, M/N/K
 static alpha/beta. Everything a user can get wrong is caught here, before any kernel
 is traced, with an error that names the argument.
 
-Differentiation: a `jax.custom_vjp` whose backward pass calls the same backend with
-transpose flags, so gradients run on the fast kernels too. Batching under `jax.vmap`:
-a `jax.custom_batching.custom_vmap` rule folds the vmapped axis into the batch axis the
-kernels already have, instead of relying on each lowering's own batching rule.
+The normalised call is one `op.gemm_p` primitive; its rules under AD (forward and
+reverse), vmap and shardings live in `op.py`, so this module stays validation and
+backend choice.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib
 import math
 from typing import Any
@@ -24,6 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_gemm import op
 
 BACKENDS = ("xla", "triton", "mosaic", "cuda")
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -86,21 +85,6 @@ def _precision(precision) -> jax.lax.Precision | None:
   raise TypeError(f"precision must be None, a str or a jax.lax.Precision; got {type(precision).__name__}")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-  """Everything static about one call: hashable, so it can key traces and custom rules."""
-  backend: str
-  config: Any
-  alpha: float
-  beta: float
-  transpose_a: bool
-  transpose_b: bool
-  precision: jax.lax.Precision | None
-  out_dtype: np.dtype
-  interpret: bool
-  c_dtype: np.dtype | None = None  # None: no C term (c absent or beta == 0)
-
-
 def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
@@ -159,14 +143,8 @@ def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtyp
           f"got {type(config).__module__}.{type(config).__qualname__}")
     return config
   from pallas_gemm import tuning  # imported late: tuning imports backends, not the reverse
-  tuned = tuning.lookup_config(module.NAME, module.Config, m, n, k, dtype, precision)
-  fits = getattr(module, "check_smem_budget", None)  # mosaic: the epilogue depends on dtypes
-  if tuned is not None and fits is not None:
-    try:
-      fits(tuned, dtype, out_dtype, c_dtype, k)
-    except ValueError:  # tuned for another output/C dtype; the heuristic adapts to this one
-      tuned = None
-  return tuned if tuned is not None else module.default_config(m, n, k, dtype)
+  return tuning.resolve_config(module.NAME, m, n, k, dtype, precision, out_dtype=out_dtype,
+                               c_dtype=c_dtype)
 
 
 # ----------------------------------------------------------------------------- public entry
@@ -280,113 +258,6 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
   c3 = None
   if c is not None and beta != 0.0:
     c3 = jnp.broadcast_to(c, out_shape).reshape((batch, m, n))
-  plan = _Plan(backend, config, alpha, beta if c3 is not None else 0.0, transpose_a, transpose_b,
-               precision, out_dtype, bool(interpret), None if c3 is None else np.dtype(c3.dtype))
-  return _gemm_vjp(plan, a3, b3, c3).reshape(out_shape)
-
-
-# ----------------------------------------------------------------------------- vmap
-
-
-@functools.lru_cache(maxsize=None)
-def _vmappable(plan: _Plan):
-  """The backend call for one plan, with a vmap rule that folds the vmapped axis into batch."""
-  module = _backend_module(plan.backend)
-
-  def call(a3, b3, *c3):
-    return module.gemm(
-        a3, b3, c3[0] if c3 else None, alpha=plan.alpha, beta=plan.beta if c3 else 0.0,
-        transpose_a=plan.transpose_a, transpose_b=plan.transpose_b, precision=plan.precision,
-        out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret)
-
-  call = jax.custom_batching.custom_vmap(call)
-
-  @call.def_vmap
-  def rule(axis_size, in_batched, a4, b4, *c4):
-    a_batched, b_batched, *c_batched = in_batched
-    batch = max(x.shape[1] if bat else x.shape[0] for x, bat in ((a4, a_batched), (b4, b_batched)))
-
-    def fold(x, batched, rows_of_shared=False):
-      # (V, B, r, c) -> (V*B, r, c); unbatched operands are repeated across V. A b shared by
-      # every batch entry (B == 1) stays shared when it is not vmapped either.
-      if not batched:
-        if rows_of_shared:
-          return x
-        x = jnp.broadcast_to(x, (axis_size,) + x.shape)
-      x = jnp.broadcast_to(x, (axis_size, batch) + x.shape[2:])
-      return x.reshape((axis_size * batch,) + x.shape[2:])
-
-    if axis_size * batch == 0:  # an empty vmapped axis: nothing for a kernel to do
-      m = a4.shape[-1] if plan.transpose_a else a4.shape[-2]
-      n = b4.shape[-2] if plan.transpose_b else b4.shape[-1]
-      return jnp.zeros((axis_size, batch, m, n), plan.out_dtype), True
-    a_f = fold(a4, a_batched)
-    b_f = fold(b4, b_batched, rows_of_shared=b4.shape[0] == 1)
-    c_f = [fold(c, bat) for c, bat in zip(c4, c_batched)]
-    out = call(a_f, b_f, *c_f)
-    return out.reshape((axis_size, batch) + out.shape[1:]), True
-
-  return call
-
-
-# ----------------------------------------------------------------------------- grad
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gemm_vjp(plan: _Plan, a3, b3, c3):
-  return _vmappable(plan)(a3, b3, *(() if c3 is None else (c3,)))
-
-
-def _gemm_fwd(plan, a3, b3, c3):
-  return _gemm_vjp(plan, a3, b3, c3), (a3, b3)
-
-
-def _gemm_bwd(plan, residuals, g):
-  """d/d(a, b, c) of alpha*op(a)@op(b) + beta*c, as two more GEMMs of the same backend."""
-  a3_in, b3_in = residuals
-  ta, tb = plan.transpose_a, plan.transpose_b
-  # Backends take one input dtype. A cotangent wider than the inputs (f16 in, f32 out)
-  # keeps its width: narrowing it would overflow under f16 loss scaling.
-  wide = np.dtype(jnp.promote_types(g.dtype, a3_in.dtype))
-  g_in, a3, b3 = g.astype(wide), a3_in.astype(wide), b3_in.astype(wide)
-
-  def mm(x, y, *, trans_x, trans_y, out_dtype):
-    p = dataclasses.replace(plan, beta=0.0, transpose_a=trans_x, transpose_b=trans_y,
-                            out_dtype=np.dtype(out_dtype), config=None, c_dtype=None)
-    return _run(p, x, y)
-
-  # dA = alpha * g @ op(b)^T, stored as op(a) is stored.
-  if not ta:
-    da = mm(g_in, b3, trans_x=False, trans_y=not tb, out_dtype=a3_in.dtype)
-  else:  # dA^T = alpha * op(b) @ g^T
-    b_full = jnp.broadcast_to(b3, (a3.shape[0],) + b3.shape[1:])
-    da = mm(b_full, g_in, trans_x=tb, trans_y=True, out_dtype=a3_in.dtype)
-  # dB = alpha * op(a)^T @ g; a b shared across the batch sums over it, which is one
-  # GEMM with the batch folded into the contraction.
-  a_c, g_c = a3, g_in
-  if b3.shape[0] == 1 and a3.shape[0] > 1:
-    a_rows = jnp.swapaxes(a3, 1, 2) if ta else a3          # (B, M, K)
-    a_c, ta = a_rows.reshape(1, -1, a_rows.shape[-1]), False
-    g_c = g_in.reshape(1, -1, g_in.shape[-1])              # (1, B*M, N)
-  if not tb:
-    db = mm(a_c, g_c, trans_x=not ta, trans_y=False, out_dtype=b3_in.dtype)
-  else:  # dB^T = alpha * g^T @ op(a)
-    db = mm(g_c, a_c, trans_x=True, trans_y=ta, out_dtype=b3_in.dtype)
-  dc = None
-  if plan.c_dtype is not None:
-    dc = (plan.beta * g.astype(jnp.float32)).astype(plan.c_dtype)
-  return da, db, dc
-
-
-def _run(plan: _Plan, a3, b3):
-  """A GEMM on already-normalised operands (the backward pass's entry), config re-resolved."""
-  module = _backend_module(plan.backend)
-  m = a3.shape[-1] if plan.transpose_a else a3.shape[-2]
-  k = a3.shape[-2] if plan.transpose_a else a3.shape[-1]
-  n = b3.shape[-2] if plan.transpose_b else b3.shape[-1]
-  config = _resolve_config(module, None, m, n, k, np.dtype(a3.dtype), plan.precision,
-                           plan.out_dtype, None)
-  return _gemm_vjp(dataclasses.replace(plan, config=config), a3, b3, None)
-
-
-_gemm_vjp.defvjp(_gemm_fwd, _gemm_bwd)
+  plan = op.Plan(backend, config, alpha, beta if c3 is not None else 0.0, transpose_a,
+                 transpose_b, precision, out_dtype, bool(interpret))
+  return op.bind(plan, a3, b3, c3).reshape(out_shape)

@@ -307,11 +307,23 @@ def lookup_config(backend_name: str, config_cls, m: int, n: int, k: int, dtype, 
   return _build(config_cls, fields, f"tuned table entry {tkey}")
 
 
-def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=None):
-  """What gemm(config=None) runs: lookup_config, else the backend's default_config."""
+def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=None, *,
+                   out_dtype=None, c_dtype=None):
+  """What gemm(config=None) runs: lookup_config, else the backend's default_config.
+
+  A tuned entry that does not fit this call's output/C dtypes (mosaic's epilogue buffers
+  depend on them) is passed over for the heuristic, which adapts to them.
+  """
   module = importlib.import_module(f"pallas_gemm.{backend_name}")
+  dtype = np.dtype(dtype)
   tuned = lookup_config(backend_name, module.Config, m, n, k, dtype, precision, device_kind)
-  return tuned if tuned is not None else module.default_config(m, n, k, np.dtype(dtype))
+  fits = getattr(module, "check_smem_budget", None)
+  if tuned is not None and fits is not None:
+    try:
+      fits(tuned, dtype, np.dtype(out_dtype or dtype), c_dtype, k)
+    except ValueError:
+      tuned = None
+  return tuned if tuned is not None else module.default_config(m, n, k, dtype)
 
 
 def validate_table(path: pathlib.Path | None = None) -> list[str]:

@@ -1,0 +1,353 @@
+"""`gemm` as a JAX primitive: what it does under AD, vmap, jit and shardings.
+
+The front door (`api.gemm`) validates, chooses a backend and a config, and binds `gemm_p`
+on the normalised problem of `_contract.md` (3-D operands, one dtype, static alpha/beta).
+Every rule JAX needs lives here, so "what happens under jit with shardings" is one file:
+
+- abstract eval: the (batch, M, N) result of `Plan.out_dtype`.
+- JVP: the op is linear in a, in b and in c separately, so the tangent is
+  ``alpha*op(da)@op(b) + alpha*op(a)@op(db) + beta*dc``: two more `gemm_p`, the second
+  taking the first as its C so the sum happens in the kernel's f32 epilogue.
+- transpose: the cotangent of a linear a, b or c as `gemm_p` calls of the same backend.
+  Reverse mode is JVP + transpose, so `grad`, `jvp`, `linearize`, `jacfwd`, `jacrev` and
+  `hessian` all work and every tangent/cotangent GEMM runs on the forward's backend.
+- batching: a vmapped axis folds into the kernels' batch axis (no per-lowering rule).
+- lowering: through `jax.experimental.custom_partitioning`, so XLA's SPMD partitioner
+  (Shardy, jax's default) runs the local GEMM on each device's shard instead of gathering
+  the operands onto every device (`_partition` states the plan: batch/M/N-sharded -> no
+  collective; K-sharded -> f32 partial sums, one all-reduce, then beta*C and the cast).
+  On one device, or inside `shard_map` (all axes manual), it is the plain kernel call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
+# Private but stable since jax 0.4: the primitive/impl plumbing has no public alias, and
+# `prim_requires_devices_during_lowering` is how custom_partitioning itself asks for the
+# device assignment at lowering time (our primitive wraps it, so it must ask too).
+from jax._src import core, dispatch
+
+F32 = np.dtype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static about one call: hashable, the primitive's only parameter."""
+  backend: str
+  config: Any
+  alpha: float
+  beta: float          # 0.0 exactly when the call has no C operand
+  transpose_a: bool
+  transpose_b: bool
+  precision: jax.lax.Precision | None
+  out_dtype: np.dtype
+  interpret: bool
+
+
+def bind(plan: Plan, a, b, c=None):
+  """alpha * op(a) @ op(b) [+ beta * c] on normalised operands (see `_contract.md`)."""
+  return gemm_p.bind(a, b, *(() if c is None else (c,)), plan=plan)
+
+
+def _mnk(plan: Plan, a_shape, b_shape) -> tuple[int, int, int]:
+  m, k = (a_shape[-1], a_shape[-2]) if plan.transpose_a else (a_shape[-2], a_shape[-1])
+  n = b_shape[-2] if plan.transpose_b else b_shape[-1]
+  return m, n, k
+
+
+def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
+  """`plan` with `changes`, and the config re-resolved for the new problem (the
+  tangent/cotangent GEMMs have other shapes, layouts and output dtypes)."""
+  from pallas_gemm import tuning  # noqa: PLC0415 - tuning imports the backends
+  c_dtype = changes.pop("c_dtype", None)
+  new = dataclasses.replace(plan, **changes)
+  m, n, k = _mnk(new, a_shape, b_shape)
+  config = tuning.resolve_config(new.backend, m, n, k, dtype, new.precision,
+                                 out_dtype=new.out_dtype, c_dtype=c_dtype)
+  return dataclasses.replace(new, config=config)
+
+
+def _kernel(plan: Plan, a, b, *c):
+  """The backend call on (local) operands."""
+  module = importlib.import_module(f"pallas_gemm.{plan.backend}")
+  return module.gemm(
+      a, b, c[0] if c else None, alpha=plan.alpha, beta=plan.beta if c else 0.0,
+      transpose_a=plan.transpose_a, transpose_b=plan.transpose_b, precision=plan.precision,
+      out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret)
+
+
+# ----------------------------------------------------------------------------- primitive
+
+gemm_p = core.Primitive("pallas_gemm")
+gemm_p.def_impl(functools.partial(dispatch.apply_primitive, gemm_p))
+dispatch.prim_requires_devices_during_lowering.add(gemm_p)
+
+
+@gemm_p.def_effectful_abstract_eval
+def _abstract_eval(a, b, *c, plan):
+  m, n, _ = _mnk(plan, a.shape, b.shape)
+  out = core.ShapedArray((a.shape[0], m, n), plan.out_dtype)
+  return out, _effects(plan, *(core.ShapedArray(x.shape, x.dtype) for x in (a, b, *c)))
+
+
+@functools.lru_cache(maxsize=256)
+def _effects(plan: Plan, *avals):
+  """The kernel's effects: none on a GPU; Mosaic GPU's interpreter (CPU) keeps its
+  simulated GPU state through ordered io_callbacks, which the primitive must declare."""
+  if not (plan.backend == "mosaic" and plan.interpret):
+    return core.no_effects
+  return jax.make_jaxpr(functools.partial(_kernel, plan))(*avals).effects
+
+
+# ----------------------------------------------------------------------------- JVP
+
+
+def _jvp(primals, tangents, *, plan):
+  a, b, *c = primals
+  da, db, *dc = tangents
+  out = gemm_p.bind(*primals, plan=plan)
+  # The tangent through the kernels' C input (summed in their f32 epilogue): beta*dc, then
+  # + alpha*op(da)@op(b), then + alpha*op(a)@op(db). Each partial is rounded to the output
+  # dtype, as jnp.dot's own JVP rounds its two products (an f32 partial would make the
+  # transposed GEMMs run in f32 for 16-bit inputs).
+  acc, acc_beta = None, 0.0
+  if dc and type(dc[0]) is not ad.Zero:
+    acc, acc_beta = dc[0], plan.beta
+  terms = [(x, y) for x, y, t in ((da, b, da), (a, db, db)) if type(t) is not ad.Zero]
+  for x, y in terms:
+    p = derive(plan, x.shape, y.shape, x.dtype, beta=acc_beta if acc is not None else 0.0,
+               c_dtype=None if acc is None else np.dtype(acc.dtype))
+    acc, acc_beta = bind(p, x, y, acc), 1.0
+  if acc is None:
+    return out, ad.Zero.from_primal_value(out)
+  if not terms:  # only c moved
+    acc = (plan.beta * acc.astype(F32)).astype(plan.out_dtype)
+  return out, acc
+
+
+ad.primitive_jvps[gemm_p] = _jvp
+
+
+# ----------------------------------------------------------------------------- transpose
+
+
+def _transpose(g, a, b, *c, plan):
+  """Cotangents of the linear operands (a or b, and c) of alpha*op(a)@op(b) + beta*c."""
+  a_lin, b_lin = ad.is_undefined_primal(a), ad.is_undefined_primal(b)
+  c_lin = bool(c) and ad.is_undefined_primal(c[0])
+  assert not (a_lin and b_lin), "gemm is bilinear: a and b cannot both be linear"
+  if type(g) is ad.Zero:
+    return [None] * (2 + len(c))
+  a_aval = a.aval if a_lin else core.typeof(a)
+  b_aval = b.aval if b_lin else core.typeof(b)
+  # Backends take one input dtype. A cotangent wider than the inputs (f16 in, f32 out)
+  # keeps its width: narrowing it would overflow under f16 loss scaling.
+  wide = np.dtype(jnp.promote_types(g.dtype, a_aval.dtype))
+  g_in = g.astype(wide)
+  ta, tb = plan.transpose_a, plan.transpose_b
+
+  def mm(x, y, *, trans_x, trans_y, out_dtype):
+    p = derive(plan, x.shape, y.shape, wide, beta=0.0, transpose_a=trans_x, transpose_b=trans_y,
+               out_dtype=np.dtype(out_dtype))
+    return bind(p, x, y)
+
+  da = db = dc = None
+  if a_lin:  # dA = alpha * g @ op(b)^T, stored as op(a) is stored
+    b3 = b.astype(wide)
+    if not ta:
+      da = mm(g_in, b3, trans_x=False, trans_y=not tb, out_dtype=a_aval.dtype)
+    else:  # dA^T = alpha * op(b) @ g^T
+      b_full = jnp.broadcast_to(b3, (a_aval.shape[0],) + b3.shape[1:])
+      da = mm(b_full, g_in, trans_x=tb, trans_y=True, out_dtype=a_aval.dtype)
+  if b_lin:  # dB = alpha * op(a)^T @ g
+    a3, g_c, ta_c = a.astype(wide), g_in, ta
+    if b_aval.shape[0] == 1 and a3.shape[0] > 1:
+      # A b shared by every batch entry sums over the batch: one GEMM with the batch
+      # folded into the contraction.
+      a_rows = jnp.swapaxes(a3, 1, 2) if ta else a3           # (B, M, K)
+      a3, ta_c = a_rows.reshape(1, -1, a_rows.shape[-1]), False
+      g_c = g_in.reshape(1, -1, g_in.shape[-1])               # (1, B*M, N)
+    if not tb:
+      db = mm(a3, g_c, trans_x=not ta_c, trans_y=False, out_dtype=b_aval.dtype)
+    else:  # dB^T = alpha * g^T @ op(a)
+      db = mm(g_c, a3, trans_x=True, trans_y=ta_c, out_dtype=b_aval.dtype)
+  if c_lin:
+    dc = (plan.beta * g.astype(F32)).astype(c[0].aval.dtype)
+  return [da, db] + ([dc] if c else [])
+
+
+ad.primitive_transposes[gemm_p] = _transpose
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def _batch(args, dims, *, plan):
+  """Folds the vmapped axis V into the batch axis: (V, B, r, c) -> (V*B, r, c)."""
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+  mapped = [d is not None for d in dims]
+  batch = max(x.shape[1] if bat else x.shape[0] for x, bat in zip(moved[:2], mapped[:2]))
+  m, n, _ = _mnk(plan, moved[0].shape[int(mapped[0]):], moved[1].shape[int(mapped[1]):])
+
+  def fold(x, is_mapped, keep_shared=False):
+    # Unmapped operands repeat across V; a b shared by every batch entry (B == 1) stays
+    # shared when it is not vmapped either.
+    if not is_mapped:
+      if keep_shared:
+        return x
+      x = jnp.broadcast_to(x, (size,) + x.shape)
+    x = jnp.broadcast_to(x, (size, batch) + x.shape[2:])
+    return x.reshape((size * batch,) + x.shape[2:])
+
+  if size * batch == 0:  # an empty vmapped axis: nothing for a kernel to do
+    return jnp.zeros((size, batch, m, n), plan.out_dtype), 0
+  a, b, *c = moved
+  folded = [fold(a, mapped[0]), fold(b, mapped[1], keep_shared=b.shape[0] == 1)]
+  folded += [fold(x, bat) for x, bat in zip(c, mapped[2:])]
+  out = gemm_p.bind(*folded, plan=plan)
+  return out.reshape((size, batch, m, n)), 0
+
+
+batching.primitive_batchers[gemm_p] = _batch
+
+
+# ----------------------------------------------------------------------------- sharding
+
+
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry (None, an axis name, or a tuple of them) as a tuple."""
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _spec(sharding, ndim: int) -> list[tuple[str, ...]]:
+  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+  return [_axes(e) for e in spec + (None,) * (ndim - len(spec))]
+
+
+def _entry(axes: tuple[str, ...]):
+  return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape):
+  """Mesh axes per factor (batch, m, n, k) for one call.
+
+  Each factor takes its axes from the first of its sources that has them (the operands
+  first, then the result: an output sharding requested with replicated operands makes
+  each device slice its operands locally, which costs no communication); a mesh axis
+  serves one factor only (batch, then M, then N, then K). K is only split when the
+  devices divide it evenly: a padded K shard would add garbage into the sums.
+  """
+  a, b, *_ = arg_shapes
+  sa, sb = _spec(a.sharding, 3), _spec(b.sharding, 3)
+  so = _spec(result_shape.sharding, 3)
+  ma, ka = (2, 1) if plan.transpose_a else (1, 2)
+  kb, nb = (2, 1) if plan.transpose_b else (1, 2)
+  shared_b = b.shape[0] == 1 and a.shape[0] > 1
+  m, n, k = _mnk(plan, a.shape, b.shape)
+  sources = {
+      "batch": [sa[0]] + ([] if shared_b else [sb[0]]) + [so[0]],
+      "m": [sa[ma], so[1]],
+      "n": [sb[nb], so[2]],
+      "k": [sa[ka], sb[kb]],
+  }
+  used, chosen = set(), {}
+  for factor, candidates in sources.items():
+    chosen[factor] = ()
+    for axes in candidates:
+      axes = tuple(x for x in axes if x not in used)
+      if axes:
+        chosen[factor] = axes
+        break
+    count = int(np.prod([mesh.shape[x] for x in chosen[factor]]))
+    if factor == "k" and k % count:
+      chosen[factor] = ()
+    used.update(chosen[factor])
+  return chosen
+
+
+def _partition(plan: Plan, mesh, arg_shapes, result_shape):
+  f = _plan_sharding(plan, mesh, arg_shapes, result_shape)
+  bt, m, n, k = f["batch"], f["m"], f["n"], f["k"]
+  shared_b = arg_shapes[1].shape[0] == 1 and arg_shapes[0].shape[0] > 1
+  a_spec = (bt, k, m) if plan.transpose_a else (bt, m, k)
+  b_batch = () if shared_b else bt
+  b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
+  out_spec = (bt, m, n)
+  named = lambda spec: NamedSharding(mesh, PartitionSpec(*map(_entry, spec)))  # noqa: E731
+  arg_shardings = [named(a_spec), named(b_spec)] + [named(out_spec)] * (len(arg_shapes) - 2)
+
+  def local(a, b, *c):
+    if not k:
+      return _kernel(plan, a, b, *c)
+    # K split over devices: f32 partial sums (cast only after the sum, as one GEMM would),
+    # one all-reduce, then beta*C once.
+    partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32), a, b)
+    acc = jax.lax.psum(partial, k)
+    if c:
+      acc = acc + plan.beta * c[0].astype(F32)
+    return acc.astype(plan.out_dtype)
+
+  return mesh, local, named(out_spec), tuple(arg_shardings)
+
+
+def _sharding_rule(plan: Plan, mesh, value_types, result_types):
+  """Shardy's einsum-like rule: b(atch), m, n, k(contracting); s: a shared b's batch of 1."""
+  del mesh, result_types
+  shapes = [mlir.ir.RankedTensorType(t).shape for t in value_types]
+  shared_b = shapes[1][0] == 1 and shapes[0][0] > 1
+  a = "b k m" if plan.transpose_a else "b m k"
+  b = ("s" if shared_b else "b") + (" n k" if plan.transpose_b else " k n")
+  operands = [a, b] + ["b m n"] * (len(shapes) - 2)
+  return f"{', '.join(operands)} -> b m n", {"reduction_factors": ("k",)}
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(plan: Plan):
+  call = custom_partitioning(functools.partial(_kernel, plan))
+  call.def_partition(
+      partition=functools.partial(_partition, plan),
+      sharding_rule=functools.partial(_sharding_rule, plan))
+  return call
+
+
+def partitioned(plan: Plan) -> bool:
+  """Whether the call lowers through custom_partitioning (see the module docstring).
+
+  Not for "xla" (lax.dot_general, which XLA partitions natively), nor for Mosaic GPU's
+  interpreter: it runs on ordered io_callbacks, which custom_partitioning cannot lower, so
+  that CPU-only debugging path runs on gathered operands.
+  """
+  return plan.backend != "xla" and not (plan.backend == "mosaic" and plan.interpret)
+
+
+def _lowering(*args, plan):
+  return _partitioned(plan)(*args) if partitioned(plan) else _kernel(plan, *args)
+
+
+def _lower(ctx, *args, plan):
+  # The partitioner, not the avals, carries the shardings from here on: traced with the
+  # avals' shardings, a K-sharded lax.dot_general (backend "xla") refuses to guess an
+  # output sharding, and custom_partitioning sees global shapes anyway.
+  unsharded = lambda aval: core.ShapedArray(aval.shape, aval.dtype)  # noqa: E731
+  inner = ctx.replace(avals_in=[unsharded(x) for x in ctx.avals_in],
+                      avals_out=[unsharded(x) for x in ctx.avals_out])
+  out = mlir.lower_fun(_lowering, multiple_results=False)(inner, *args, plan=plan)
+  if inner.tokens_out is not None:  # Mosaic GPU's interpreter: ordered effects
+    ctx.set_tokens_out(inner.tokens_out)
+  return out
+
+
+mlir.register_lowering(gemm_p, _lower)
