@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 # Private but stable since jax 0.4: the primitive/impl plumbing has no public alias, and
 # `prim_requires_devices_during_lowering` is how custom_partitioning itself asks for the
 # device assignment at lowering time (our primitive wraps it, so it must ask too).
-from jax._src import core, dispatch
+from jax._src import config, core, dispatch
 
 F32 = np.dtype(np.float32)
 
@@ -96,7 +96,15 @@ dispatch.prim_requires_devices_during_lowering.add(gemm_p)
 @gemm_p.def_effectful_abstract_eval
 def _abstract_eval(a, b, *c, plan):
   m, n, _ = _mnk(plan, a.shape, b.shape)
-  out = core.ShapedArray((a.shape[0], m, n), plan.out_dtype)
+  # Inside jax.shard_map the result varies over the manual axes the operands vary over.
+  manual = {x.manual_axis_type for x in (a, b, *c)}
+  if len(manual) != 1:
+    raise ValueError(
+        "gemm inside jax.shard_map needs a, b (and c) to vary over the same manual mesh axes; "
+        f"got {[x.manual_axis_type for x in (a, b, *c)]}: apply jax.lax.pcast/pvary to the "
+        "invariant operand, or pass check_vma=False to shard_map")
+  # a's aval carries the mesh context (shard_map's manual axes) the result lives in.
+  out = a.update(shape=(a.shape[0], m, n), dtype=np.dtype(plan.out_dtype), weak_type=False)
   return out, _effects(plan, *(core.ShapedArray(x.shape, x.dtype) for x in (a, b, *c)))
 
 
@@ -344,7 +352,10 @@ def _lower(ctx, *args, plan):
   unsharded = lambda aval: core.ShapedArray(aval.shape, aval.dtype)  # noqa: E731
   inner = ctx.replace(avals_in=[unsharded(x) for x in ctx.avals_in],
                       avals_out=[unsharded(x) for x in ctx.avals_out])
-  out = mlir.lower_fun(_lowering, multiple_results=False)(inner, *args, plan=plan)
+  # The kernel is the local computation of one shard: jax.shard_map's varying-axes check
+  # (applied to the result above) has nothing to check inside it.
+  with config._check_vma(False):
+    out = mlir.lower_fun(_lowering, multiple_results=False)(inner, *args, plan=plan)
   if inner.tokens_out is not None:  # Mosaic GPU's interpreter: ordered effects
     ctx.set_tokens_out(inner.tokens_out)
   return out

@@ -3,12 +3,18 @@
 import os
 import zlib
 
-import jax
-import numpy as np
-import pytest
+# Eight host devices, so tests/test_sharding.py can partition on a CPU. Set before jax
+# initialises its backends; it changes nothing on a GPU (the flag is the host platform's).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_force_host_platform_device_count=8").strip()
 
-import pallas_gemm
-from pallas_gemm import api
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import pallas_gemm  # noqa: E402
+from pallas_gemm import api  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 # Fresh random inputs every run; the seed is printed so a failure can be replayed.

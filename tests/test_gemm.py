@@ -167,6 +167,36 @@ def test_check_grads(backend, rng):
   check_grads(f, (a, b, c), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
+def test_forward_mode_and_higher_order(backend, rng):
+  """jvp, linearize, jacfwd and hessian (forward over reverse) agree with jnp.dot's, and the
+  tangent/cotangent GEMMs run on the backend (one gemm primitive per product, no dot)."""
+  dtype = np.float32
+  precision = HIGHEST if not skip_reason(backend, dtype, HIGHEST) else None
+  if skip_reason(backend, dtype, precision):
+    pytest.skip(skip_reason(backend, dtype, precision))
+  a, b = random(rng, (5, 4), dtype), random(rng, (4, 3), dtype)
+  c, ta, tb, tc = (random(rng, s, dtype) for s in ((5, 3), (5, 4), (4, 3), (5, 3)))
+  kw = dict(alpha=0.5, beta=-1.5, precision=precision)
+  f = lambda a, b, c: gemm(a, b, c, backend=backend, **kw)
+  ref = lambda a, b, c: 0.5 * jnp.dot(a, b, precision=HIGHEST) - 1.5 * c
+  tol = tolerance(dtype, precision, 4)
+
+  out, tangent = jax.jvp(f, (a, b, c), (ta, tb, tc))
+  _, tangent_ref = jax.jvp(ref, (a, b, c), (ta, tb, tc))
+  assert relative_error(tangent, np.asarray(tangent_ref, np.float64)) <= tol
+  _, lin = jax.linearize(f, a, b, c)
+  assert relative_error(lin(ta, tb, tc), np.asarray(tangent_ref, np.float64)) <= tol
+  for jac in (jax.jacfwd, jax.jacrev):
+    got, want = jac(f, argnums=(0, 1))(a, b, c), jac(ref, argnums=(0, 1))(a, b, c)
+    for x, y in zip(got, want):
+      assert relative_error(x, np.asarray(y, np.float64)) <= tol
+  cube = lambda g: lambda a: jnp.sum(g(a, b, c) ** 3)
+  assert relative_error(jax.hessian(cube(f))(a), np.asarray(jax.hessian(cube(ref))(a))) <= 4 * tol
+  # Every product of the second derivative is a gemm primitive, none a dot_general.
+  jaxpr = str(jax.make_jaxpr(jax.hessian(cube(f)))(a))
+  assert "pallas_gemm" in jaxpr and "dot_general" not in jaxpr
+
+
 @pytest.mark.parametrize("shape_a,shape_b", [((0, 8), (8, 5)), ((4, 8), (8, 0)), ((4, 0), (0, 5)),
                                              ((0, 4, 8), (0, 8, 5))])
 def test_zero_size(backend, shape_a, shape_b):

@@ -1,0 +1,192 @@
+"""gemm under jax.jit with shardings: the partitioning rules of `pallas_gemm/op.py`.
+
+On a CPU, conftest gives the process 8 host devices (XLA_FLAGS), so these run in CI: the
+Triton kernel in interpret mode goes through the same custom_partitioning rule as every
+GPU kernel (the rule does not depend on the backend; only the local call does). The cuda
+and mosaic GPU kernels cannot compile here: for them the test checks that the lowering for
+CUDA carries the partitioning custom call and its Shardy rule. Mosaic GPU's interpreter
+is not partitioned (ordered io_callbacks; see `op.partitioned`): a test pins that it
+stays correct. On a machine with >= 2 GPUs the same tests run the real kernels.
+"""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import ON_GPU, random, skip_reason
+from pallas_gemm import cuda, gemm, op
+from pallas_gemm.reference import reference, relative_error, tolerance
+
+HIGHEST = jax.lax.Precision.HIGHEST
+# Where a cross-device operand movement would show in compiled HLO.
+GATHERS = re.compile(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(")
+REDUCES = re.compile(r"\b(all-reduce|reduce-scatter)(-start)?\(")
+
+# name: (a spec, b spec, a batch, b batch, all-reductions jnp.dot needs). Mesh axes x and y.
+LAYOUTS = {
+    "M": (P("x", None), P(), (), (), 0),
+    "N": (P(), P(None, "x"), (), (), 0),
+    "MN": (P("x", None), P(None, "y"), (), (), 0),
+    "batch": (P("x"), P("x"), (4,), (4,), 0),
+    "batch-shared-b": (P("x"), P(), (4,), (), 0),
+    "K": (P(None, "x"), P("x", None), (), (), 1),
+    "MK": (P("x", "y"), P("y", None), (), (), 1),
+}
+
+# The custom call each GPU kernel lowers to.
+KERNEL_CALL = {"cuda": "pallas_gemm_", "mosaic": "mosaic_gpu"}
+
+
+def _mesh():
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip(f"needs >= 2 devices; this process has {len(devices)}")
+  shape = (2, len(devices) // 2) if len(devices) >= 4 else (len(devices), 1)
+  return jax.make_mesh(shape, ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=devices[: shape[0] * shape[1]])
+
+
+def _partitioned_backend():
+  """The backend whose partitioned kernel runs here: mosaic on a GPU, triton on a CPU."""
+  name, dtype = ("mosaic", jnp.bfloat16) if ON_GPU else ("triton", np.float32)
+  reason = skip_reason(name, dtype)
+  if reason:
+    pytest.skip(reason)
+  return name, dtype
+
+
+def _hlo(f, *args) -> str:
+  return jax.jit(f).lower(*args).compile().as_text()
+
+
+def _put(x, mesh, spec):
+  return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharded_call_runs_locally(layout, rng):
+  """No operand is gathered, the output is sharded like jnp.dot's, K-sharded sums once."""
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  spec_a, spec_b, batch_a, batch_b, reductions = LAYOUTS[layout]
+  m, n, k = 16, 24, 32
+  a = _put(random(rng, batch_a + (m, k), dtype), mesh, spec_a)
+  b = _put(random(rng, batch_b + (k, n), dtype), mesh, spec_b)
+  f = lambda a, b: gemm(a, b, backend=backend, out_dtype=np.float32)
+  ref_f = lambda a, b: jnp.matmul(a, b, preferred_element_type=np.float32)
+  out, expected = jax.jit(f)(a, b), jax.jit(ref_f)(a, b)
+  assert out.sharding.is_equivalent_to(expected.sharding, out.ndim), (out.sharding, expected.sharding)
+  hlo = _hlo(f, a, b)
+  assert not GATHERS.search(hlo), GATHERS.search(hlo).group(0)
+  assert len(REDUCES.findall(hlo)) == reductions == len(REDUCES.findall(_hlo(ref_f, a, b)))
+  assert relative_error(out, reference(a, b)) <= tolerance(dtype, None, k, np.float32)
+
+
+def test_k_sharded_adds_c_once_and_casts_after_the_sum(rng):
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  m, n, k = 16, 8, 64
+  a, b = random(rng, (m, k), dtype), random(rng, (k, n), dtype)
+  c = random(rng, (m, n), np.float32)
+  f = jax.jit(lambda a, b, c: gemm(a, b, c, alpha=0.5, beta=2.0, backend=backend))
+  args = (_put(a, mesh, P(None, "x")), _put(b, mesh, P("x")), _put(c, mesh, P()))
+  out = f(*args)
+  assert out.dtype == np.dtype(dtype)
+  assert relative_error(out, reference(a, b, c, alpha=0.5, beta=2.0)) <= tolerance(dtype, None, k)
+  assert len(REDUCES.findall(_hlo(f, *args))) == 1
+
+
+def test_grad_of_a_sharded_loss(rng):
+  """Reverse mode under shardings: the cotangent GEMMs are partitioned too (dB contracts
+  over the sharded M: one all-reduce, as jnp.dot's backward)."""
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  m, n, k = 32, 16, 24
+  a, b, w = random(rng, (m, k), dtype), random(rng, (k, n), dtype), random(rng, (m, n), dtype)
+  loss = lambda a, b, w: jnp.sum(gemm(a, b, backend=backend).astype(np.float32) * w)
+  grad = jax.grad(loss, argnums=(0, 1))
+  args = (_put(a, mesh, P("x")), _put(b, mesh, P()), _put(w, mesh, P("x")))
+  da, db = jax.jit(grad)(*args)
+  w64 = w.astype(np.float64)
+  tol = tolerance(dtype, None, m)
+  assert relative_error(da, w64 @ b.astype(np.float64).T) <= tol
+  assert relative_error(db, a.astype(np.float64).T @ w64) <= tol
+  assert not GATHERS.search(_hlo(grad, *args))
+
+
+def test_out_shardings_alone_shard_the_work(rng):
+  """Replicated inputs and a requested output sharding: each device slices its rows."""
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  a, b = random(rng, (32, 16), dtype), random(rng, (16, 24), dtype)
+  f = jax.jit(lambda a, b: gemm(a, b, backend=backend), out_shardings=NamedSharding(mesh, P("x")))
+  out = f(a, b)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 2)
+  assert relative_error(out, reference(a, b)) <= tolerance(dtype, None, 16)
+  hlo = _hlo(f, a, b)
+  assert not GATHERS.search(hlo) and not REDUCES.search(hlo)
+
+
+def test_inside_shard_map(rng):
+  """shard_map: gemm is the local GEMM of each shard; the user's psum does the reduction."""
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  a, b = random(rng, (16, 32), dtype), random(rng, (32, 8), dtype)
+
+  @jax.jit
+  @jax.shard_map(mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P())
+  def f(a, b):
+    return jax.lax.psum(gemm(a, b, backend=backend, out_dtype=np.float32), "x")
+
+  assert relative_error(f(a, b), reference(a, b)) <= tolerance(dtype, None, 32, np.float32)
+
+
+def test_mosaic_interpreter_stays_correct_under_shardings(rng):
+  """Mosaic GPU's interpreter is not partitioned (see op.partitioned): still right."""
+  if ON_GPU or skip_reason("mosaic", jnp.bfloat16):
+    pytest.skip("the CPU interpreter path only")
+  mesh = _mesh()
+  a, b = random(rng, (64, 32), jnp.bfloat16), random(rng, (32, 16), jnp.bfloat16)
+  out = jax.jit(lambda a, b: gemm(a, b, backend="mosaic"))(_put(a, mesh, P("x")), b)
+  assert relative_error(out, reference(a, b)) <= tolerance(jnp.bfloat16, None, 32)
+
+
+@pytest.mark.parametrize("backend,dtype,precision", [
+    ("cuda", np.float32, HIGHEST), ("mosaic", jnp.bfloat16, None)])
+def test_gpu_kernels_lower_through_the_partitioner(backend, dtype, precision):
+  """Lowered for CUDA (no GPU needed), each GPU kernel sits inside custom_partitioning's
+  custom call with its Shardy rule, so XLA partitions it as the tests above show for the
+  Triton kernel (whose CUDA lowering needs a GPU's description, so it is not here)."""
+  if backend == "cuda" and cuda.library_error() is not None:
+    pytest.skip(f"CUDA library not built: {cuda.library_error()}")
+  mesh = _mesh()
+  plan = op.Plan(backend, _default_config(backend, dtype), 1.0, 0.0, False, True, precision,
+                 np.dtype(dtype), False)
+  assert op.partitioned(plan)
+  sharded = NamedSharding(mesh, P("x"))
+  a = jax.ShapeDtypeStruct((2, 256, 128), dtype, sharding=sharded)
+  b = jax.ShapeDtypeStruct((2, 192, 128), dtype, sharding=sharded)
+  text = jax.jit(lambda a, b: op.bind(plan, a, b)).trace(a, b).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "CustomSPMDPartitioning" in text
+  # a (b m k), b (b n k) -> (b m n), k a reduction factor.
+  rule = re.search(r"sdy.sharding_rule = #sdy.op_sharding_rule<(.*)>", text)
+  assert rule and rule.group(1).startswith("([i, j, k], [i, l, k])->([i, j, l])"), rule
+  assert "reduction={k}" in rule.group(1), rule.group(1)
+  # On one device the same call is the kernel itself.
+  local = jax.jit(lambda a, b: op.bind(plan, a, b)).trace(
+      *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (a, b))).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert KERNEL_CALL[backend] in local and "CustomSPMDPartitioning" not in local
+
+
+def _default_config(backend, dtype):
+  from pallas_gemm import tuning  # noqa: PLC0415
+  config = tuning.resolve_config(backend, 256, 192, 128, dtype, None, device_kind="cpu")
+  # Mosaic reads the SM count from the device, which a CPU lacks: the H100/H200's.
+  return dataclasses.replace(config, num_sms=132) if backend == "mosaic" else config
