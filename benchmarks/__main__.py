@@ -85,6 +85,9 @@ def _default_out() -> pathlib.Path:
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
+  if "--sharded" in argv:  # its own table: gemm vs jnp.dot under jit shardings
+    from benchmarks import sharded  # noqa: PLC0415
+    return sharded.main([x for x in argv if x != "--sharded"])
   args = parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   status = runner.available_backends()

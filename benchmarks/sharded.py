@@ -1,0 +1,138 @@
+"""gemm vs jnp.dot under jax.jit with NamedSharding inputs over all local devices.
+
+    python -m benchmarks --sharded [--quick] [--out DIR]
+
+For each case (dtype, shape, backend) and layout (a sharded on M; b on N; a batch of two
+GEMMs sharded on the batch; both on K), it times jnp.dot and gemm with the same inputs,
+the same backend on one device, and lists the collectives in each compiled HLO. Timing is
+wall clock over back-to-back jitted calls (collectives included; CUPTI would time one
+device's kernels only), median of `REPS` runs of `CALLS` calls. On one device it says so
+and exits 0. --quick runs small shapes (what CI and a CPU can do in seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pallas_gemm
+from pallas_gemm.reference import relative_error, tolerance
+
+HIGHEST = jax.lax.Precision.HIGHEST
+COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                         r"(?:-start)?\(")
+CALLS, REPS = 10, 5
+# (label, dtype, precision, (m, n, k), backends besides jnp.dot). 16386: the misaligned case
+# (row strides of 16386 bf16 are not 16-byte multiples, as 16385's) made even so that two
+# devices divide every dimension (jax places no uneven shardings on jit inputs).
+CASES = [
+    ("bf16 16384^3", jnp.bfloat16, None, (16384, 16384, 16384), ("auto", "mosaic")),
+    ("f32-highest 8192^3", jnp.float32, HIGHEST, (8192, 8192, 8192), ("auto", "cuda")),
+    ("bf16 16386^3 (misaligned)", jnp.bfloat16, None, (16386, 16386, 16386), ("auto",)),
+]
+QUICK = [("f32-highest 256^3", jnp.float32, HIGHEST, (256, 256, 256), ("auto",))]
+LAYOUTS = ("M", "N", "batch", "K")
+
+
+def _inputs(layout, dtype, m, n, k, mesh, seed=0):
+  """Operands and their shardings; 'batch' is two GEMMs of M/2 rows (same FLOPs)."""
+  ka, kb = jax.random.split(jax.random.key(seed))
+  shape_a, shape_b = ((2, m // 2, k), (2, k, n)) if layout == "batch" else ((m, k), (k, n))
+  spec_a, spec_b = {"M": (P("d"), P()), "N": (P(), P(None, "d")), "batch": (P("d"), P("d")),
+                    "K": (P(None, "d"), P("d")), "one": (None, None)}[layout]
+
+  def make(key, shape, spec):
+    sharding = NamedSharding(mesh if spec is not None else _one_device_mesh(), spec or P())
+    return jax.jit(lambda: jax.random.normal(key, shape, dtype), out_shardings=sharding)()
+
+  return make(ka, shape_a, spec_a), make(kb, shape_b, spec_b)
+
+
+def _one_device_mesh():
+  return jax.make_mesh((1,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:1])
+
+
+def _time_ms(f, a, b) -> float:
+  jax.block_until_ready(f(a, b))
+  runs = []
+  for _ in range(REPS):
+    start = time.perf_counter()
+    out = [f(a, b) for _ in range(CALLS)]
+    jax.block_until_ready(out)
+    runs.append((time.perf_counter() - start) * 1e3 / CALLS)
+  return statistics.median(runs)
+
+
+def _collectives(f, a, b) -> str:
+  found = COLLECTIVES.findall(f.lower(a, b).compile().as_text())
+  return ", ".join(f"{found.count(c)} {c}" for c in sorted(set(found))) or "none"
+
+
+def run(cases, out_dir: pathlib.Path | None) -> list[dict]:
+  devices = jax.devices()
+  print(f"device: {devices[0].device_kind} x {len(devices)}, jax {jax.__version__}", flush=True)
+  if len(devices) < 2:
+    print(f"--sharded needs >= 2 devices; this process has {len(devices)}: nothing to measure")
+    return []
+  mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  rows = []
+  header = (f"{'case':28s} {'layout':6s} {'backend':8s} {'TFLOP/s':>8s} {'x 1 dev':>8s} "
+            f"{'x dot':>6s} {'err':>8s}  collectives")
+  print(header, flush=True)
+  for label, dtype, precision, (m, n, k), backends in cases:
+    flops = 2.0 * m * n * k
+    fns = {"jnp.dot": jax.jit(lambda a, b, p=precision: jnp.matmul(a, b, precision=p))}
+    for name in backends:
+      fns[name] = jax.jit(lambda a, b, p=precision, name=name: pallas_gemm.gemm(
+          a, b, precision=p, backend=name))
+    a1, b1 = _inputs("one", dtype, m, n, k, mesh)
+    single = {name: _time_ms(f, a1, b1) for name, f in fns.items()}
+    ref = fns["jnp.dot"](a1, b1)
+    del a1, b1
+    for layout in LAYOUTS:
+      a, b = _inputs(layout, dtype, m, n, k, mesh)
+      dot_ms = None
+      for name, f in fns.items():
+        ms = _time_ms(f, a, b)
+        dot_ms = dot_ms or ms
+        out = f(a, b)
+        # Against jnp.dot in the same layout (the float64 reference of a 16384^3 product
+        # would dominate the run): within the sum of both products' bounds.
+        ref_l = fns["jnp.dot"](a, b)
+        err = relative_error(out.astype(jnp.float32), ref_l.astype(jnp.float32))
+        row = dict(case=label, layout=layout, backend=name, ms=ms, tflops=flops / ms / 1e9,
+                   vs_one_device=single[name] / ms, vs_dot=dot_ms / ms, rel_err_vs_dot=err,
+                   err_ok=err <= 2 * tolerance(dtype, precision, k), collectives=_collectives(f, a, b),
+                   out_sharding=str(out.sharding.spec), one_device_ms=single[name])
+        rows.append(row)
+        print(f"{label:28s} {layout:6s} {name:8s} {row['tflops']:8.1f} {row['vs_one_device']:8.2f} "
+              f"{row['vs_dot']:6.3f} {err:8.1e}{'' if row['err_ok'] else '!'}  {row['collectives']}",
+              flush=True)
+        del out, ref_l
+      del a, b
+    del ref
+  if out_dir is not None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=devices[0].device_kind, devices=len(devices), jax=jax.__version__,
+                timer=f"wall clock, median of {REPS} x {CALLS} pipelined calls")
+    (out_dir / "sharded.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  return rows
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m benchmarks --sharded")
+  p.add_argument("--quick", action="store_true", help="small shapes only")
+  p.add_argument("--out", type=pathlib.Path)
+  args = p.parse_args(argv)
+  rows = run(QUICK if args.quick else CASES, args.out)
+  return 1 if any(not r["err_ok"] for r in rows) else 0
