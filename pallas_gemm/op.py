@@ -286,6 +286,12 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape):
   return chosen
 
 
+# Row chunks of a K-sharded call (each chunk's all-reduce overlaps the next chunk's GEMM);
+# read when XLA partitions the call (compile time). benchmarks --sharded --k-chunks
+# measures the choice.
+K_CHUNKS = 4
+
+
 def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   f = _plan_sharding(plan, mesh, arg_shapes, result_shape)
   bt, m, n, k = f["batch"], f["m"], f["n"], f["k"]
@@ -301,9 +307,16 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
     if not k:
       return _kernel(plan, a, b, *c)
     # K split over devices: f32 partial sums (cast only after the sum, as one GEMM would),
-    # one all-reduce, then beta*C once.
-    partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32), a, b)
-    acc = jax.lax.psum(partial, k)
+    # all-reduced, then beta*C once. In row chunks, so that the all-reduce of one chunk
+    # can run while the next chunk's GEMM computes.
+    f32_plan = dataclasses.replace(plan, beta=0.0, out_dtype=F32)
+    rows = a.shape[2] if plan.transpose_a else a.shape[1]
+    chunks = K_CHUNKS if rows % K_CHUNKS == 0 and rows // K_CHUNKS >= 512 else 1
+    step, axis = rows // chunks, 2 if plan.transpose_a else 1
+    parts = [jax.lax.psum(_kernel(f32_plan, jax.lax.slice_in_dim(a, i * step, (i + 1) * step,
+                                                                  axis=axis), b), k)
+             for i in range(chunks)]
+    acc = parts[0] if chunks == 1 else jnp.concatenate(parts, axis=1)
     if c:
       acc = acc + plan.beta * c[0].astype(F32)
     return acc.astype(plan.out_dtype)

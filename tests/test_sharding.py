@@ -27,15 +27,15 @@ HIGHEST = jax.lax.Precision.HIGHEST
 GATHERS = re.compile(r"\b(all-gather|all-to-all|collective-permute)(-start)?\(")
 REDUCES = re.compile(r"\b(all-reduce|reduce-scatter)(-start)?\(")
 
-# name: (a spec, b spec, a batch, b batch, all-reductions jnp.dot needs). Mesh axes x and y.
+# name: (a spec, b spec, a batch, b batch, the mesh axis K is split over). Axes x and y.
 LAYOUTS = {
-    "M": (P("x", None), P(), (), (), 0),
-    "N": (P(), P(None, "x"), (), (), 0),
-    "MN": (P("x", None), P(None, "y"), (), (), 0),
-    "batch": (P("x"), P("x"), (4,), (4,), 0),
-    "batch-shared-b": (P("x"), P(), (4,), (), 0),
-    "K": (P(None, "x"), P("x", None), (), (), 1),
-    "MK": (P("x", "y"), P("y", None), (), (), 1),
+    "M": (P("x", None), P(), (), (), None),
+    "N": (P(), P(None, "x"), (), (), None),
+    "MN": (P("x", None), P(None, "y"), (), (), None),
+    "batch": (P("x"), P("x"), (4,), (4,), None),
+    "batch-shared-b": (P("x"), P(), (4,), (), None),
+    "K": (P(None, "x"), P("x", None), (), (), "x"),
+    "MK": (P("x", "y"), P("y", None), (), (), "y"),
 }
 
 # The custom call each GPU kernel lowers to.
@@ -73,7 +73,8 @@ def test_sharded_call_runs_locally(layout, rng):
   """No operand is gathered, the output is sharded like jnp.dot's, K-sharded sums once."""
   backend, dtype = _partitioned_backend()
   mesh = _mesh()
-  spec_a, spec_b, batch_a, batch_b, reductions = LAYOUTS[layout]
+  spec_a, spec_b, batch_a, batch_b, k_axis = LAYOUTS[layout]
+  reductions = int(k_axis is not None and mesh.shape[k_axis] > 1)  # y has size 1 on 2 devices
   m, n, k = 16, 24, 32
   a = _put(random(rng, batch_a + (m, k), dtype), mesh, spec_a)
   b = _put(random(rng, batch_b + (k, n), dtype), mesh, spec_b)
