@@ -25,7 +25,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
-from pallas_gemm import op
 from pallas_gemm.reference import relative_error, tolerance
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -79,7 +78,7 @@ def _collectives(f, a, b) -> str:
   return ", ".join(f"{found.count(c)} {c}" for c in sorted(set(found))) or "none"
 
 
-def run(cases, out_dir: pathlib.Path | None, chunk_counts=(op.K_CHUNKS,)) -> list[dict]:
+def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
   devices = jax.devices()
   print(f"device: {devices[0].device_kind} x {len(devices)}, jax {jax.__version__}", flush=True)
   if len(devices) < 2:
@@ -100,11 +99,7 @@ def run(cases, out_dir: pathlib.Path | None, chunk_counts=(op.K_CHUNKS,)) -> lis
     single = {name: _time_ms(f, a1, b1) for name, f in fns.items()}
     ref = fns["jnp.dot"](a1, b1)
     del a1, b1
-    runs = [(layout, op.K_CHUNKS) for layout in LAYOUTS if layout != "K"]
-    runs += [("K", chunks) for chunks in chunk_counts]
-    for layout, chunks in runs:
-      op.K_CHUNKS = chunks  # read when XLA partitions: recompile
-      jax.clear_caches()
+    for layout in layouts:
       a, b = _inputs(layout, dtype, m, n, k, mesh)
       dot_ms = None
       for name, f in fns.items():
@@ -115,13 +110,12 @@ def run(cases, out_dir: pathlib.Path | None, chunk_counts=(op.K_CHUNKS,)) -> lis
         # would dominate the run): within the sum of both products' bounds.
         ref_l = fns["jnp.dot"](a, b)
         err = relative_error(out.astype(jnp.float32), ref_l.astype(jnp.float32))
-        row = dict(case=label, layout=layout, k_chunks=chunks, backend=name, ms=ms, tflops=flops / ms / 1e9,
+        row = dict(case=label, layout=layout, backend=name, ms=ms, tflops=flops / ms / 1e9,
                    vs_one_device=single[name] / ms, vs_dot=dot_ms / ms, rel_err_vs_dot=err,
                    err_ok=err <= 2 * tolerance(dtype, precision, k), collectives=_collectives(f, a, b),
                    out_sharding=str(out.sharding.spec), one_device_ms=single[name])
         rows.append(row)
-        tag = f"K/{chunks}" if layout == "K" and len(chunk_counts) > 1 else layout
-        print(f"{label:28s} {tag:6s} {name:8s} {row['tflops']:8.1f} {row['vs_one_device']:8.2f} "
+        print(f"{label:28s} {layout:6s} {name:8s} {row['tflops']:8.1f} {row['vs_one_device']:8.2f} "
               f"{row['vs_dot']:6.3f} {err:8.1e}{'' if row['err_ok'] else '!'}  {row['collectives']}",
               flush=True)
         del out, ref_l
@@ -139,10 +133,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks --sharded")
   p.add_argument("--quick", action="store_true", help="small shapes only")
   p.add_argument("--out", type=pathlib.Path)
-  p.add_argument("--k-chunks", default=str(op.K_CHUNKS),
-                 help="comma-separated row-chunk counts for K-sharded calls (op.K_CHUNKS); "
-                      "with several, the K layout is timed once per value")
+  p.add_argument("--cases", help="comma-separated substrings of case labels to run")
+  p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of "
+                 + ",".join(LAYOUTS))
   args = p.parse_args(argv)
-  chunk_counts = [int(x) for x in args.k_chunks.split(",")]
-  rows = run(QUICK if args.quick else CASES, args.out, chunk_counts)
+  cases = QUICK if args.quick else CASES
+  if args.cases:
+    cases = [c for c in cases if any(t in c[0] for t in args.cases.split(","))]
+  rows = run(cases, args.out, args.layouts.split(","))
   return 1 if any(not r["err_ok"] for r in rows) else 0

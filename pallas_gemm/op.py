@@ -249,14 +249,19 @@ def _entry(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
-def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape):
-  """Mesh axes per factor (batch, m, n, k) for one call.
+def _size(mesh, axes) -> int:
+  return int(np.prod([mesh.shape[x] for x in axes]))
 
-  Each factor takes its axes from the first of its sources that has them (the operands
-  first, then the result: an output sharding requested with replicated operands makes
-  each device slice its operands locally, which costs no communication); a mesh axis
-  serves one factor only (batch, then M, then N, then K). K is only split when the
-  devices divide it evenly: a padded K shard would add garbage into the sums.
+
+def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
+  """Mesh axes per factor (batch, m, n, k) for one call, and how a split K is summed.
+
+  The operands' shardings come first (batch, M, N, then K; a mesh axis serves one factor),
+  then the result's fills the factors still unsharded: an output sharding requested over
+  replicated operands makes each device slice its operands locally (no communication).
+  K is split only when the devices divide it evenly (a padded K shard would add garbage
+  into the sums). A split K is summed by one all-reduce, or by one reduce-scatter over M
+  rows when the result is wanted sharded on M over the K axes (and the rows divide).
   """
   a, b, *_ = arg_shapes
   sa, sb = _spec(a.sharding, 3), _spec(b.sharding, 3)
@@ -265,31 +270,23 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape):
   kb, nb = (2, 1) if plan.transpose_b else (1, 2)
   shared_b = b.shape[0] == 1 and a.shape[0] > 1
   m, n, k = _mnk(plan, a.shape, b.shape)
-  sources = {
-      "batch": [sa[0]] + ([] if shared_b else [sb[0]]) + [so[0]],
-      "m": [sa[ma], so[1]],
-      "n": [sb[nb], so[2]],
-      "k": [sa[ka], sb[kb]],
-  }
+  sources = {"batch": [sa[0]] + ([] if shared_b else [sb[0]]), "m": [sa[ma]], "n": [sb[nb]],
+             "k": [sa[ka], sb[kb]]}
   used, chosen = set(), {}
   for factor, candidates in sources.items():
-    chosen[factor] = ()
-    for axes in candidates:
-      axes = tuple(x for x in axes if x not in used)
-      if axes:
-        chosen[factor] = axes
-        break
-    count = int(np.prod([mesh.shape[x] for x in chosen[factor]]))
-    if factor == "k" and k % count:
-      chosen[factor] = ()
+    chosen[factor] = next((axes for axes in (tuple(x for x in c if x not in used)
+                                             for c in candidates) if axes), ())
+    if factor == "k" and k % _size(mesh, chosen["k"]):
+      chosen["k"] = ()
     used.update(chosen[factor])
+  for factor, dim in (("batch", 0), ("m", 1), ("n", 2)):
+    if not chosen[factor]:
+      chosen[factor] = tuple(x for x in so[dim] if x not in used)
+      used.update(chosen[factor])
+  rows = m // _size(mesh, chosen["m"]) if m % _size(mesh, chosen["m"]) == 0 else 0
+  chosen["scatter"] = (bool(chosen["k"]) and set(chosen["k"]) <= set(so[1]) and rows > 0
+                       and rows % _size(mesh, chosen["k"]) == 0)
   return chosen
-
-
-# Row chunks of a K-sharded call (each chunk's all-reduce overlaps the next chunk's GEMM);
-# read when XLA partitions the call (compile time). benchmarks --sharded --k-chunks
-# measures the choice.
-K_CHUNKS = 4
 
 
 def _partition(plan: Plan, mesh, arg_shapes, result_shape):
@@ -299,24 +296,20 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   a_spec = (bt, k, m) if plan.transpose_a else (bt, m, k)
   b_batch = () if shared_b else bt
   b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
-  out_spec = (bt, m, n)
+  out_spec = (bt, m + k if f["scatter"] else m, n)
   named = lambda spec: NamedSharding(mesh, PartitionSpec(*map(_entry, spec)))  # noqa: E731
   arg_shardings = [named(a_spec), named(b_spec)] + [named(out_spec)] * (len(arg_shapes) - 2)
 
   def local(a, b, *c):
     if not k:
       return _kernel(plan, a, b, *c)
-    # K split over devices: f32 partial sums (cast only after the sum, as one GEMM would),
-    # all-reduced, then beta*C once. In row chunks, so that the all-reduce of one chunk
-    # can run while the next chunk's GEMM computes.
-    f32_plan = dataclasses.replace(plan, beta=0.0, out_dtype=F32)
-    rows = a.shape[2] if plan.transpose_a else a.shape[1]
-    chunks = K_CHUNKS if rows % K_CHUNKS == 0 and rows // K_CHUNKS >= 512 else 1
-    step, axis = rows // chunks, 2 if plan.transpose_a else 1
-    parts = [jax.lax.psum(_kernel(f32_plan, jax.lax.slice_in_dim(a, i * step, (i + 1) * step,
-                                                                  axis=axis), b), k)
-             for i in range(chunks)]
-    acc = parts[0] if chunks == 1 else jnp.concatenate(parts, axis=1)
+    # K split over devices: f32 partial sums, cast only after the sum (as one GEMM
+    # would), beta*C added once.
+    partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32), a, b)
+    if f["scatter"]:
+      acc = jax.lax.psum_scatter(partial, k, scatter_dimension=1, tiled=True)
+    else:
+      acc = jax.lax.psum(partial, k)
     if c:
       acc = acc + plan.beta * c[0].astype(F32)
     return acc.astype(plan.out_dtype)

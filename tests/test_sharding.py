@@ -191,3 +191,20 @@ def _default_config(backend, dtype):
   config = tuning.resolve_config(backend, 256, 192, 128, dtype, None, device_kind="cpu")
   # Mosaic reads the SM count from the device, which a CPU lacks: the H100/H200's.
   return dataclasses.replace(config, num_sms=132) if backend == "mosaic" else config
+
+
+def test_k_sharded_into_a_row_sharded_output_reduce_scatters(rng):
+  """K split over x and the output wanted on x by rows: one reduce-scatter, nothing else."""
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  a, b = random(rng, (32, 64), dtype), random(rng, (64, 16), dtype)
+  c = random(rng, (32, 16), np.float32)
+  f = jax.jit(lambda a, b, c: gemm(a, b, c, beta=-1.0, backend=backend, out_dtype=np.float32),
+              out_shardings=NamedSharding(mesh, P("x")))
+  args = (_put(a, mesh, P(None, "x")), _put(b, mesh, P("x")), c)
+  out = f(*args)
+  assert out.sharding.is_equivalent_to(NamedSharding(mesh, P("x")), 2)
+  assert relative_error(out, reference(a, b, c, beta=-1.0)) <= tolerance(dtype, None, 64, np.float32)
+  hlo = _hlo(f, *args)
+  assert not GATHERS.search(hlo)
+  assert [r[0] for r in REDUCES.findall(hlo)] == ["reduce-scatter"], REDUCES.findall(hlo)
