@@ -8,8 +8,8 @@ Triton lowering; Ampere and newer), `mosaic` (Pallas Mosaic GPU: TMA + wgmma; Ho
 `cuda` (hand-written register-tiled SGEMM as an XLA FFI custom call).
 """
 
-from pallas_gemm.api import BACKENDS, BackendUnavailableError, backends, gemm
+from pallas_gemm.api import BACKENDS, BackendUnavailableError, backends, dense, gemm
 from pallas_gemm.tuning import autotune
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "gemm"]
+__all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "dense", "gemm"]
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import op
+from pallas_gemm import epilogue, op
 
 BACKENDS = ("xla", "triton", "mosaic", "cuda")
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -151,8 +151,9 @@ def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtyp
 
 
 def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
-         precision=None, out_dtype=None, backend="auto", config=None, interpret=None):
-  """Returns ``alpha * op(a) @ op(b) + beta * c`` (BLAS GEMM), jittable.
+         precision=None, out_dtype=None, backend="auto", config=None, interpret=None,
+         bias=None, activation=None):
+  """Returns ``act(alpha * op(a) @ op(b) + beta * c + bias)`` (BLAS GEMM + epilogue), jittable.
 
   Args:
     a: (..., M, K), or (..., K, M) with ``transpose_a``; float32, bfloat16 or float16.
@@ -170,6 +171,13 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     config: a backend's ``Config`` (``pallas_gemm.<backend>.Config``); None picks the
       autotune cache, then the shipped tuned table, then a shape heuristic.
     interpret: run Pallas backends in interpret mode; None means "when not on a GPU".
+    bias: None or an (N,) vector added to every row (after beta * c).
+    activation: None, "relu", "gelu" (tanh approximation), "gelu_exact" or "silu",
+      applied last. The whole epilogue runs in f32 before the cast to out_dtype, inside
+      the kernel for mosaic (and in XLA's fusion for xla); cuda and triton apply bias
+      and activation in one XLA pass after an f32 result. Under differentiation the
+      kernel computes the pre-activation (bias included) and XLA applies the activation
+      and its derivative around it.
   """
   a_dtype, b_dtype = _dtype_of(a, "a"), _dtype_of(b, "b")
   dtype = np.dtype(jnp.promote_types(a_dtype, b_dtype))
@@ -209,6 +217,15 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
   elif beta != 0.0:
     raise ValueError(f"beta={beta} needs c; got c=None")
 
+  if bias is not None:
+    if not hasattr(bias, "dtype") or not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise TypeError(f"bias must be a floating-point array; got {type(bias).__name__} "
+                      f"{getattr(bias, 'dtype', None)}")
+    if tuple(bias.shape) != (n,):
+      raise ValueError(f"bias must have shape (N,) = ({n},); got {tuple(bias.shape)}")
+  if activation is not None and activation not in epilogue.ACTIVATIONS:
+    raise ValueError(f"activation must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
+                     f"got {activation!r}")
   if out_dtype is None:
     out_dtype = dtype
   else:
@@ -246,9 +263,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
 
   # Zero-size products never reach a kernel: the sum over an empty K is 0.
   if 0 in out_shape or k == 0:
-    if c is None or beta == 0.0 or 0 in out_shape:
-      return jnp.zeros(out_shape, out_dtype)
-    return (beta * jnp.broadcast_to(c, out_shape).astype(jnp.float32)).astype(out_dtype)
+    c_full = None if c is None or 0 in out_shape else jnp.broadcast_to(c, out_shape)
+    return epilogue.apply(jnp.zeros(out_shape, jnp.float32), c_full, bias, beta=beta,
+                          activation=activation, out_dtype=out_dtype)
 
   c_dtype = None if c is None or beta == 0.0 else np.dtype(c.dtype)
   config = _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype)
@@ -259,5 +276,19 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
   if c is not None and beta != 0.0:
     c3 = jnp.broadcast_to(c, out_shape).reshape((batch, m, n))
   plan = op.Plan(backend, config, alpha, beta if c3 is not None else 0.0, transpose_a,
-                 transpose_b, precision, out_dtype, bool(interpret))
-  return op.bind(plan, a3, b3, c3).reshape(out_shape)
+                 transpose_b, precision, out_dtype, bool(interpret), bias=bias is not None,
+                 activation=activation)
+  return op.bind(plan, a3, b3, c3, bias).reshape(out_shape)
+
+
+def dense(x, w, bias=None, activation=None, *, precision=None, out_dtype=None,
+          backend="auto", config=None):
+  """A dense layer, ``act(x @ w + bias)``, with the epilogue fused where the backend can:
+  x (..., K), w (K, N), bias None or (N,). Differentiable in x, w and bias like `gemm`."""
+  x = jnp.asarray(x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have rank >= 1 (..., K); got shape {x.shape}")
+  x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
+  out = gemm(x2, w, bias=bias, activation=activation, precision=precision,
+             out_dtype=out_dtype, backend=backend, config=config)
+  return out.reshape(x.shape[:-1] + out.shape[-1:])

@@ -65,9 +65,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.epilogue import activate
 from pallas_gemm import tuning
 
 NAME = "mosaic"
+FUSES_EPILOGUE = True  # bias and activation run in the kernel's epilogue
 
 # Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BYTES_PER_BLOCK = 232448
@@ -564,15 +566,16 @@ def _swizzle_transforms(minor_elems: int, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, partials_gmem, *, config: Config, m: int,
-            n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
+def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, config: Config,
+            m: int, n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
             b_shared: bool, alpha: float, beta: float, c_separate: bool,
-            num_ctas: int, stream_k: StreamK | None):
+            activation: str | None, num_ctas: int, stream_k: StreamK | None):
   """One persistent CTA (of num_ctas, or of num_ctas clusters).
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
   b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
   c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N.
+  bias_gmem: (N',) f32 or None, added to every row before the activation.
   num_ctas: CTAs of the grid, or clusters of CTAs (both CTAs of a cluster run the same
     tiles' two halves, so the schedule counts clusters).
   partials_gmem: None, or with stream_k (num_ctas * cluster_size * num_compute_wgs,
@@ -691,6 +694,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, out_gmem, partials_gmem, *, config: Config, 
         if beta != 1.0:
           c_val = c_val * jnp.float32(beta)
         val = val + c_val
+      if bias_gmem is not None:  # (epi_n,) columns, broadcast over the sub-tile's rows
+        bias = plgpu.load(bias_gmem.at[pl.ds(col0 + es_n.start, epi_n)],
+                          layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
+        val = val + lax.broadcast_in_dim(bias, (epi_m, epi_n), [1])
+      val = activate(val, activation)
       out_smem[wg, slot] = val.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_window)
@@ -1038,12 +1046,13 @@ def _num_sms(config: Config, interpret: bool) -> int:
 
 def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
          transpose_b: bool, precision, out_dtype, config: Config,
-         interpret: bool) -> jax.Array:
-  """alpha * op(a) @ op(b) + beta * c on Hopper (see the backend contract).
+         interpret: bool, bias=None, activation: str | None = None) -> jax.Array:
+  """act(alpha * op(a) @ op(b) + beta * c + bias) on Hopper (see the backend contract).
 
   a: (batch, M, K), or (batch, K, M) if transpose_a
   b: (batch_b, K, N), or (batch_b, N, K) if transpose_b; batch_b in {1, batch}
-  c: None or (batch, M, N)
+  c: None or (batch, M, N); bias: None or (N,); activation: None or a name in
+  `epilogue.ACTIVATIONS`. All of the epilogue runs in f32 in the kernel, before the cast.
   """
   dtype = jnp.dtype(a.dtype)
   if (why := supports(dtype, precision)) is not None:
@@ -1101,6 +1110,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   m_out, n_out = _tma_padded_shape(
       m, n, _tma_tile(config.epi_block_n, out_dtype))
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
+  if bias is not None:  # every sub-tile reads a full epi_n slice of it
+    bias = jnp.pad(bias.astype(jnp.float32), (0, n_out - n))
 
   # One CTA (or cluster of CTAs) per SM (or SM pair).
   num_ctas = _num_sms(config, interpret) // config.cluster_size
@@ -1110,20 +1121,22 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
-      num_ctas=num_ctas, stream_k=stream_k)
+      activation=activation, num_ctas=num_ctas, stream_k=stream_k)
   out_type = jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype)
   if stream_k is not None:  # + the partial accumulators handed between CTAs
     out_type = (out_type, jax.ShapeDtypeStruct(
         (num_ctas * config.cluster_size * config.num_compute_wgs, config.wg_block_m,
          config.wg_block_n), jnp.float32))
 
-  def body(*refs):  # a, b[, c], out[, partials]
+  def body(*refs):  # a, b[, c][, bias], out[, partials]
     a_gmem, b_gmem, *rest = refs
     c_gmem = rest.pop(0) if c is not None else None
-    kernel_body(a_gmem, b_gmem, c_gmem, *rest, *([None] if stream_k is None else []))
+    bias_gmem = rest.pop(0) if bias is not None else None
+    kernel_body(a_gmem, b_gmem, c_gmem, bias_gmem, *rest,
+                *([None] if stream_k is None else []))
 
   body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
-  operands = (a, b) if c is None else (a, b, c)
+  operands = tuple(x for x in (a, b, c, bias) if x is not None)
 
   cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
              if config.cluster_size > 1 else {})

@@ -37,6 +37,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 # device assignment at lowering time (our primitive wraps it, so it must ask too).
 from jax._src import config, core, dispatch
 
+from pallas_gemm import epilogue
+
 F32 = np.dtype(np.float32)
 
 
@@ -52,11 +54,22 @@ class Plan:
   precision: jax.lax.Precision | None
   out_dtype: np.dtype
   interpret: bool
+  bias: bool = False                # a (N,) bias operand follows c
+  activation: str | None = None     # a name in epilogue.ACTIVATIONS
 
 
-def bind(plan: Plan, a, b, c=None):
-  """alpha * op(a) @ op(b) [+ beta * c] on normalised operands (see `_contract.md`)."""
-  return gemm_p.bind(a, b, *(() if c is None else (c,)), plan=plan)
+def bind(plan: Plan, a, b, c=None, bias=None):
+  """act(alpha * op(a) @ op(b) [+ beta * c] [+ bias]) on normalised operands (see
+  `_contract.md`); c is present exactly when plan.beta != 0, bias when plan.bias."""
+  return gemm_p.bind(*(x for x in (a, b, c, bias) if x is not None), plan=plan)
+
+
+def _operands(plan: Plan, args):
+  """(a, b, c or None, bias or None) from the primitive's operand list."""
+  a, b, *rest = args
+  c = rest.pop(0) if plan.beta != 0.0 else None
+  bias = rest.pop(0) if plan.bias else None
+  return a, b, c, bias
 
 
 def _mnk(plan: Plan, a_shape, b_shape) -> tuple[int, int, int]:
@@ -77,13 +90,24 @@ def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
   return dataclasses.replace(new, config=config)
 
 
-def _kernel(plan: Plan, a, b, *c):
+def _kernel(plan: Plan, *args):
   """The backend call on (local) operands."""
+  a, b, c, bias = _operands(plan, args)
   module = importlib.import_module(f"pallas_gemm.{plan.backend}")
-  return module.gemm(
-      a, b, c[0] if c else None, alpha=plan.alpha, beta=plan.beta if c else 0.0,
-      transpose_a=plan.transpose_a, transpose_b=plan.transpose_b, precision=plan.precision,
-      out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret)
+  call = functools.partial(
+      module.gemm, a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
+      transpose_b=plan.transpose_b, precision=plan.precision, config=plan.config,
+      interpret=plan.interpret)
+  if bias is None and plan.activation is None:
+    return call(c, beta=plan.beta, out_dtype=plan.out_dtype)
+  if getattr(module, "FUSES_EPILOGUE", False):
+    return call(c, beta=plan.beta, out_dtype=plan.out_dtype, bias=bias,
+                activation=plan.activation)
+  # A kernel without the fused epilogue (cuda, triton): an f32 result, then bias and
+  # activation in one XLA pass before the cast.
+  acc = call(c, beta=plan.beta, out_dtype=F32)
+  return epilogue.apply(acc, None, bias, beta=0.0, activation=plan.activation,
+                        out_dtype=plan.out_dtype)
 
 
 # ----------------------------------------------------------------------------- primitive
@@ -94,18 +118,18 @@ dispatch.prim_requires_devices_during_lowering.add(gemm_p)
 
 
 @gemm_p.def_effectful_abstract_eval
-def _abstract_eval(a, b, *c, plan):
+def _abstract_eval(a, b, *rest, plan):
   m, n, _ = _mnk(plan, a.shape, b.shape)
   # Inside jax.shard_map the result varies over the manual axes the operands vary over.
-  manual = {x.manual_axis_type for x in (a, b, *c)}
+  manual = {x.manual_axis_type for x in (a, b, *rest)}
   if len(manual) != 1:
     raise ValueError(
         "gemm inside jax.shard_map needs a, b (and c) to vary over the same manual mesh axes; "
-        f"got {[x.manual_axis_type for x in (a, b, *c)]}: apply jax.lax.pcast/pvary to the "
+        f"got {[x.manual_axis_type for x in (a, b, *rest)]}: apply jax.lax.pcast/pvary to the "
         "invariant operand, or pass check_vma=False to shard_map")
   # a's aval carries the mesh context (shard_map's manual axes) the result lives in.
   out = a.update(shape=(a.shape[0], m, n), dtype=np.dtype(plan.out_dtype), weak_type=False)
-  return out, _effects(plan, *(core.ShapedArray(x.shape, x.dtype) for x in (a, b, *c)))
+  return out, _effects(plan, *(core.ShapedArray(x.shape, x.dtype) for x in (a, b, *rest)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -121,25 +145,35 @@ def _effects(plan: Plan, *avals):
 
 
 def _jvp(primals, tangents, *, plan):
-  a, b, *c = primals
-  da, db, *dc = tangents
+  if plan.activation is not None:
+    # act(z): z (bias included) from the kernel without the activation, rounded to the
+    # output dtype as XLA rounds its GEMM output; act and act' in f32 around it.
+    z, dz = _jvp(primals, tangents, plan=dataclasses.replace(plan, activation=None))
+    z32 = z.astype(F32)
+    out = epilogue.activate(z32, plan.activation).astype(plan.out_dtype)
+    if type(dz) is ad.Zero:
+      return out, ad.Zero.from_primal_value(out)
+    return out, (epilogue.derivative(z32, plan.activation) * dz.astype(F32)).astype(plan.out_dtype)
+  a, b, _, _ = _operands(plan, primals)
+  da, db, dc, dbias = _operands(plan, tangents)
   out = gemm_p.bind(*primals, plan=plan)
-  # The tangent through the kernels' C input (summed in their f32 epilogue): beta*dc, then
-  # + alpha*op(da)@op(b), then + alpha*op(a)@op(db). Each partial is rounded to the output
-  # dtype, as jnp.dot's own JVP rounds its two products (an f32 partial would make the
-  # transposed GEMMs run in f32 for 16-bit inputs).
-  acc, acc_beta = None, 0.0
-  if dc and type(dc[0]) is not ad.Zero:
-    acc, acc_beta = dc[0], plan.beta
-  terms = [(x, y) for x, y, t in ((da, b, da), (a, db, db)) if type(t) is not ad.Zero]
+  # The tangent through the kernels' C and bias inputs (summed in their f32 epilogue):
+  # beta*dc + dbias, then + alpha*op(da)@op(b), then + alpha*op(a)@op(db). Each partial is
+  # rounded to the output dtype, as jnp.dot's own JVP rounds its two products (an f32
+  # partial would make the transposed GEMMs run in f32 for 16-bit inputs).
+  zero = lambda t: t is None or type(t) is ad.Zero  # noqa: E731
+  acc, acc_beta = (None, 0.0) if zero(dc) else (dc, plan.beta)
+  acc_bias = None if zero(dbias) else dbias
+  terms = [(x, y) for x, y, t in ((da, b, da), (a, db, db)) if not zero(t)]
   for x, y in terms:
     p = derive(plan, x.shape, y.shape, x.dtype, beta=acc_beta if acc is not None else 0.0,
-               c_dtype=None if acc is None else np.dtype(acc.dtype))
-    acc, acc_beta = bind(p, x, y, acc), 1.0
-  if acc is None:
+               bias=acc_bias is not None, c_dtype=None if acc is None else np.dtype(acc.dtype))
+    acc, acc_beta, acc_bias = bind(p, x, y, acc, acc_bias), 1.0, None
+  if acc is None and acc_bias is None:
     return out, ad.Zero.from_primal_value(out)
-  if not terms:  # only c moved
-    acc = (plan.beta * acc.astype(F32)).astype(plan.out_dtype)
+  if not terms:  # only c and/or the bias moved
+    t = jnp.zeros(out.shape, F32) if acc is None else plan.beta * acc.astype(F32)
+    acc = (t if acc_bias is None else t + acc_bias.astype(F32)).astype(plan.out_dtype)
   return out, acc
 
 
@@ -149,13 +183,15 @@ ad.primitive_jvps[gemm_p] = _jvp
 # ----------------------------------------------------------------------------- transpose
 
 
-def _transpose(g, a, b, *c, plan):
-  """Cotangents of the linear operands (a or b, and c) of alpha*op(a)@op(b) + beta*c."""
+def _transpose(g, *args, plan):
+  """Cotangents of the linear operands (a or b, and c, bias) of
+  alpha*op(a)@op(b) + beta*c + bias (the JVP never leaves an activation to transpose)."""
+  assert plan.activation is None, "the JVP of an activation is not linear"
+  a, b, c, bias = _operands(plan, args)
   a_lin, b_lin = ad.is_undefined_primal(a), ad.is_undefined_primal(b)
-  c_lin = bool(c) and ad.is_undefined_primal(c[0])
   assert not (a_lin and b_lin), "gemm is bilinear: a and b cannot both be linear"
   if type(g) is ad.Zero:
-    return [None] * (2 + len(c))
+    return [None] * len(args)
   a_aval = a.aval if a_lin else core.typeof(a)
   b_aval = b.aval if b_lin else core.typeof(b)
   # Backends take one input dtype. A cotangent wider than the inputs (f16 in, f32 out)
@@ -166,10 +202,10 @@ def _transpose(g, a, b, *c, plan):
 
   def mm(x, y, *, trans_x, trans_y, out_dtype):
     p = derive(plan, x.shape, y.shape, wide, beta=0.0, transpose_a=trans_x, transpose_b=trans_y,
-               out_dtype=np.dtype(out_dtype))
+               out_dtype=np.dtype(out_dtype), bias=False)
     return bind(p, x, y)
 
-  da = db = dc = None
+  da = db = None
   if a_lin:  # dA = alpha * g @ op(b)^T, stored as op(a) is stored
     b3 = b.astype(wide)
     if not ta:
@@ -189,9 +225,14 @@ def _transpose(g, a, b, *c, plan):
       db = mm(a3, g_c, trans_x=not ta_c, trans_y=False, out_dtype=b_aval.dtype)
     else:  # dB^T = alpha * g^T @ op(a)
       db = mm(g_c, a3, trans_x=True, trans_y=ta_c, out_dtype=b_aval.dtype)
-  if c_lin:
-    dc = (plan.beta * g.astype(F32)).astype(c[0].aval.dtype)
-  return [da, db] + ([dc] if c else [])
+  cotangents = [da, db]
+  if c is not None:
+    cotangents.append((plan.beta * g.astype(F32)).astype(c.aval.dtype)
+                      if ad.is_undefined_primal(c) else None)
+  if bias is not None:
+    cotangents.append(jnp.sum(g.astype(F32), axis=(0, 1)).astype(bias.aval.dtype)
+                      if ad.is_undefined_primal(bias) else None)
+  return cotangents
 
 
 ad.primitive_transposes[gemm_p] = _transpose
@@ -220,10 +261,16 @@ def _batch(args, dims, *, plan):
 
   if size * batch == 0:  # an empty vmapped axis: nothing for a kernel to do
     return jnp.zeros((size, batch, m, n), plan.out_dtype), 0
-  a, b, *c = moved
-  folded = [fold(a, mapped[0]), fold(b, mapped[1], keep_shared=b.shape[0] == 1)]
-  folded += [fold(x, bat) for x, bat in zip(c, mapped[2:])]
-  out = gemm_p.bind(*folded, plan=plan)
+  a, b, c, bias = _operands(plan, moved)
+  _, _, c_mapped, bias_mapped = _operands(plan, mapped)
+  if bias is not None and bias_mapped:
+    # One bias per vmapped entry is no longer one (N,) vector for the kernel: it joins C.
+    rows = jnp.broadcast_to(bias[:, None, None, :].astype(F32), (size, batch, m, n))
+    c = rows if c is None else rows + plan.beta * c.astype(F32)
+    c_mapped, bias, plan = True, None, dataclasses.replace(plan, beta=1.0, bias=False)
+  folded = [fold(a, mapped[0]), fold(b, mapped[1], keep_shared=b.shape[0] == 1),
+            None if c is None else fold(c, c_mapped), bias]
+  out = bind(plan, *folded)
   return out.reshape((size, batch, m, n)), 0
 
 
@@ -298,33 +345,36 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
   out_spec = (bt, m + k if f["scatter"] else m, n)
   named = lambda spec: NamedSharding(mesh, PartitionSpec(*map(_entry, spec)))  # noqa: E731
-  arg_shardings = [named(a_spec), named(b_spec)] + [named(out_spec)] * (len(arg_shapes) - 2)
+  arg_shardings = [named(a_spec), named(b_spec)]
+  arg_shardings += [named(out_spec)] * (plan.beta != 0.0) + [named((n,))] * plan.bias
 
-  def local(a, b, *c):
+  def local(*args):
     if not k:
-      return _kernel(plan, a, b, *c)
+      return _kernel(plan, *args)
     # K split over devices: f32 partial sums, cast only after the sum (as one GEMM
-    # would), beta*C added once.
-    partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32), a, b)
+    # would), then beta*C, the bias and the activation once.
+    a, b, c, bias = _operands(plan, args)
+    partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32, bias=False,
+                                          activation=None), a, b)
     if f["scatter"]:
       acc = jax.lax.psum_scatter(partial, k, scatter_dimension=1, tiled=True)
     else:
       acc = jax.lax.psum(partial, k)
-    if c:
-      acc = acc + plan.beta * c[0].astype(F32)
-    return acc.astype(plan.out_dtype)
+    return epilogue.apply(acc, c, bias, beta=plan.beta, activation=plan.activation,
+                          out_dtype=plan.out_dtype)
 
   return mesh, local, named(out_spec), tuple(arg_shardings)
 
 
 def _sharding_rule(plan: Plan, mesh, value_types, result_types):
-  """Shardy's einsum-like rule: b(atch), m, n, k(contracting); s: a shared b's batch of 1."""
+  """Shardy's einsum-like rule: b(atch), m, n, k(contracting); s: a shared b's batch of 1;
+  the bias runs along n."""
   del mesh, result_types
   shapes = [mlir.ir.RankedTensorType(t).shape for t in value_types]
   shared_b = shapes[1][0] == 1 and shapes[0][0] > 1
   a = "b k m" if plan.transpose_a else "b m k"
   b = ("s" if shared_b else "b") + (" n k" if plan.transpose_b else " k n")
-  operands = [a, b] + ["b m n"] * (len(shapes) - 2)
+  operands = [a, b] + ["b m n"] * (plan.beta != 0.0) + ["n"] * plan.bias
   return f"{', '.join(operands)} -> b m n", {"reduction_factors": ("k",)}
 
 

@@ -8,8 +8,19 @@ import jax
 import numpy as np
 
 
-def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False):
-  """alpha * op(a) @ op(b) + beta * c in float64 (BLAS semantics: beta == 0 ignores c).
+# The activations in float64, from jax.nn (independent of pallas_gemm/epilogue.py).
+ACTIVATIONS = {
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_exact": lambda x: jax.nn.gelu(x, approximate=False),
+    "silu": jax.nn.silu,
+}
+
+
+def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+              bias=None, activation=None):
+  """act(alpha * op(a) @ op(b) + beta * c + bias) in float64 (BLAS semantics: beta == 0
+  ignores c).
 
   NumPy on the host. Large products on a GPU run there, still in float64 (a 4097^3
   product takes seconds on the host, milliseconds on the device), and come back as a
@@ -28,6 +39,10 @@ def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose
     out = alpha * xp.matmul(a64, b64)
     if c is not None and beta != 0.0:
       out = out + beta * xp.asarray(c, dtype=xp.float64)
+    if bias is not None:
+      out = out + xp.asarray(bias, dtype=xp.float64)
+    if activation is not None:
+      out = ACTIVATIONS[activation](jax.numpy.asarray(out, dtype=jax.numpy.float64))
   return out
 
 

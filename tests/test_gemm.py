@@ -11,7 +11,9 @@ import pytest
 from jax.test_util import check_grads
 
 from conftest import ON_GPU, random, skip_reason
+import pallas_gemm
 from pallas_gemm import gemm
+from pallas_gemm.reference import ACTIVATIONS as reference_activations
 from pallas_gemm.reference import reference, relative_error, tolerance
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -165,6 +167,51 @@ def test_check_grads(backend, rng):
   c = random(rng, (2, 6, 7), np.float32)
   f = lambda a, b, c: gemm(a, b, c, alpha=0.7, beta=1.3, precision=HIGHEST, backend=backend)
   check_grads(f, (a, b, c), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+ACTIVATIONS = [None, "relu", "gelu", "gelu_exact", "silu"]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("bias_dtype", [np.float32, BF16])
+def test_bias_and_activation(backend, activation, bias_dtype, rng):
+  """act(alpha*a@b + beta*c + bias), every activation, ragged shapes, batched."""
+  dtype = preferred_dtype(backend)
+  m, n, k = 19, 40, 24
+  bias = random(rng, (n,), bias_dtype)
+  a, b = random(rng, (2, m, k), dtype), random(rng, (k, n), dtype)
+  c = random(rng, (2, m, n), np.float32)
+  out = gemm(a, b, c, alpha=0.5, beta=-1.0, bias=bias, activation=activation,
+             out_dtype=np.float32, backend=backend)
+  ref = reference(a, b, c, alpha=0.5, beta=-1.0, bias=bias, activation=activation)
+  assert relative_error(out, ref) <= tolerance(dtype, None, k, np.float32)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_dense_gradients(backend, activation, rng):
+  """grad and jvp of dense(x, w, bias, act) against float64 autodiff of the reference."""
+  dtype = np.float32
+  precision = HIGHEST if not skip_reason(backend, dtype, HIGHEST) else None
+  if skip_reason(backend, dtype, precision):
+    pytest.skip(skip_reason(backend, dtype, precision))
+  x, w = random(rng, (3, 5, 8), dtype), random(rng, (8, 6), dtype)
+  bias, cot = random(rng, (6,), dtype), random(rng, (3, 5, 6), dtype)
+  loss = lambda x, w, bias: jnp.sum(pallas_gemm.dense(
+      x, w, bias, activation, precision=precision, backend=backend) * cot)
+  act64 = reference_activations[activation]
+  dense64 = lambda x, w, bias: act64(jnp.matmul(x, w, precision=HIGHEST) + bias)
+  with jax.enable_x64(True):
+    x64, w64, bias64 = (np.asarray(v, np.float64) for v in (x, w, bias))
+    loss64 = lambda x, w, bias: jnp.sum(dense64(x, w, bias) * cot)
+    want = [np.asarray(g) for g in jax.grad(loss64, argnums=(0, 1, 2))(x64, w64, bias64)]
+    tangent_ref = np.asarray(jax.jvp(lambda x: dense64(x, w64, bias64), (x64,), (x64,))[1])
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, w, bias)
+  tol = tolerance(dtype, precision, 15)
+  for g, ref in zip(got, want):
+    assert relative_error(g, ref) <= tol
+  _, tangent = jax.jvp(lambda x: pallas_gemm.dense(x, w, bias, activation, precision=precision,
+                                                   backend=backend), (x,), (x,))
+  assert relative_error(tangent, tangent_ref) <= tol
 
 
 def test_forward_mode_and_higher_order(backend, rng):

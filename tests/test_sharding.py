@@ -208,3 +208,21 @@ def test_k_sharded_into_a_row_sharded_output_reduce_scatters(rng):
   hlo = _hlo(f, *args)
   assert not GATHERS.search(hlo)
   assert [r[0] for r in REDUCES.findall(hlo)] == ["reduce-scatter"], REDUCES.findall(hlo)
+
+
+@pytest.mark.parametrize("layout", ["N", "K"])
+def test_sharded_bias_and_activation(layout, rng):
+  """The bias follows N's sharding; with K split, bias and activation apply after the sum."""
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  spec_a, spec_b, *_ = LAYOUTS[layout]
+  a, b, bias = random(rng, (16, 32), dtype), random(rng, (32, 24), dtype), random(rng, (24,), dtype)
+  f = jax.jit(lambda a, b, bias: gemm(a, b, bias=bias, activation="gelu", backend=backend,
+                                      out_dtype=np.float32))
+  args = (_put(a, mesh, spec_a), _put(b, mesh, spec_b), bias)
+  out = f(*args)
+  ref = reference(a, b, bias=bias, activation="gelu")
+  assert relative_error(out, ref) <= tolerance(dtype, None, 32, np.float32)
+  hlo = _hlo(f, *args)
+  assert not GATHERS.search(hlo)
+  assert len(REDUCES.findall(hlo)) == (layout == "K")
