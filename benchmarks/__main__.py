@@ -7,6 +7,8 @@
   python -m benchmarks --shapes 4096x4096x4096,8x1024x1024x1024 --dtypes f32
   python -m benchmarks --autotune           # GPU: autotune key shapes, report the gain
   python -m benchmarks --full --list        # print the plan and its time estimate, run nothing
+  python -m benchmarks --sharded            # many GPUs: gemm vs jnp.dot under jit shardings
+  python -m benchmarks --mlp                # an MLP training step and an epilogue vs XLA
 
 Writes results.json, results.md and PNG plots to --out (default
 benchmarks/results/<date>-<device>/) and prints the markdown table last.
@@ -88,6 +90,9 @@ def main(argv=None) -> int:
   if "--sharded" in argv:  # its own table: gemm vs jnp.dot under jit shardings
     from benchmarks import sharded  # noqa: PLC0415
     return sharded.main([x for x in argv if x != "--sharded"])
+  if "--mlp" in argv:  # its own table: a training step and an epilogue vs XLA
+    from benchmarks import mlp  # noqa: PLC0415
+    return mlp.main([x for x in argv if x != "--mlp"])
   args = parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   status = runner.available_backends()

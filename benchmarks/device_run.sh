@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -42,6 +42,11 @@ fi
 if has sharded; then
   log "gemm vs jnp.dot under jit shardings over $(nvidia-smi -L | wc -l) GPUs"
   timeout 500 python3 -m benchmarks --sharded --out "$OUT/sharded" 2>&1 | tee "$OUT/sharded.log"
+fi
+
+if has mlp; then
+  log "MLP training step and alpha/beta*C epilogue vs XLA"
+  timeout 400 python3 -m benchmarks --mlp --out "$OUT/mlp" 2>&1 | tee "$OUT/mlp.log"
 fi
 
 if has cuda; then

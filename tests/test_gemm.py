@@ -304,5 +304,19 @@ def test_gpu_transposed_batched_epilogue(backend, transpose_a, transpose_b, dtyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gpu_fused_epilogue_ragged(backend, activation, rng):
+  """Bias + activation on ragged multi-tile shapes (edge sub-tiles read the padded bias)."""
+  dtype = preferred_dtype(backend)
+  poison_allocator(4 * 2 * 1031 * 517)
+  m, n, k = 1031, 517, 777
+  a, b = random(rng, (2, m, k), dtype), random(rng, (k, n), dtype)
+  bias, c = random(rng, (n,), BF16), random(rng, (2, m, n), dtype)
+  out = gemm(a, b, c, alpha=0.5, beta=-1.0, bias=bias, activation=activation, backend=backend)
+  ref = reference(a, b, c, alpha=0.5, beta=-1.0, bias=bias, activation=activation)
+  assert relative_error(out, ref) <= tolerance(dtype, None, k)
+
+
+@pytest.mark.gpu
 def test_gpu_runs_on_gpu():
   assert ON_GPU and jax.devices()[0].platform == "gpu"
