@@ -7,6 +7,7 @@ projection and no growth of `FALLBACKS`.
 """
 
 import functools
+import importlib
 
 import pytest
 
@@ -19,8 +20,11 @@ from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from conftest import random, skip_reason  # noqa: E402
-from pallas_gemm import api, dot_general as dg  # noqa: E402
+from pallas_gemm import api  # noqa: E402
 from pallas_gemm.reference import relative_error, tolerance  # noqa: E402
+
+# The module, not the function: `pallas_gemm.dot_general` may name the exported function.
+dg = importlib.import_module("pallas_gemm.dot_general")
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16
