@@ -2,6 +2,8 @@
 
     out = pallas_gemm.gemm(a, b)                    # picks the fastest backend here
     pallas_gemm.backends()                          # {name: None | why it cannot run}
+    pallas_gemm.dot_general(x, w, dims)             # lax.dot_general's signature (Flax, einsum)
+    pallas_gemm.dense(x, w, bias, "gelu")           # a layer with the fused epilogue
 
 Backends, one module each: `xla` (jnp.dot; reference and CPU path), `triton` (Pallas,
 Triton lowering; Ampere and newer), `mosaic` (Pallas Mosaic GPU: TMA + wgmma; Hopper),
@@ -9,7 +11,9 @@ Triton lowering; Ampere and newer), `mosaic` (Pallas Mosaic GPU: TMA + wgmma; Ho
 """
 
 from pallas_gemm.api import BACKENDS, BackendUnavailableError, backends, dense, gemm
+from pallas_gemm.lax_dot import dot_general
 from pallas_gemm.tuning import autotune
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "dense", "gemm"]
+__all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "dense", "dot_general",
+           "gemm"]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""`pallas_gemm.dot_general.dot_general` against `jax.lax.dot_general`.
+"""`pallas_gemm.dot_general` (pallas_gemm/lax_dot.py) against `jax.lax.dot_general`.
 
 A generated grid of dimension numbers (batch and contracting dims anywhere, several
 contracting dims, pairs listed in any order) runs on the "xla" backend, which is cheap on a
@@ -8,7 +8,6 @@ code; `FALLBACKS` shows whether gemm or lax.dot_general ran.
 """
 
 import functools
-import importlib
 import string
 
 import jax
@@ -20,8 +19,7 @@ from conftest import random, skip_reason
 from pallas_gemm import api
 from pallas_gemm.reference import relative_error, tolerance
 
-# The module, not the function: `pallas_gemm.dot_general` may name the exported function.
-dg = importlib.import_module("pallas_gemm.dot_general")
+from pallas_gemm import lax_dot as dg
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16

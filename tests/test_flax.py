@@ -7,7 +7,6 @@ projection and no growth of `FALLBACKS`.
 """
 
 import functools
-import importlib
 
 import pytest
 
@@ -23,8 +22,7 @@ from conftest import random, skip_reason  # noqa: E402
 from pallas_gemm import api  # noqa: E402
 from pallas_gemm.reference import relative_error, tolerance  # noqa: E402
 
-# The module, not the function: `pallas_gemm.dot_general` may name the exported function.
-dg = importlib.import_module("pallas_gemm.dot_general")
+from pallas_gemm import lax_dot as dg
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16
