@@ -69,7 +69,11 @@ from pallas_gemm.epilogue import activate
 from pallas_gemm import tuning
 
 NAME = "mosaic"
-FUSES_EPILOGUE = True  # bias and activation run in the kernel's epilogue
+# The bias and these activations run in the kernel's epilogue. Not gelu_exact: with
+# Mosaic GPU's erf lowering its test failed on the H200 (session 7, run 3: the log was
+# cut by a timeout before the report, so why is not known yet);
+# op.py applies it in XLA after the kernel's f32 result (bias still fused).
+FUSED_ACTIVATIONS = (None, "relu", "gelu", "silu")
 
 # Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BYTES_PER_BLOCK = 232448

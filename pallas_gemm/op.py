@@ -100,14 +100,17 @@ def _kernel(plan: Plan, *args):
       interpret=plan.interpret)
   if bias is None and plan.activation is None:
     return call(c, beta=plan.beta, out_dtype=plan.out_dtype)
-  if getattr(module, "FUSES_EPILOGUE", False):
-    return call(c, beta=plan.beta, out_dtype=plan.out_dtype, bias=bias,
-                activation=plan.activation)
-  # A kernel without the fused epilogue (cuda, triton): an f32 result, then bias and
-  # activation in one XLA pass before the cast.
-  acc = call(c, beta=plan.beta, out_dtype=F32)
-  return epilogue.apply(acc, None, bias, beta=0.0, activation=plan.activation,
-                        out_dtype=plan.out_dtype)
+  # What the kernel's epilogue fuses (FUSED_ACTIVATIONS; absent: neither bias nor an
+  # activation) runs there; the rest in one XLA pass over its f32 result, before the cast.
+  fused = getattr(module, "FUSED_ACTIVATIONS", None)
+  kernel_act = plan.activation if fused is not None and plan.activation in fused else None
+  kernel_bias = bias if fused is not None else None
+  if kernel_act == plan.activation and kernel_bias is bias:
+    return call(c, beta=plan.beta, out_dtype=plan.out_dtype, bias=bias, activation=kernel_act)
+  acc = call(c, beta=plan.beta, out_dtype=F32,
+             **({} if fused is None else dict(bias=kernel_bias, activation=None)))
+  return epilogue.apply(acc, None, None if kernel_bias is bias else bias, beta=0.0,
+                        activation=plan.activation, out_dtype=plan.out_dtype)
 
 
 # ----------------------------------------------------------------------------- primitive

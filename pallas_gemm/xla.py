@@ -13,7 +13,7 @@ from pallas_gemm import epilogue as _epilogue
 NAME = "xla"
 # bias and activation go into the expression: XLA fuses them with the dot (cuBLASLt
 # epilogues, or its own fusions).
-FUSES_EPILOGUE = True
+FUSED_ACTIVATIONS = (None, "relu", "gelu", "gelu_exact", "silu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

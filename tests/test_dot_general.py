@@ -280,7 +280,9 @@ def test_jit(lhs_shape, rhs_shape, dims, rng):
   fn = jax.jit(functools.partial(dg.dot_general, backend="xla"), static_argnums=(2, 3, 4))
   out = _check(lhs, rhs, dims, HIGHEST, fn=fn)
   eager = dg.dot_general(jnp.asarray(lhs), jnp.asarray(rhs), dims, HIGHEST, backend="xla")
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(eager))
+  # Not bit-equal on a GPU: jit and eager may run different cuBLAS kernels (H200, run 3).
+  k = int(np.prod([lhs_shape[d] for d in dims[0][0]]))
+  assert relative_error(out, np.asarray(eager, np.float64)) <= tolerance(np.float32, HIGHEST, k)
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,dims", [NAMED["dense-general"], GRID[2]])
