@@ -299,6 +299,11 @@ def _entry(axes: tuple[str, ...]):
   return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
+def _shared_b(a_shape, b_shape) -> bool:
+  """One b (batch 1) serves every batch entry of a."""
+  return b_shape[0] == 1 and a_shape[0] > 1
+
+
 def _size(mesh, axes) -> int:
   return int(np.prod([mesh.shape[x] for x in axes]))
 
@@ -318,7 +323,7 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
   so = _spec(result_shape.sharding, 3)
   ma, ka = (2, 1) if plan.transpose_a else (1, 2)
   kb, nb = (2, 1) if plan.transpose_b else (1, 2)
-  shared_b = b.shape[0] == 1 and a.shape[0] > 1
+  shared_b = _shared_b(a.shape, b.shape)
   m, n, k = _mnk(plan, a.shape, b.shape)
   sources = {"batch": [sa[0]] + ([] if shared_b else [sb[0]]), "m": [sa[ma]], "n": [sb[nb]],
              "k": [sa[ka], sb[kb]]}
@@ -342,7 +347,7 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
 def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   f = _plan_sharding(plan, mesh, arg_shapes, result_shape)
   bt, m, n, k = f["batch"], f["m"], f["n"], f["k"]
-  shared_b = arg_shapes[1].shape[0] == 1 and arg_shapes[0].shape[0] > 1
+  shared_b = _shared_b(arg_shapes[0].shape, arg_shapes[1].shape)
   a_spec = (bt, k, m) if plan.transpose_a else (bt, m, k)
   b_batch = () if shared_b else bt
   b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
@@ -374,7 +379,7 @@ def _sharding_rule(plan: Plan, mesh, value_types, result_types):
   the bias runs along n."""
   del mesh, result_types
   shapes = [mlir.ir.RankedTensorType(t).shape for t in value_types]
-  shared_b = shapes[1][0] == 1 and shapes[0][0] > 1
+  shared_b = _shared_b(shapes[0], shapes[1])
   a = "b k m" if plan.transpose_a else "b m k"
   b = ("s" if shared_b else "b") + (" n k" if plan.transpose_b else " k n")
   operands = [a, b] + ["b m n"] * (plan.beta != 0.0) + ["n"] * plan.bias
