@@ -9,6 +9,7 @@
   python -m benchmarks --full --list        # print the plan and its time estimate, run nothing
   python -m benchmarks --sharded            # many GPUs: gemm vs jnp.dot under jit shardings
   python -m benchmarks --mlp                # an MLP training step and an epilogue vs XLA
+  python -m benchmarks --precision          # float32 presets / float32_accurate: speed, error
 
 Writes results.json, results.md and PNG plots to --out (default
 benchmarks/results/<date>-<device>/) and prints the markdown table last.
@@ -93,6 +94,9 @@ def main(argv=None) -> int:
   if "--mlp" in argv:  # its own table: a training step and an epilogue vs XLA
     from benchmarks import mlp  # noqa: PLC0415
     return mlp.main([x for x in argv if x != "--mlp"])
+  if "--precision" in argv:  # its own table: float32 presets, speed and error
+    from benchmarks import precision  # noqa: PLC0415
+    return precision.main([x for x in argv if x != "--precision"])
   args = parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   status = runner.available_backends()

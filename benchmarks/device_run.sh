@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [precision] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -47,6 +47,12 @@ fi
 if has mlp; then
   log "MLP training step and alpha/beta*C epilogue vs XLA"
   timeout 400 python3 -m benchmarks --mlp --out "$OUT/mlp" 2>&1 | tee "$OUT/mlp.log"
+fi
+
+if has precision; then
+  log "float32 precisions (presets, float32_accurate): gemm vs jnp.dot, speed and error"
+  timeout 500 python3 -m benchmarks --precision --out "$OUT/precision" ${PRECISION_ARGS:-} 2>&1 \
+    | tee "$OUT/precision.log"
 fi
 
 if has cuda; then

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm import epilogue, op
+from pallas_gemm import precision as _precisions
 
 BACKENDS = ("xla", "triton", "mosaic", "cuda")
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -67,24 +68,6 @@ def _static_float(x, name: str) -> float:
   return float(x)
 
 
-def _precision(precision) -> jax.lax.Precision | None:
-  if precision is None:
-    return None
-  if isinstance(precision, (tuple, list)):
-    if len(precision) != 2 or precision[0] != precision[1]:
-      raise ValueError(f"precision must be one Precision for both operands; got {precision!r}")
-    precision = precision[0]
-  if isinstance(precision, str):
-    try:
-      return jax.lax.Precision(precision)
-    except ValueError:
-      raise ValueError(
-          f"precision must be None, 'default', 'high', 'highest' (or another jax.lax.Precision name); got {precision!r}") from None
-  if isinstance(precision, jax.lax.Precision):
-    return precision
-  raise TypeError(f"precision must be None, a str or a jax.lax.Precision; got {type(precision).__name__}")
-
-
 def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
@@ -102,6 +85,13 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   if not _on_gpu():
     return "xla"
   status = backends()
+  if isinstance(precision, (str, jax.lax.DotAlgorithmPreset)):
+    # float32 from bf16 pieces: the mosaic kernel splits in registers, once per tile
+    # (benchmarks --precision); XLA runs the other presets, and small products.
+    if (_precisions.split_of(precision, dtype) is not None and m * n * k >= 512**3
+        and status["mosaic"] is None):
+      return "mosaic"
+    return "xla"
   # Small square-ish 16-bit products: the Triton kernel's single short launch beats cuBLAS
   # (bf16 256^3: 1.24x, 512^3: 1.60x; at 1024^3 cuBLAS wins again, 0.74x). Not batched:
   # 64 x 256^3 bf16 ran at 0.80x cuBLAS's batched kernel.
@@ -165,7 +155,10 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     transpose_a, transpose_b: read the operand as its transpose over the last two axes.
     precision: as for ``jnp.dot``. For float32 inputs ``jax.lax.Precision.HIGHEST`` is
       IEEE fp32; None/DEFAULT/HIGH let the GPU use TF32 tensor cores (about 3e-4 relative
-      error, ~8x faster). Ignored for 16-bit inputs (always exact products).
+      error, ~8x faster). Ignored for 16-bit inputs (always exact products). Also a
+      ``jax.lax.DotAlgorithmPreset`` (jnp.dot's meaning; its input dtypes must match),
+      or ``"float32_accurate"``: float32 on tensor cores with an error no worse than IEEE
+      SGEMM's (see ``pallas_gemm/precision.py``).
     out_dtype: result dtype; default the promoted input dtype. Accumulation is float32.
     backend: "auto" | "xla" | "triton" | "mosaic" | "cuda". See ``backends()``.
     config: a backend's ``Config`` (``pallas_gemm.<backend>.Config``); None picks the
@@ -235,7 +228,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       raise TypeError(f"out_dtype must be a dtype; got {out_dtype!r}") from None
     if out_dtype not in SUPPORTED_DTYPES:
       raise TypeError(f"out_dtype must be one of float32, bfloat16, float16; got {out_dtype}")
-  precision = _precision(precision)
+  precision = _precisions.normalize(precision)
+  _precisions.check_dtype(precision, dtype)
+  precision = _precisions.effective(precision, dtype)
   if interpret is None:
     interpret = not _on_gpu()
   elif not isinstance(interpret, (bool, np.bool_)):

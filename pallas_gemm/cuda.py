@@ -287,9 +287,12 @@ def unavailable_reason() -> str | None:
 
 
 def supports(dtype, precision) -> str | None:
-  del precision  # FFMA is IEEE fp32: at least as accurate as any precision asks
   if jnp.dtype(dtype) != jnp.float32:
     return f"the cuda backend computes float32 only, got {jnp.dtype(dtype).name}"
+  # FFMA is IEEE fp32: as accurate as any jax.lax.Precision or "float32_accurate" asks.
+  # A DotAlgorithmPreset names an algorithm, which this kernel does not run.
+  if isinstance(precision, jax.lax.DotAlgorithmPreset):
+    return f"precision={precision.name} names a tensor-core algorithm; cuda runs IEEE FFMA"
   return None
 
 

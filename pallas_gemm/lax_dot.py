@@ -18,7 +18,9 @@ What `gemm` cannot compute goes to `jax.lax.dot_general` with the same arguments
 in `FALLBACKS` (keyed by reason; counted when traced, so once per jit compilation):
   "input dtype"   an operand that is not float32/bfloat16/float16 (ints, f64, complex);
   "output dtype"  preferred_element_type (after JAX's canonicalisation) outside those three;
-  "precision"     a `DotAlgorithm` / `DotAlgorithmPreset` (see `_gemm_precision`);
+  "precision"     a custom `DotAlgorithm`, or a `DotAlgorithmPreset` whose input types are
+                  not the operands' (see `_gemm_precision`); the presets themselves go
+                  to gemm, which runs the float32 emulations in its own kernel;
   "explicit sharding"  an operand whose type is sharded over Explicit mesh axes: lax gives
                   the result a sharding type from its own rules, which the reshapes around
                   `gemm` and its primitive do not reproduce (in auto mode, shardings are
@@ -42,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm import api
+from pallas_gemm import precision as _precisions
 
 # Reason -> how many dot_general calls (traces) went to jax.lax.dot_general instead of gemm.
 FALLBACKS: collections.Counter[str] = collections.Counter()
@@ -50,8 +53,8 @@ _PRECISION_RANK = {jax.lax.Precision.DEFAULT: 0, jax.lax.Precision.HIGH: 1,
                    jax.lax.Precision.HIGHEST: 2}
 
 
-def _gemm_precision(precision) -> tuple[bool, jax.lax.Precision | None]:
-  """(whether gemm can honour `precision`, the one value to pass it).
+def _gemm_precision(precision, dtype=np.float32) -> tuple[bool, object]:
+  """(whether gemm can honour `precision` for inputs of `dtype`, the one value to pass it).
 
   The one place that decides which precisions gemm takes; `precision` has already passed
   lax.dot_general's own check.
@@ -62,13 +65,18 @@ def _gemm_precision(precision) -> tuple[bool, jax.lax.Precision | None]:
     precision = jax.config.jax_default_matmul_precision
     if precision is None:
       return True, None
-  if isinstance(precision, (jax.lax.DotAlgorithm, jax.lax.DotAlgorithmPreset)):
-    return False, None  # gemm has no algorithm argument (yet)
+  if isinstance(precision, jax.lax.DotAlgorithm):
+    return False, None  # a custom algorithm: only XLA knows it
   pair = precision if isinstance(precision, (tuple, list)) else (precision,)
   try:
     values = [jax.lax.Precision(p) for p in pair]
-  except ValueError:  # the name of a DotAlgorithmPreset, e.g. "BF16_BF16_F32"
-    return False, None
+  except (ValueError, TypeError):  # a DotAlgorithmPreset, or its name: gemm's own check
+    try:
+      preset = _precisions.normalize(precision)
+      _precisions.check_dtype(preset, dtype)
+    except (ValueError, TypeError):
+      return False, None
+    return True, preset
   # gemm takes one value for both operands: the higher keeps the promise made to either.
   return True, max(values, key=_PRECISION_RANK.__getitem__)
 
@@ -147,7 +155,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     return _fallback("input dtype", lhs, rhs, *args)
   if np.dtype(out_type.dtype) not in api.SUPPORTED_DTYPES:
     return _fallback("output dtype", lhs, rhs, *args)
-  ok, gemm_precision = _gemm_precision(precision)
+  ok, gemm_precision = _gemm_precision(precision, jnp.promote_types(lhs.dtype, rhs.dtype))
   if not ok:
     return _fallback("precision", lhs, rhs, *args)
   if _explicitly_sharded(lhs) or _explicitly_sharded(rhs):

@@ -66,6 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.epilogue import activate
+from pallas_gemm import precision as _precision
 from pallas_gemm import tuning
 
 NAME = "mosaic"
@@ -261,12 +262,13 @@ def _round_up(x: int, m: int) -> int:
 
 
 def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
-               k: int | None = None) -> int:
+               k: int | None = None, split: _precision.Split | None = None) -> int:
   """Shared memory one CTA of the kernel allocates (an upper bound).
 
   c_dtype: dtype of C, None when C is not read. A C of the out dtype is staged
   in the output buffer; another dtype needs its own buffer.
   k: the problem's K, which caps the ring at ceil(K / block_k) stages.
+  split: the FP32 emulation's bf16 split (adds each warpgroup's B pieces), or None.
   """
   itemsize = jnp.dtype(dtype).itemsize
   stages = config.stages
@@ -280,8 +282,10 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
   c = 0 if not _c_separate(c_dtype, out_dtype) else (
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
   barriers = 8 * (2 * stages + config.num_compute_wgs)
+  pieces = 0 if split is None else (
+      config.num_compute_wgs * split.pieces * config.block_k * config.wg_block_n * 2)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
-  return (sum(_round_up(x, 1024) for x in (ring, out, c) if x)
+  return (sum(_round_up(x, 1024) for x in (ring, out, c, pieces) if x)
           + barriers + _RESERVED_SMEM_BYTES)
 
 
@@ -325,30 +329,62 @@ def check_layout(config: Config, dtype, *, a_k_major: bool,
 
 
 def check_smem_budget(config: Config, dtype, out_dtype, c_dtype=None,
-                      k: int | None = None) -> None:
+                      k: int | None = None, split: _precision.Split | None = None) -> None:
   """Raises ValueError if the kernel would not fit an sm_90 block's smem."""
-  used = smem_bytes(config, dtype, out_dtype, c_dtype, k)
+  used = smem_bytes(config, dtype, out_dtype, c_dtype, k, split)
   if used > SMEM_BYTES_PER_BLOCK:
     raise ValueError(
         f"Config {config} needs {used} bytes of shared memory for"
         f" dtype={jnp.dtype(dtype).name}, out_dtype={jnp.dtype(out_dtype).name}"
         + (f", c_dtype={jnp.dtype(c_dtype).name}" if c_dtype is not None else "")
+        + (f", split {split.name}" if split is not None else "")
         + f"; sm_90 allows {SMEM_BYTES_PER_BLOCK} per block (shared-memory"
         " budget: stages*(block_m+block_n)*block_k*itemsize + epilogue"
-        " buffers). Lower stages, block_k, the block tile or the epi_block.")
+        " buffers [+ B's bf16 pieces]). Lower stages, block_k, the block tile or the"
+        " epi_block.")
+
+
+def check_split(config: Config, split: _precision.Split, b_k_major: bool) -> None:
+  """Raises ValueError if the config cannot run the FP32 emulation (see `_split_step`)."""
+  if config.producer != "warp":
+    raise ValueError(f"Config.producer={config.producer!r}: the FP32 split runs with the"
+                     " 'warp' producer only")
+  if config.num_compute_wgs > 1 and config.wg_split != "n":
+    raise ValueError("Config.wg_split='m': with the FP32 split each warpgroup splits its"
+                     " own columns of B, so the warpgroups must split the tile along n")
+  if config.wg_block_m * config.wg_block_n > 64 * 128:
+    raise ValueError(
+        f"Config: a warpgroup tile of {config.wg_block_m}x{config.wg_block_n} is too large"
+        " for the FP32 split, which keeps two f32 accumulators of it in registers (at most"
+        " 64x128)")
+  itemsize = 4
+  for what, minor in (("block_k", config.block_k),
+                      ("wg_block_n", config.block_k if b_k_major else config.wg_block_n)):
+    if minor * itemsize % 128 and minor * 2 % 32:
+      raise ValueError(f"Config.{what}={minor}: too narrow for the split's swizzled tiles")
 
 
 def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
-                   c_dtype=None) -> Config:
+                   c_dtype=None, precision=None) -> Config:
   """Picks a config by shape and dtype (fits the shared-memory budget).
 
   out_dtype defaults to dtype; c_dtype is C's dtype (None: no C). Both change
-  the epilogue's shared memory, so pass them when they are known.
+  the epilogue's shared memory, so pass them when they are known. precision
+  matters for float32 emulated from bf16 pieces (`precision.split_of`).
   """
   dtype = jnp.dtype(dtype)
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
   block_k = 128 // dtype.itemsize  # 128-byte rows: the widest swizzle.
-  if max(m, n) <= 64 or (m <= 128 and n <= 128):
+  split = _precision.split_of(precision, dtype)
+  if split is not None:
+    # Two f32 accumulators per warpgroup (the running sum and the K block's) cap its
+    # tile at 64x128. A (K, N) B tile is split in registers in wgmma's register layout,
+    # which needs 64 rows: block_k=64. Three stages of the f32 ring, the bf16 pieces of
+    # B and the epilogue then fit the shared memory with 64x64 warpgroup tiles.
+    cfg = Config(block_m=64, block_n=128, block_k=64, stages=3, num_compute_wgs=2,
+                 wg_split="n", epi_block_m=64, epi_block_n=64, grid_minor_dim="n",
+                 grid_tile_width=8)
+  elif max(m, n) <= 64 or (m <= 128 and n <= 128):
     # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
     # B's block must keep the 128-byte swizzle of A (wgmma needs one swizzle).
     block_n = min(128, _round_up(n, 128 // dtype.itemsize))
@@ -396,7 +432,7 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
                  num_compute_wgs=2, wg_split="n", epi_block_m=64,
                  epi_block_n=64, grid_minor_dim="n", grid_tile_width=8)
   # Shrink the epilogue, then the ring, until it fits.
-  while smem_bytes(cfg, dtype, out_dtype, c_dtype, k) > SMEM_BYTES_PER_BLOCK:
+  while smem_bytes(cfg, dtype, out_dtype, c_dtype, k, split) > SMEM_BYTES_PER_BLOCK:
     if cfg.epi_block_n > 32 or (cfg.epi_block_n > 8 and cfg.stages <= 2):
       cfg = cfg.replace(epi_block_n=cfg.epi_block_n // 2)
     elif cfg.stages > 2:
@@ -461,9 +497,15 @@ def supports(dtype, precision) -> str | None:
   dtype = jnp.dtype(dtype)
   if dtype not in _SUPPORTED_DTYPES:
     return f"dtype {dtype.name} is not supported (float32, bfloat16, float16)"
+  if _precision.split_of(precision, dtype) is not None:
+    return None  # float32 from bf16 pieces, split in the kernel
+  if isinstance(precision, (str, lax.DotAlgorithmPreset)):
+    return (f"precision={getattr(precision, 'name', precision)} has no Mosaic GPU kernel"
+            f" for {dtype.name} inputs (backend='xla' runs it)")
   if dtype == jnp.float32 and _is_highest(precision):
     return ("float32 with Precision.HIGHEST needs IEEE fp32 products; wgmma"
-            " computes 32-bit inputs as TF32")
+            " computes 32-bit inputs as TF32 (precision='float32_accurate' gives"
+            " SGEMM's accuracy on tensor cores)")
   return None
 
 
@@ -573,7 +615,8 @@ def _swizzle_transforms(minor_elems: int, dtype):
 def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, config: Config,
             m: int, n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
             b_shared: bool, alpha: float, beta: float, c_separate: bool,
-            activation: str | None, num_ctas: int, stream_k: StreamK | None):
+            activation: str | None, num_ctas: int, stream_k: StreamK | None,
+            split: _precision.Split | None = None, interpret: bool = False):
   """One persistent CTA (of num_ctas, or of num_ctas clusters).
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
@@ -585,6 +628,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   partials_gmem: None, or with stream_k (num_ctas * cluster_size * num_compute_wgs,
     wg_block_m, wg_block_n) f32: per warpgroup, the sum it hands over for a tile that
     another CTA finishes.
+  split: float32 operands computed from bf16 pieces (see `_split_step`), or None.
   """
   cfg = config
   dtype = a_gmem.dtype
@@ -598,6 +642,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   # the kernel faulted on the H200 (8192x8192x64, wgmma_wait=1). One K step has
   # nothing to overlap, so wait for each wgmma then.
   wgmma_wait = cfg.wgmma_wait if k_iters > cfg.wgmma_wait else 0
+  if split is not None:
+    wgmma_wait = 0  # the split step waits for its own products
   # The tile loop walks clusters: (cluster_m x cluster_n) adjacent CTA tiles. With
   # an odd tile count the last cluster's second CTA gets a tile past the edge: its
   # TMA loads read zeros (it still has to take part in the multicast) and its
@@ -743,6 +789,19 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
           (num_wgs, epi_m, epi_n), c_gmem.dtype,
           transforms=_swizzle_transforms(epi_n, c_gmem.dtype))
 
+  if split is not None:
+    # Each consumer warpgroup's bf16 pieces of its columns of the B tile.
+    p_block = (wg_n, bk) if b_k_major else (bk, wg_n)
+    epilogue_allocs["b_pieces"] = plgpu.SMEM(
+        (num_wgs, split.pieces, *p_block), jnp.bfloat16,
+        transforms=_swizzle_transforms(p_block[1], jnp.bfloat16))
+    if interpret:
+      epilogue_allocs["a_pieces"] = plgpu.SMEM(
+          (num_wgs, split.pieces, wg_m, bk), jnp.bfloat16,
+          transforms=_swizzle_transforms(bk, jnp.bfloat16))
+    wgmma = functools.partial(_split_step, split=split, b_k_major=b_k_major,
+                              wg_origin=wg_origin, wg_m=wg_m, wg_n=wg_n)
+
   if cfg.producer == "warp":
     _warp_producer_kernel(
         cfg=cfg, a_block=a_block, b_block=b_block, a_transforms=a_transforms,
@@ -750,7 +809,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         k_iters=k_iters, wgmma_wait=wgmma_wait, tiles=(batch, m_iters * n_iters),
         num_ctas=num_ctas, stream_k=stream_k, partials_gmem=partials_gmem,
         tile_coords=tile_coords, wg_origin=wg_origin, wgmma=wgmma, a_window=a_window,
-        b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs)
+        b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs,
+        split=split is not None)
     return
 
   ignore = lambda *_, **__: None
@@ -800,10 +860,46 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _split_step(total, a_tile, b_tile, wg, *, b_pieces, a_pieces_smem, release, split,
+                b_k_major, wg_origin, wg_m, wg_n):
+  """One K block of the FP32 emulation: total + op(a_tile) @ op(b_tile) from bf16 pieces.
+
+  The f32 tiles that TMA brought are split in registers (`precision.split`): A's pieces
+  stay in registers as wgmma's left operand, B's columns of this warpgroup go to its
+  own bf16 buffers in shared memory (A's too in interpret mode, whose wgmma of jax
+  0.11.2 reads shared memory only), after which the f32 stage is released (`release`),
+  so the producer refills it while the products run. The products (smallest first) go
+  into a zeroed accumulator that is then added to the running f32 sum `total` (carried
+  in registers) with IEEE adds: the tensor core's truncating accumulation never runs
+  longer than one K block.
+  """
+  wg_m0, wg_n0 = wg_origin(wg)
+  cols = pl.ds(wg_n0, wg_n)
+  b_view = b_tile.at[cols, :] if b_k_major else b_tile.at[:, cols]
+  for i, piece in enumerate(_precision.split(b_view[...], split.pieces)):
+    b_pieces[wg, i] = piece
+  a_view = a_tile.at[pl.ds(wg_m0, wg_m), :] if a_tile.shape[0] != wg_m else a_tile
+  a_pieces = _precision.split(a_view[...], split.pieces)
+  if a_pieces_smem is not None:  # interpret mode: its wgmma takes no register operand
+    for i, piece in enumerate(a_pieces):
+      a_pieces_smem[wg, i] = piece
+    a_pieces = [a_pieces_smem.at[wg, i] for i in range(split.pieces)]
+  plgpu.commit_smem()  # the pieces' stores, before wgmma reads them (async proxy)
+  release()
+
+  def block_sum(blk_ref):
+    for i, j in split.products:
+      b_op = b_pieces.at[wg, j]
+      plgpu.wgmma(blk_ref, a_pieces[i], b_op.T if b_k_major else b_op)
+    return blk_ref[...]  # waits for the wgmmas: the pieces may be overwritten after
+
+  return total + pl.run_scoped(block_sum, plgpu.ACC((wg_m, wg_n), jnp.float32))
+
+
 def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
                           a_k_major, b_k_major, k_iters, wgmma_wait, tiles, num_ctas,
                           stream_k, partials_gmem, tile_coords, wg_origin, wgmma,
-                          a_window, b_window, epilogue, epilogue_allocs):
+                          a_window, b_window, epilogue, epilogue_allocs, split=False):
   """Config.producer == "warp": the CTA's K steps as one ring.
 
   The CTA's work is a sequence of pieces, each a tile and a range [k0, k1) of its K
@@ -886,7 +982,8 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
     return tile_coords(lax.div(g, per_batch), lax.rem(g, per_batch))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-  def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None):
+  def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None,
+             b_pieces=None, a_pieces=None):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == num_wgs)
@@ -939,28 +1036,7 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
         bi, mi, ni = coords(g)
         wg_m0, wg_n0 = wg_origin(wg)
 
-        @functools.partial(pl.run_scoped,
-                           acc_ref=plgpu.ACC((cfg.wg_block_m, cfg.wg_block_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          @pl.loop(k0, k1)
-          def _k(kk):
-            step = first + kk - k0
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(produced.at[slot])
-            wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
-            plgpu.wgmma_wait(wgmma_wait)
-            if wgmma_wait == 0:
-              plgpu.barrier_arrive(consumed.at[slot])
-            else:  # the previous step's wgmma is done: its buffer is free
-
-              @pl.when(kk > k0)
-              def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
-
-          if wgmma_wait:
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[lax.rem(first + k1 - k0 - 1, stages)])
-          acc = acc_ref[...]
+        def finish(acc):  # the epilogue, or the stream-K hand-over
           write = functools.partial(epilogue, acc, bi, mi * cfg.block_m + wg_m0,
                                     ni * cfg.block_n + wg_n0, wg, out_smem, c_smem,
                                     c_barrier)
@@ -995,6 +1071,42 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           @pl.when(begins_tile & ends_tile)
           def _whole():
             write()
+
+        if split:  # the sum is carried in registers (see _split_step)
+          def _k(kk, total):
+            step = first + kk - k0
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            return wgmma(total, a_smem.at[slot], b_smem.at[slot], wg, b_pieces=b_pieces,
+                         a_pieces_smem=a_pieces,
+                         release=lambda: plgpu.barrier_arrive(consumed.at[slot]))
+
+          finish(lax.fori_loop(k0, k1, _k, jnp.zeros((cfg.wg_block_m, cfg.wg_block_n),
+                                                      jnp.float32)))
+          return
+
+        @functools.partial(pl.run_scoped,
+                           acc_ref=plgpu.ACC((cfg.wg_block_m, cfg.wg_block_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.loop(k0, k1)
+          def _k(kk):
+            step = first + kk - k0
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
+            plgpu.wgmma_wait(wgmma_wait)
+            if wgmma_wait == 0:
+              plgpu.barrier_arrive(consumed.at[slot])
+            else:  # the previous step's wgmma is done: its buffer is free
+
+              @pl.when(kk > k0)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(step - 1, stages)])
+
+          if wgmma_wait:
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[lax.rem(first + k1 - k0 - 1, stages)])
+          finish(acc_ref[...])
 
       for_each_piece(mma_piece)
 
@@ -1082,13 +1194,16 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     raise ValueError(f"c.shape={c.shape}, expected {(batch, m, n)}")
 
   # Operand layouts. 16-bit wgmma reads either major order from smem; 32-bit
-  # (TF32) needs both operands K-major, so copy the one that is not.
+  # (TF32) needs both operands K-major, so copy the one that is not. The FP32 split
+  # feeds wgmma A's bf16 pieces from registers, loaded from a K-major tile, and B's
+  # from shared memory in either order.
+  split = _precision.split_of(precision, dtype)
   a_k_major = not transpose_a
   b_k_major = transpose_b
   if dtype.itemsize == 4:
     if not a_k_major:
       a, a_k_major = jnp.swapaxes(a, 1, 2), True
-    if not b_k_major:
+    if not b_k_major and split is None:
       b, b_k_major = jnp.swapaxes(b, 1, 2), True
 
   if c is not None:
@@ -1096,14 +1211,17 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       c = c.astype(jnp.float32)
   c_dtype = None if c is None else c.dtype
   c_separate = _c_separate(c_dtype, out_dtype)
-  if (smem_bytes(config, dtype, out_dtype, c_dtype, k) > SMEM_BYTES_PER_BLOCK
-      and config == default_config(m, n, k, dtype)):
+  if (smem_bytes(config, dtype, out_dtype, c_dtype, k, split) > SMEM_BYTES_PER_BLOCK
+      and config == default_config(m, n, k, dtype, precision=precision)):
     # The shape default assumed out_dtype == dtype and no C of another dtype:
     # re-pick it knowing both, instead of failing a call that gave no config.
     config = default_config(m, n, k, dtype, out_dtype=out_dtype,
-                            c_dtype=c_dtype)
-  check_layout(config, dtype, a_k_major=a_k_major, b_k_major=b_k_major)
-  check_smem_budget(config, dtype, out_dtype, c_dtype, k)
+                            c_dtype=c_dtype, precision=precision)
+  if split is None:
+    check_layout(config, dtype, a_k_major=a_k_major, b_k_major=b_k_major)
+  else:
+    check_split(config, split, b_k_major)
+  check_smem_budget(config, dtype, out_dtype, c_dtype, k, split)
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   a_minor, b_minor = (bk if a_k_major else bm), (bk if b_k_major else bn)
@@ -1125,7 +1243,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
-      activation=activation, num_ctas=num_ctas, stream_k=stream_k)
+      activation=activation, num_ctas=num_ctas, stream_k=stream_k, split=split,
+      interpret=interpret)
   out_type = jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype)
   if stream_k is not None:  # + the partial accumulators handed between CTAs
     out_type = (out_type, jax.ShapeDtypeStruct(

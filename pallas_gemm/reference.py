@@ -54,14 +54,28 @@ _COMPUTE_TOL = {
     # 1.04e-3 seen at 1x1x1 on the H200); ~3e-4 normwise at 4096
     "tf32": (2e-3, 1e-5),
     "16bit": (1e-5, 1e-6),  # bf16/f16 products are exact in f32; tensor-core accumulation
+    # float32 from bf16 pieces (pallas_gemm/precision.py): two pieces drop products of
+    # 2^-16 (jnp.dot's X3: 1.6e-5 at 4096^3, 1.9e-5 at 8192^3, H200); one piece is
+    # bf16 inputs (8 bits: 8x TF32's rounding). X6, X9 and float32_accurate are "ieee".
+    "bf16x3": (3e-5, 3e-7),
+    "bf16": (1.6e-2, 8e-5),
+    "tf32x3": (2e-5, 5e-7),  # jnp.dot's TF32_TF32_F32_X3: 9.7e-6 at 4096^3, 1.9e-5 at 8192^3
 }
 # ... plus the final rounding to the output dtype (half an ulp, normwise below that).
 _OUTPUT_TOL = {"float32": 0.0, "bfloat16": 8e-3, "float16": 1e-3}
 
 
 def compute_class(dtype, precision) -> str:
+  from pallas_gemm import precision as precisions  # noqa: PLC0415 - keeps this module light
+
   if np.dtype(dtype).itemsize == 2:
     return "16bit"
+  precision = precisions.effective(precisions.normalize(precision), dtype)
+  split = precisions.split_of(precision, dtype)
+  if split is not None:
+    return {1: "bf16", 2: "bf16x3"}.get(split.pieces, "ieee")
+  if precision == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3:
+    return "tf32x3"
   return "ieee" if precision == jax.lax.Precision.HIGHEST else "tf32"
 
 

@@ -82,6 +82,11 @@ def precision_class(dtype, precision, backend: str | None = None) -> str:
     return "-"
   if backend == "cuda":
     return "ieee"
+  from pallas_gemm import precision as _precision  # noqa: PLC0415 - tiny, avoids a cycle
+
+  split = _precision.split_of(precision, dtype)
+  if split is not None:  # an FP32 emulation from bf16 pieces: its own tuning class
+    return split.name
   if isinstance(precision, (tuple, list)):
     precision = precision[0] if precision else None
   if isinstance(precision, str):
@@ -323,7 +328,12 @@ def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=Non
       fits(tuned, dtype, np.dtype(out_dtype or dtype), c_dtype, k)
     except ValueError:
       tuned = None
-  return tuned if tuned is not None else module.default_config(m, n, k, dtype)
+  if tuned is not None:
+    return tuned
+  if backend_name == "mosaic":  # its tiles depend on the epilogue and the FP32 split
+    return module.default_config(m, n, k, dtype, out_dtype=out_dtype, c_dtype=c_dtype,
+                                 precision=precision)
+  return module.default_config(m, n, k, dtype)
 
 
 def validate_table(path: pathlib.Path | None = None) -> list[str]:

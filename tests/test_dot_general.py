@@ -183,11 +183,18 @@ def test_float64_output_falls_back(rng):
                      NAMED["matmul"][2], None, np.float64)
 
 
-@pytest.mark.parametrize("precision", [jax.lax.DotAlgorithmPreset.F32_F32_F32, "F32_F32_F32",
-                                       jax.lax.DotAlgorithmPreset.DEFAULT])
+@pytest.mark.parametrize("precision", [
+    jax.lax.DotAlgorithm(np.float32, np.float32, np.float32),  # a custom algorithm
+    jax.lax.DotAlgorithmPreset.F16_F16_F32,                    # float32 inputs: not its types
+])
 def test_dot_algorithm_falls_back(precision, rng):
+  # Traced only: XLA's CPU backend runs neither algorithm.
   lhs, rhs = random(rng, (4, 5), np.float32), random(rng, (5, 3), np.float32)
-  _expect_fallback("precision", jnp.asarray(lhs), jnp.asarray(rhs), NAMED["matmul"][2], precision)
+  before = dg.FALLBACKS["precision"]
+  jaxpr = jax.make_jaxpr(lambda x, y: dg.dot_general(x, y, NAMED["matmul"][2], precision))(
+      lhs, rhs)
+  assert dg.FALLBACKS["precision"] == before + 1
+  assert [e.primitive.name for e in jaxpr.eqns] == ["dot_general"]
 
 
 @pytest.mark.parametrize("precision,expected", [
@@ -197,7 +204,9 @@ def test_dot_algorithm_falls_back(precision, rng):
     (("default", "default"), (True, jax.lax.Precision.DEFAULT)),
     ((jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST), (True, HIGHEST)),
     ((jax.lax.Precision.HIGHEST, jax.lax.Precision.DEFAULT), (True, HIGHEST)),
-    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32, (False, None)),
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, (True, jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6)),
+    ("BF16_BF16_F32_X3", (True, jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3)),
+    (jax.lax.DotAlgorithmPreset.DEFAULT, (True, None)),
 ])
 def test_gemm_precision(precision, expected):
   assert dg._gemm_precision(precision) == expected

@@ -1,5 +1,6 @@
 """Bad input: a ValueError/TypeError that names the argument, before anything is traced."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -29,7 +30,11 @@ B = jnp.ones((8, 5), jnp.float32)
     (dict(beta="1"), TypeError, r"beta must be a Python float"),
     (dict(transpose_a=1), TypeError, r"transpose_a must be a bool"),
     (dict(out_dtype=jnp.int8), TypeError, r"out_dtype must be one of .*int8"),
-    (dict(precision="ultra"), ValueError, r"precision must be None, 'default'"),
+    (dict(precision="ultra"), ValueError, r"precision must be None, a jax.lax.Precision name"),
+    (dict(precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, a=np.ones((4, 4), jnp.bfloat16),
+          b=np.ones((4, 4), jnp.bfloat16)), ValueError, r"BF16_BF16_F32_X6 takes inputs of float32"),
+    (dict(precision="float32_accurate", a=np.ones((4, 4), jnp.float16),
+          b=np.ones((4, 4), jnp.float16)), ValueError, r"'float32_accurate' is for float32"),
     (dict(precision=3), TypeError, r"precision must be None, a str"),
     (dict(backend="cublas"), ValueError, r"backend must be 'auto' or one of .*'cublas'"),
     (dict(backend="triton", config=pallas_gemm.xla.Config()), TypeError,

@@ -1,0 +1,176 @@
+"""float32 GEMM precisions: speed and error of every DotAlgorithmPreset, gemm vs jnp.dot.
+
+    python -m benchmarks --precision [--quick] [--shapes 4096,8192,4097] [--out DIR]
+                                     [--split-configs BMxBNxBK/STAGES,...]
+
+For each square shape: jnp.dot at HIGHEST (IEEE SGEMM, the baseline), then for each
+precision (the float32 presets and "float32_accurate") jnp.dot with that preset beside
+gemm(precision=...) (backend auto). Time: CUPTI device time on a GPU (wall clock
+elsewhere), median over calls that rotate three input sets (beyond L2). Error: relative
+Frobenius and max elementwise error (over max |C|) of the first rows against float64,
+on N(0,1) inputs and on wide-range inputs x * exp(1.5 * N(0,1)). --split-configs adds
+rows of the mosaic split kernel with other tiles. Writes precision.json and a
+speed-vs-error plot (precision.png, with matplotlib) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_gemm
+from benchmarks.timing import Timer
+from pallas_gemm import mosaic
+from pallas_gemm import precision as P
+
+Preset = jax.lax.DotAlgorithmPreset
+PRECISIONS = (Preset.TF32_TF32_F32, Preset.TF32_TF32_F32_X3, Preset.BF16_BF16_F32,
+              Preset.BF16_BF16_F32_X3, Preset.BF16_BF16_F32_X6, Preset.BF16_BF16_F32_X9,
+              P.FLOAT32_ACCURATE)
+_ERR_ROWS = 256
+
+
+def _name(precision) -> str:
+  return getattr(precision, "name", str(precision))
+
+
+def family(kind: str, shape, seed: int) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape, dtype=np.float32)
+  if kind == "wide":
+    x = x * np.exp(1.5 * rng.standard_normal(shape)).astype(np.float32)
+  return x
+
+
+def errors(out, a, b) -> tuple[float, float]:
+  rows = min(_ERR_ROWS, a.shape[0])
+  ref = a[:rows].astype(np.float64) @ b.astype(np.float64)
+  got = np.asarray(out[:rows], np.float64)
+  return (float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
+          float(np.abs(got - ref).max() / np.abs(ref).max()))
+
+
+def _jnp_dot(precision):
+  return jax.jit(lambda a, b: jnp.dot(a, b, precision=precision))
+
+
+def _gemm(precision, config=None):
+  backend = "mosaic" if config is not None else "auto"
+  return jax.jit(lambda a, b: pallas_gemm.gemm(a, b, precision=precision, backend=backend,
+                                               config=config))
+
+
+def run(shapes, split_configs, iterations: int) -> list[dict]:
+  timer = Timer()
+  rows = []
+  for n in shapes:
+    flops = 2.0 * n ** 3
+    inputs = {kind: (family(kind, (n, n), 1), family(kind, (n, n), 2))
+              for kind in ("normal", "wide")}
+    arg_sets = [tuple(jnp.asarray(family("normal", (n, n), s + i)) for s in (10, 20))
+                for i in range(3)]
+
+    def measure(label, impl, precision, fn, base=None):
+      try:
+        t = timer.measure(fn, arg_sets, iterations)
+      except Exception as e:  # noqa: BLE001 - a precision a backend refuses: say why
+        print(f"{n:6d} {label:34s} unavailable: {type(e).__name__}: {str(e)[:150]}", flush=True)
+        rows.append(dict(n=n, label=label, impl=impl, precision=_name(precision),
+                         error=f"{type(e).__name__}: {e}"))
+        return None
+      row = dict(n=n, label=label, impl=impl, precision=_name(precision),
+                 ms=t.median_ms, tflops=flops / t.median_ms / 1e9)
+      for kind, (a, b) in inputs.items():
+        row[f"relerr_{kind}"], row[f"maxerr_{kind}"] = errors(
+            fn(jnp.asarray(a), jnp.asarray(b)), a, b)
+      if base is not None:
+        row["vs_sgemm"] = base["ms"] / row["ms"]
+      rows.append(row)
+      print(f"{n:6d} {label:34s} {row['tflops']:7.1f} TFLOP/s"
+            + (f" {row['vs_sgemm']:5.2f}x SGEMM" if base else " " * 12)
+            + f"  relerr {row['relerr_normal']:.2e} (wide {row['relerr_wide']:.2e})"
+            f"  max {row['maxerr_normal']:.1e}", flush=True)
+      return row
+
+    sgemm = measure("jnp.dot HIGHEST", "jnp.dot", jax.lax.Precision.HIGHEST,
+                    _jnp_dot(jax.lax.Precision.HIGHEST))
+    for precision in PRECISIONS:
+      ref = None
+      if isinstance(precision, Preset):
+        ref = measure(f"jnp.dot {_name(precision)}", "jnp.dot", precision,
+                      _jnp_dot(precision), sgemm)
+      row = measure(f"gemm {_name(precision)}", "gemm", precision, _gemm(precision), sgemm)
+      if row is not None and ref is not None and "ms" in ref:
+        row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
+        print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
+              " preset", flush=True)
+    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2|cn2]
+      tile, stages, *cluster = spec.split("/")
+      bm, bn, bk = (int(x) for x in tile.split("x"))
+      cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE).replace(
+          block_m=bm, block_n=bn, block_k=bk, stages=int(stages),
+          cluster_m=2 if cluster == ["cm2"] else 1, cluster_n=2 if cluster == ["cn2"] else 1)
+      measure(f"mosaic float32_accurate {spec}", "gemm", P.FLOAT32_ACCURATE,
+              _gemm(P.FLOAT32_ACCURATE, cfg), sgemm)
+  return rows
+
+
+def plot(rows, path: pathlib.Path) -> bool:
+  try:
+    import matplotlib  # noqa: PLC0415 - optional (the bench extra)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return False
+  sizes = sorted({r["n"] for r in rows})
+  fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.5), squeeze=False)
+  for ax, n in zip(axes[0], sizes):
+    for r in rows:
+      if r["n"] != n or "ms" not in r:
+        continue
+      marker = "o" if r["impl"] == "gemm" else "s"
+      color = "tab:red" if r["impl"] == "gemm" else "tab:gray"
+      ax.scatter(r["relerr_normal"], r["tflops"], marker=marker, color=color)
+      ax.annotate(r["label"].replace("jnp.dot ", "dot ").replace("_BF16_F32", "")
+                  .replace("_TF32_F32", ""), (r["relerr_normal"], r["tflops"]),
+                  fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_xlabel("relative Frobenius error vs float64 (N(0,1) inputs)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"float32 {n}^3: gemm (red) vs jnp.dot (gray)")
+    ax.grid(True, alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m benchmarks --precision")
+  p.add_argument("--quick", action="store_true", help="small shapes (a CPU can run them)")
+  p.add_argument("--shapes", help="comma-separated square sizes (default 4096,8192,4097)")
+  p.add_argument("--split-configs", default="",
+                 help="extra mosaic split tiles, e.g. 64x128x64/3,128x128x64/2/cm2")
+  p.add_argument("--iterations", type=int, default=20)
+  p.add_argument("--out", type=pathlib.Path)
+  args = p.parse_args(argv)
+  device = jax.devices()[0].device_kind
+  print(f"device: {device}, jax {jax.__version__}", flush=True)
+  if args.shapes:
+    shapes = [int(s) for s in args.shapes.split(",")]
+  else:
+    shapes = [128, 129] if args.quick else [4096, 8192, 4097]
+  split_configs = [s for s in args.split_configs.split(",") if s]
+  rows = run(shapes, split_configs, 3 if args.quick else args.iterations)
+  if args.out is not None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "precision.json").write_text(json.dumps(
+        dict(device=device, jax=jax.__version__, rows=rows), indent=1))
+    if plot(rows, args.out / "precision.png"):
+      print(f"plot: {args.out / 'precision.png'}")
+  return 0

@@ -1,0 +1,185 @@
+"""precision=: DotAlgorithmPreset and "float32_accurate" (float32 from bf16 pieces).
+
+The split arithmetic is checked on the CPU (`precision.split` is the code the kernel
+runs on its registers; the mosaic kernel runs in interpret mode); tests marked `gpu`
+compare the kernel's error with jnp.dot's on the same inputs on the device.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import ON_GPU, random, skip_reason
+from pallas_gemm import gemm, op
+from pallas_gemm import precision as P
+from pallas_gemm.reference import reference, relative_error, tolerance
+
+Preset = jax.lax.DotAlgorithmPreset
+SPLIT_PRECISIONS = [P.FLOAT32_ACCURATE, Preset.BF16_BF16_F32_X3, Preset.BF16_BF16_F32_X6,
+                    Preset.BF16_BF16_F32_X9, Preset.BF16_BF16_F32]
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def family(kind, rng, shape, operand="a"):
+  """The three input families of the issue: N(0,1); wide range x * exp(1.5 N(0,1)); and
+  "range": magnitudes near float32's limits, sign * [1, 2) * 2^e with e in [0, 115] for
+  a and [-100, 0] for b, so that the products (and their sums) stay finite in float32
+  and every piece of the split is a normal bf16 (the model of precision.py)."""
+  x = rng.standard_normal(shape).astype(np.float32)
+  if kind == "wide":
+    x = x * np.exp(1.5 * rng.standard_normal(shape)).astype(np.float32)
+  elif kind == "range":
+    low, high = (0, 115) if operand == "a" else (-100, 0)
+    x = (np.sign(x) * rng.uniform(1, 2, shape) * np.exp2(rng.integers(low, high + 1, shape))
+         ).astype(np.float32)
+  return x
+
+
+# ----------------------------------------------------------------------------- the split
+
+
+@pytest.mark.parametrize("kind", ["normal", "wide", "range"])
+def test_split_pieces_sum_to_x(kind, rng):
+  x = np.concatenate([family(kind, rng, (4096,), "a"), family(kind, rng, (4096,), "b")])
+  pieces = [np.asarray(p, np.float64) for p in P.split(jnp.asarray(x), 3)]
+  assert np.all(np.abs(pieces[1]) <= 2.0**-8 * np.abs(x))
+  assert np.all(np.abs(pieces[2]) <= 2.0**-16 * np.abs(x))
+  np.testing.assert_array_less(np.abs(sum(pieces) - x), 2.0**-24 * np.abs(x) + 1e-45)
+
+
+def test_split_near_the_largest_float32():
+  # bf16(x) rounds to inf above bf16's largest finite value; the clamp keeps it finite.
+  x = np.array([F32_MAX, -F32_MAX, 3.3961e38, 1e38], np.float32)
+  pieces = [np.asarray(p, np.float64) for p in P.split(jnp.asarray(x), 3)]
+  assert all(np.all(np.isfinite(p)) for p in pieces)
+  np.testing.assert_allclose(sum(pieces), x, rtol=2.0**-23)
+
+
+def test_split_keeps_inf_and_nan():
+  x = jnp.asarray([np.inf, -np.inf, np.nan, 1.0], jnp.float32)
+  with np.errstate(over="ignore", invalid="ignore"):
+    total = sum(np.asarray(p, np.float32) for p in P.split(x, 3))
+  assert total[0] == np.inf and total[1] == -np.inf and np.isnan(total[2]) and total[3] == 1.0
+
+
+@pytest.mark.parametrize("precision", SPLIT_PRECISIONS, ids=str)
+@pytest.mark.parametrize("kind", ["normal", "wide", "range"])
+def test_emulated_products_meet_the_tolerance(precision, kind, rng):
+  k = 512
+  a, b = family(kind, rng, (64, k)), family(kind, rng, (k, 48), "b")
+  out = P.emulate(jnp.asarray(a), jnp.asarray(b), P.split_of(precision, np.float32))
+  assert relative_error(out, reference(a, b)) <= tolerance(np.float32, precision, k)
+
+
+def test_normalize():
+  assert P.normalize("BF16_BF16_F32_X6") is Preset.BF16_BF16_F32_X6
+  assert P.normalize(Preset.DEFAULT) is None
+  assert P.normalize(("highest", "highest")) is jax.lax.Precision.HIGHEST
+  assert P.effective(Preset.F32_F32_F32, np.float32) is jax.lax.Precision.HIGHEST
+  assert P.effective(Preset.BF16_BF16_F32, jnp.bfloat16) is None
+  with pytest.raises(ValueError, match="precision must be one Precision for both"):
+    P.normalize(("highest", "default"))
+
+
+# ----------------------------------------------------------------------------- gemm
+
+
+def _check(backend, precision, rng, m, n, k, *, kind="normal", **kwargs):
+  reason = skip_reason(backend, np.float32, P.effective(precision, np.float32))
+  if reason:
+    pytest.skip(reason)
+  ta, tb = kwargs.get("transpose_a", False), kwargs.get("transpose_b", False)
+  batch = kwargs.pop("batch", ())
+  a = family(kind, rng, batch + ((k, m) if ta else (m, k)))
+  b = family(kind, rng, batch + ((n, k) if tb else (k, n)), "b")
+  c = random(rng, batch + (m, n), np.float32) if kwargs.get("beta") else None
+  out = gemm(jnp.asarray(a), jnp.asarray(b), None if c is None else jnp.asarray(c),
+             precision=precision, backend=backend, **kwargs)
+  assert out.shape == batch + (m, n) and out.dtype == np.float32
+  err = relative_error(out, reference(a, b, c, **kwargs))
+  tol = tolerance(np.float32, precision, k)
+  assert err <= tol, f"{backend} {precision}: relative error {err:.3g} > {tol:.3g}"
+  return out
+
+
+@pytest.mark.parametrize("precision", SPLIT_PRECISIONS, ids=str)
+@pytest.mark.parametrize("m,n,k", [(7, 129, 33), (129, 7, 65), (64, 64, 64)])
+def test_shapes(backend, precision, m, n, k, rng):
+  _check(backend, precision, rng, m, n, k)
+
+
+@pytest.mark.parametrize("kind", ["wide", "range"])
+def test_input_families(backend, kind, rng):
+  _check(backend, P.FLOAT32_ACCURATE, rng, 65, 130, 96, kind=kind)
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b", [(True, False), (False, True), (True, True)])
+def test_transposes_batch_and_epilogue(backend, transpose_a, transpose_b, rng):
+  _check(backend, P.FLOAT32_ACCURATE, rng, 40, 72, 48, batch=(2,), transpose_a=transpose_a,
+         transpose_b=transpose_b, alpha=0.5, beta=2.0)
+
+
+def test_gradients_keep_the_precision(backend, rng):
+  """The backward GEMMs run with the forward's precision and backend."""
+  if skip_reason(backend, np.float32, P.FLOAT32_ACCURATE):
+    pytest.skip(skip_reason(backend, np.float32, P.FLOAT32_ACCURATE))
+  a, b = (jnp.asarray(family("normal", rng, s)) for s in ((24, 40), (40, 16)))
+  loss = lambda a, b: jnp.sum(gemm(a, b, precision=P.FLOAT32_ACCURATE, backend=backend) ** 2)
+  plans = [e.params["plan"] for e in jax.make_jaxpr(jax.grad(loss, (0, 1)))(a, b).eqns
+           if e.primitive is op.gemm_p]
+  assert len(plans) == 3
+  assert {(p.precision, p.backend) for p in plans} == {(P.FLOAT32_ACCURATE, backend)}
+  ga, gb = jax.grad(loss, (0, 1))(a, b)
+  a64, b64 = np.float64(a), np.float64(b)
+  g = 2 * a64 @ b64
+  assert relative_error(ga, g @ b64.T) <= tolerance(np.float32, P.FLOAT32_ACCURATE, 40) * 2
+  assert relative_error(gb, a64.T @ g) <= tolerance(np.float32, P.FLOAT32_ACCURATE, 40) * 2
+
+
+def test_auto_on_cpu_is_ieee():
+  if ON_GPU:
+    pytest.skip("checks the CPU's choice")
+  a = jnp.ones((8, 8), jnp.float32)
+  plans = [e.params["plan"] for e in jax.make_jaxpr(
+      lambda a: gemm(a, a, precision=P.FLOAT32_ACCURATE))(a).eqns if e.primitive is op.gemm_p]
+  assert [p.backend for p in plans] == ["xla"]
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["normal", "wide", "range"])
+@pytest.mark.parametrize("m,n,k", [(2048, 2048, 4096), (4097, 4097, 4097), (1031, 517, 777)])
+def test_gpu_float32_accurate_vs_sgemm(kind, m, n, k, rng):
+  """The contract: an error no worse than IEEE SGEMM's (jnp.dot HIGHEST, same inputs)."""
+  a, b = family(kind, rng, (m, k)), family(kind, rng, (k, n), "b")
+  ref = reference(a, b)
+  ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=P.FLOAT32_ACCURATE,
+                             backend="mosaic"), ref)
+  sgemm = relative_error(jnp.dot(jnp.asarray(a), jnp.asarray(b),
+                                 precision=jax.lax.Precision.HIGHEST), ref)
+  assert ours <= 1.5 * sgemm, f"float32_accurate {ours:.3g} vs SGEMM {sgemm:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [Preset.BF16_BF16_F32_X3, Preset.BF16_BF16_F32_X6,
+                                       Preset.BF16_BF16_F32_X9, Preset.BF16_BF16_F32], ids=str)
+def test_gpu_presets_vs_jnp_dot(precision, rng):
+  """Each preset: an error no worse than jnp.dot's with the same preset (10% slack)."""
+  a, b = family("normal", rng, (2048, 4096)), family("normal", rng, (4096, 1024))
+  ref = reference(a, b)
+  ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=precision,
+                             backend="mosaic"), ref)
+  theirs = relative_error(jnp.dot(jnp.asarray(a), jnp.asarray(b), precision=precision), ref)
+  assert ours <= 1.1 * theirs, f"{precision.name}: {ours:.3g} vs jnp.dot {theirs:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(4097, 4097, 4097), (129, 4097, 1025), (16, 8192, 4096),
+                                   (7, 129, 4097), (1024, 1024, 32)])
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_gpu_ragged(m, n, k, transpose_b, rng):
+  jnp.full((m * n + 1,), jnp.nan, jnp.float32).block_until_ready().delete()  # poison
+  _check("mosaic", P.FLOAT32_ACCURATE, rng, m, n, k, transpose_b=transpose_b)
