@@ -65,7 +65,7 @@ def _gemm(precision, config=None):
                                                config=config))
 
 
-def run(shapes, split_configs, iterations: int) -> list[dict]:
+def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[dict]:
   timer = Timer()
   rows = []
   for n in shapes:
@@ -99,7 +99,7 @@ def run(shapes, split_configs, iterations: int) -> list[dict]:
 
     sgemm = measure("jnp.dot HIGHEST", "jnp.dot", jax.lax.Precision.HIGHEST,
                     _jnp_dot(jax.lax.Precision.HIGHEST))
-    for precision in PRECISIONS:
+    for precision in precisions:
       ref = None
       if isinstance(precision, Preset):
         ref = measure(f"jnp.dot {_name(precision)}", "jnp.dot", precision,
@@ -109,12 +109,16 @@ def run(shapes, split_configs, iterations: int) -> list[dict]:
         row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
         print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
               " preset", flush=True)
-    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2|cn2]
-      tile, stages, *cluster = spec.split("/")
+    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/noov][/epiN]
+      tile, stages, *opts = spec.split("/")
       bm, bn, bk = (int(x) for x in tile.split("x"))
       cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE).replace(
           block_m=bm, block_n=bn, block_k=bk, stages=int(stages),
-          cluster_m=2 if cluster == ["cm2"] else 1, cluster_n=2 if cluster == ["cn2"] else 1)
+          cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1,
+          split_overlap="noov" not in opts)
+      for o in opts:
+        if o.startswith("epi"):
+          cfg = cfg.replace(epi_block_n=int(o[3:]))
       measure(f"mosaic float32_accurate {spec}", "gemm", P.FLOAT32_ACCURATE,
               _gemm(P.FLOAT32_ACCURATE, cfg), sgemm)
   return rows
@@ -156,6 +160,8 @@ def main(argv=None) -> int:
   p.add_argument("--shapes", help="comma-separated square sizes (default 4096,8192,4097)")
   p.add_argument("--split-configs", default="",
                  help="extra mosaic split tiles, e.g. 64x128x64/3,128x128x64/2/cm2")
+  p.add_argument("--precisions", help="comma-separated subset of: "
+                 + ", ".join(_name(x) for x in PRECISIONS))
   p.add_argument("--iterations", type=int, default=20)
   p.add_argument("--out", type=pathlib.Path)
   args = p.parse_args(argv)
@@ -166,7 +172,11 @@ def main(argv=None) -> int:
   else:
     shapes = [128, 129] if args.quick else [4096, 8192, 4097]
   split_configs = [s for s in args.split_configs.split(",") if s]
-  rows = run(shapes, split_configs, 3 if args.quick else args.iterations)
+  precisions = PRECISIONS
+  if args.precisions:
+    names = args.precisions.split(",")
+    precisions = [x for x in PRECISIONS if _name(x) in names]
+  rows = run(shapes, split_configs, 3 if args.quick else args.iterations, precisions)
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "precision.json").write_text(json.dumps(

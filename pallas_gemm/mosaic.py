@@ -140,6 +140,10 @@ class Config:
     is nearly full (bf16 4096^3: 3.88 rounds): ``stream_k_schedule`` decides per
     launch. Interpret mode runs whole tiles: its interpreter has no global
     semaphores (jax 0.11.2).
+  split_overlap: FP32 split only (precision "float32_accurate" and the bf16
+    presets): split K block s + 1 while the products of block s run (two buffers of
+    B's pieces per warpgroup; see ``_warp_producer_kernel``). Interpret mode runs the split
+    without overlap (its wgmma accumulators cannot be stored to).
   """
 
   block_m: int = 128
@@ -158,6 +162,7 @@ class Config:
   cluster_n: int = 1
   num_sms: int | None = None
   stream_k: bool | None = None
+  split_overlap: bool = True
 
   def __post_init__(self):
     def fail(field, why):
@@ -283,7 +288,8 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
   barriers = 8 * (2 * stages + config.num_compute_wgs)
   pieces = 0 if split is None else (
-      config.num_compute_wgs * split.pieces * config.block_k * config.wg_block_n * 2)
+      (1 + config.split_overlap) * config.num_compute_wgs * split.pieces * config.block_k
+      * config.wg_block_n * 2)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
   return (sum(_round_up(x, 1024) for x in (ring, out, c, pieces) if x)
           + barriers + _RESERVED_SMEM_BYTES)
@@ -345,7 +351,7 @@ def check_smem_budget(config: Config, dtype, out_dtype, c_dtype=None,
 
 
 def check_split(config: Config, split: _precision.Split, b_k_major: bool) -> None:
-  """Raises ValueError if the config cannot run the FP32 emulation (see `_split_step`)."""
+  """Raises ValueError if the config cannot run the FP32 emulation (see `_warp_producer_kernel`)."""
   if config.producer != "warp":
     raise ValueError(f"Config.producer={config.producer!r}: the FP32 split runs with the"
                      " 'warp' producer only")
@@ -383,7 +389,7 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
     # B and the epilogue then fit the shared memory with 64x64 warpgroup tiles.
     cfg = Config(block_m=64, block_n=128, block_k=64, stages=3, num_compute_wgs=2,
                  wg_split="n", epi_block_m=64, epi_block_n=64, grid_minor_dim="n",
-                 grid_tile_width=8)
+                 grid_tile_width=8, split_overlap=True)
   elif max(m, n) <= 64 or (m <= 128 and n <= 128):
     # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
     # B's block must keep the 128-byte swizzle of A (wgmma needs one swizzle).
@@ -628,7 +634,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   partials_gmem: None, or with stream_k (num_ctas * cluster_size * num_compute_wgs,
     wg_block_m, wg_block_n) f32: per warpgroup, the sum it hands over for a tile that
     another CTA finishes.
-  split: float32 operands computed from bf16 pieces (see `_split_step`), or None.
+  split: float32 operands computed from bf16 pieces (see `_warp_producer_kernel`), or None.
   """
   cfg = config
   dtype = a_gmem.dtype
@@ -792,15 +798,18 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   if split is not None:
     # Each consumer warpgroup's bf16 pieces of its columns of the B tile.
     p_block = (wg_n, bk) if b_k_major else (bk, wg_n)
+    overlap = cfg.split_overlap and not interpret
     epilogue_allocs["b_pieces"] = plgpu.SMEM(
-        (num_wgs, split.pieces, *p_block), jnp.bfloat16,
+        (num_wgs, 1 + overlap, split.pieces, *p_block), jnp.bfloat16,
         transforms=_swizzle_transforms(p_block[1], jnp.bfloat16))
     if interpret:
       epilogue_allocs["a_pieces"] = plgpu.SMEM(
           (num_wgs, split.pieces, wg_m, bk), jnp.bfloat16,
           transforms=_swizzle_transforms(bk, jnp.bfloat16))
-    wgmma = functools.partial(_split_step, split=split, b_k_major=b_k_major,
-                              wg_origin=wg_origin, wg_m=wg_m, wg_n=wg_n)
+    split_tiles = functools.partial(_split_tiles, split=split, b_k_major=b_k_major,
+                                    wg_origin=wg_origin, wg_m=wg_m, wg_n=wg_n)
+    split_products = functools.partial(_split_products, split=split, b_k_major=b_k_major)
+    wgmma = (split_tiles, split_products)
 
   if cfg.producer == "warp":
     _warp_producer_kernel(
@@ -810,7 +819,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         num_ctas=num_ctas, stream_k=stream_k, partials_gmem=partials_gmem,
         tile_coords=tile_coords, wg_origin=wg_origin, wgmma=wgmma, a_window=a_window,
         b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs,
-        split=split is not None)
+        split=split is not None, overlap=split is not None and cfg.split_overlap
+        and not interpret)
     return
 
   ignore = lambda *_, **__: None
@@ -860,46 +870,42 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _split_step(total, a_tile, b_tile, wg, *, b_pieces, a_pieces_smem, release, split,
-                b_k_major, wg_origin, wg_m, wg_n):
-  """One K block of the FP32 emulation: total + op(a_tile) @ op(b_tile) from bf16 pieces.
+def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, b_k_major,
+                 wg_origin, wg_m, wg_n):
+  """Splits one K block's f32 tiles into bf16 pieces (`precision.split`).
 
-  The f32 tiles that TMA brought are split in registers (`precision.split`): A's pieces
-  stay in registers as wgmma's left operand, B's columns of this warpgroup go to its
-  own bf16 buffers in shared memory (A's too in interpret mode, whose wgmma of jax
-  0.11.2 reads shared memory only), after which the f32 stage is released (`release`),
-  so the producer refills it while the products run. The products (smallest first) go
-  into a zeroed accumulator that is then added to the running f32 sum `total` (carried
-  in registers) with IEEE adds: the tensor core's truncating accumulation never runs
-  longer than one K block.
+  B's columns of this warpgroup go to its buffers `b_pieces` (split.pieces, ...) in
+  shared memory; A's pieces stay in registers as wgmma's left operand (in interpret
+  mode they go to `a_pieces_smem`: its wgmma of jax 0.11.2 reads shared memory only).
+  Returns A's operands. After the commit the f32 tiles are no longer read.
   """
   wg_m0, wg_n0 = wg_origin(wg)
   cols = pl.ds(wg_n0, wg_n)
   b_view = b_tile.at[cols, :] if b_k_major else b_tile.at[:, cols]
   for i, piece in enumerate(_precision.split(b_view[...], split.pieces)):
-    b_pieces[wg, i] = piece
+    b_pieces[i] = piece
   a_view = a_tile.at[pl.ds(wg_m0, wg_m), :] if a_tile.shape[0] != wg_m else a_tile
   a_pieces = _precision.split(a_view[...], split.pieces)
-  if a_pieces_smem is not None:  # interpret mode: its wgmma takes no register operand
+  if a_pieces_smem is not None:
     for i, piece in enumerate(a_pieces):
       a_pieces_smem[wg, i] = piece
     a_pieces = [a_pieces_smem.at[wg, i] for i in range(split.pieces)]
   plgpu.commit_smem()  # the pieces' stores, before wgmma reads them (async proxy)
-  release()
+  return a_pieces
 
-  def block_sum(blk_ref):
-    for i, j in split.products:
-      b_op = b_pieces.at[wg, j]
-      plgpu.wgmma(blk_ref, a_pieces[i], b_op.T if b_k_major else b_op)
-    return blk_ref[...]  # waits for the wgmmas: the pieces may be overwritten after
 
-  return total + pl.run_scoped(block_sum, plgpu.ACC((wg_m, wg_n), jnp.float32))
+def _split_products(blk_ref, a_pieces, b_pieces, *, split, b_k_major):
+  """Issues the piece products of one K block into blk_ref, smallest first (async)."""
+  for i, j in split.products:
+    b_op = b_pieces.at[j]
+    plgpu.wgmma(blk_ref, a_pieces[i], b_op.T if b_k_major else b_op)
 
 
 def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
                           a_k_major, b_k_major, k_iters, wgmma_wait, tiles, num_ctas,
                           stream_k, partials_gmem, tile_coords, wg_origin, wgmma,
-                          a_window, b_window, epilogue, epilogue_allocs, split=False):
+                          a_window, b_window, epilogue, epilogue_allocs, split=False,
+                          overlap=False):
   """Config.producer == "warp": the CTA's K steps as one ring.
 
   The CTA's work is a sequence of pieces, each a tile and a range [k0, k1) of its K
@@ -1072,17 +1078,51 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def _whole():
             write()
 
-        if split:  # the sum is carried in registers (see _split_step)
-          def _k(kk, total):
+        if split:
+          # FP32 from bf16 pieces. Each K block's products (smallest first) go into a
+          # zeroed accumulator `blk`, which is then added to the running f32 sum
+          # `total`, carried in registers, with IEEE adds: the tensor core's
+          # truncating accumulation never runs longer than one K block. The f32 stage
+          # is released as soon as it is split. With overlap, block s is split (into
+          # the other piece buffer) while block s - 1's products run, then those are
+          # waited for, added and blk re-zeroed before block s's are issued.
+          split_tiles, split_products = wgmma
+          zeros = jnp.zeros((cfg.wg_block_m, cfg.wg_block_n), jnp.float32)
+
+          def split_step(kk, buffer):
             step = first + kk - k0
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(produced.at[slot])
-            return wgmma(total, a_smem.at[slot], b_smem.at[slot], wg, b_pieces=b_pieces,
-                         a_pieces_smem=a_pieces,
-                         release=lambda: plgpu.barrier_arrive(consumed.at[slot]))
+            a_ops = split_tiles(a_smem.at[slot], b_smem.at[slot], wg, b_pieces.at[wg, buffer],
+                                a_pieces)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return a_ops
 
-          finish(lax.fori_loop(k0, k1, _k, jnp.zeros((cfg.wg_block_m, cfg.wg_block_n),
-                                                      jnp.float32)))
+          if not overlap:
+            def _k(kk, total):
+              a_ops = split_step(kk, 0)
+
+              def block_sum(blk_ref):
+                split_products(blk_ref, a_ops, b_pieces.at[wg, 0])
+                return blk_ref[...]  # waits: the pieces may be overwritten after
+
+              return total + pl.run_scoped(block_sum, plgpu.ACC(zeros.shape, jnp.float32))
+
+            finish(lax.fori_loop(k0, k1, _k, zeros))
+            return
+
+          @functools.partial(pl.run_scoped, blk_ref=plgpu.ACC(zeros.shape, jnp.float32))
+          def _blk_scope(blk_ref):
+            def _k(kk, total):
+              buffer = lax.rem(kk - k0, 2)
+              a_ops = split_step(kk, buffer)
+              total = total + blk_ref[...]  # waits for block kk - 1's products
+              blk_ref[...] = zeros
+              split_products(blk_ref, a_ops, b_pieces.at[wg, buffer])
+              return total
+
+            total = lax.fori_loop(k0, k1, _k, zeros)
+            finish(total + blk_ref[...])
           return
 
         @functools.partial(pl.run_scoped,
