@@ -109,13 +109,12 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
         row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
         print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
               " preset", flush=True)
-    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/noov][/epiN]
+    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/epiN]
       tile, stages, *opts = spec.split("/")
       bm, bn, bk = (int(x) for x in tile.split("x"))
       cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE).replace(
           block_m=bm, block_n=bn, block_k=bk, stages=int(stages),
-          cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1,
-          split_overlap="noov" not in opts)
+          cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1)
       for o in opts:
         if o.startswith("epi"):
           cfg = cfg.replace(epi_block_n=int(o[3:]))

@@ -140,10 +140,6 @@ class Config:
     is nearly full (bf16 4096^3: 3.88 rounds): ``stream_k_schedule`` decides per
     launch. Interpret mode runs whole tiles: its interpreter has no global
     semaphores (jax 0.11.2).
-  split_overlap: FP32 split only (precision "float32_accurate" and the bf16
-    presets): split K block s + 1 while the products of block s run (two buffers of
-    B's pieces per warpgroup; see ``_warp_producer_kernel``). Interpret mode runs the split
-    without overlap (its wgmma accumulators cannot be stored to).
   """
 
   block_m: int = 128
@@ -162,7 +158,6 @@ class Config:
   cluster_n: int = 1
   num_sms: int | None = None
   stream_k: bool | None = None
-  split_overlap: bool = True
 
   def __post_init__(self):
     def fail(field, why):
@@ -288,8 +283,7 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
   barriers = 8 * (2 * stages + config.num_compute_wgs)
   pieces = 0 if split is None else (
-      (1 + config.split_overlap) * config.num_compute_wgs * split.pieces * config.block_k
-      * config.wg_block_n * 2)
+      config.num_compute_wgs * split.pieces * config.block_k * config.wg_block_n * 2)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
   return (sum(_round_up(x, 1024) for x in (ring, out, c, pieces) if x)
           + barriers + _RESERVED_SMEM_BYTES)
@@ -384,12 +378,11 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
   split = _precision.split_of(precision, dtype)
   if split is not None:
     # Two f32 accumulators per warpgroup (the running sum and the K block's) cap its
-    # tile at 64x128. A (K, N) B tile is split in registers in wgmma's register layout,
-    # which needs 64 rows: block_k=64. Three stages of the f32 ring, the bf16 pieces of
-    # B and the epilogue then fit the shared memory with 64x64 warpgroup tiles.
-    cfg = Config(block_m=64, block_n=128, block_k=64, stages=3, num_compute_wgs=2,
-                 wg_split="n", epi_block_m=64, epi_block_n=64, grid_minor_dim="n",
-                 grid_tile_width=8, split_overlap=True)
+    # tile at 64x128; 32-wide f32 K blocks (128-byte rows) leave room for 3 stages of
+    # the f32 ring, the bf16 pieces of B and the epilogue.
+    cfg = Config(block_m=64, block_n=256 if n > 128 else 128, block_k=32, stages=3,
+                 num_compute_wgs=2, wg_split="n", epi_block_m=64, epi_block_n=64,
+                 grid_minor_dim="n", grid_tile_width=8)
   elif max(m, n) <= 64 or (m <= 128 and n <= 128):
     # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
     # B's block must keep the 128-byte swizzle of A (wgmma needs one swizzle).
@@ -798,9 +791,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   if split is not None:
     # Each consumer warpgroup's bf16 pieces of its columns of the B tile.
     p_block = (wg_n, bk) if b_k_major else (bk, wg_n)
-    overlap = cfg.split_overlap and not interpret
     epilogue_allocs["b_pieces"] = plgpu.SMEM(
-        (num_wgs, 1 + overlap, split.pieces, *p_block), jnp.bfloat16,
+        (num_wgs, split.pieces, *p_block), jnp.bfloat16,
         transforms=_swizzle_transforms(p_block[1], jnp.bfloat16))
     if interpret:
       epilogue_allocs["a_pieces"] = plgpu.SMEM(
@@ -819,8 +811,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         num_ctas=num_ctas, stream_k=stream_k, partials_gmem=partials_gmem,
         tile_coords=tile_coords, wg_origin=wg_origin, wgmma=wgmma, a_window=a_window,
         b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs,
-        split=split is not None, overlap=split is not None and cfg.split_overlap
-        and not interpret)
+        split=split is not None)
     return
 
   ignore = lambda *_, **__: None
@@ -904,8 +895,7 @@ def _split_products(blk_ref, a_pieces, b_pieces, *, split, b_k_major):
 def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
                           a_k_major, b_k_major, k_iters, wgmma_wait, tiles, num_ctas,
                           stream_k, partials_gmem, tile_coords, wg_origin, wgmma,
-                          a_window, b_window, epilogue, epilogue_allocs, split=False,
-                          overlap=False):
+                          a_window, b_window, epilogue, epilogue_allocs, split=False):
   """Config.producer == "warp": the CTA's K steps as one ring.
 
   The CTA's work is a sequence of pieces, each a tile and a range [k0, k1) of its K
@@ -1080,49 +1070,29 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
 
         if split:
           # FP32 from bf16 pieces. Each K block's products (smallest first) go into a
-          # zeroed accumulator `blk`, which is then added to the running f32 sum
-          # `total`, carried in registers, with IEEE adds: the tensor core's
-          # truncating accumulation never runs longer than one K block. The f32 stage
-          # is released as soon as it is split. With overlap, block s is split (into
-          # the other piece buffer) while block s - 1's products run, then those are
-          # waited for, added and blk re-zeroed before block s's are issued.
+          # zeroed accumulator, which is then added to the running f32 sum `total`,
+          # carried in registers, with IEEE adds: the tensor core's truncating
+          # accumulation never runs longer than one K block. The f32 stage is released
+          # as soon as it is split. (Splitting block s + 1 while block s's products
+          # ran, with two piece buffers, was no faster on the H100: 64.0 vs 61.7
+          # TFLOP/s at 4096^3, and wrong, so it is not done.)
           split_tiles, split_products = wgmma
-          zeros = jnp.zeros((cfg.wg_block_m, cfg.wg_block_n), jnp.float32)
 
-          def split_step(kk, buffer):
+          def _k(kk, total):
             step = first + kk - k0
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(produced.at[slot])
-            a_ops = split_tiles(a_smem.at[slot], b_smem.at[slot], wg, b_pieces.at[wg, buffer],
-                                a_pieces)
+            a_ops = split_tiles(a_smem.at[slot], b_smem.at[slot], wg, b_pieces.at[wg], a_pieces)
             plgpu.barrier_arrive(consumed.at[slot])
-            return a_ops
 
-          if not overlap:
-            def _k(kk, total):
-              a_ops = split_step(kk, 0)
+            def block_sum(blk_ref):
+              split_products(blk_ref, a_ops, b_pieces.at[wg])
+              return blk_ref[...]  # waits: the pieces may be overwritten after
 
-              def block_sum(blk_ref):
-                split_products(blk_ref, a_ops, b_pieces.at[wg, 0])
-                return blk_ref[...]  # waits: the pieces may be overwritten after
+            return total + pl.run_scoped(block_sum, plgpu.ACC(total.shape, jnp.float32))
 
-              return total + pl.run_scoped(block_sum, plgpu.ACC(zeros.shape, jnp.float32))
-
-            finish(lax.fori_loop(k0, k1, _k, zeros))
-            return
-
-          @functools.partial(pl.run_scoped, blk_ref=plgpu.ACC(zeros.shape, jnp.float32))
-          def _blk_scope(blk_ref):
-            def _k(kk, total):
-              buffer = lax.rem(kk - k0, 2)
-              a_ops = split_step(kk, buffer)
-              total = total + blk_ref[...]  # waits for block kk - 1's products
-              blk_ref[...] = zeros
-              split_products(blk_ref, a_ops, b_pieces.at[wg, buffer])
-              return total
-
-            total = lax.fori_loop(k0, k1, _k, zeros)
-            finish(total + blk_ref[...])
+          finish(lax.fori_loop(k0, k1, _k, jnp.zeros((cfg.wg_block_m, cfg.wg_block_n),
+                                                      jnp.float32)))
           return
 
         @functools.partial(pl.run_scoped,
@@ -1235,15 +1205,15 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
   # Operand layouts. 16-bit wgmma reads either major order from smem; 32-bit
   # (TF32) needs both operands K-major, so copy the one that is not. The FP32 split
-  # feeds wgmma A's bf16 pieces from registers, loaded from a K-major tile, and B's
-  # from shared memory in either order.
+  # also wants both K-major: its f32 tiles are split in registers in wgmma's layout,
+  # which takes 64-row tiles, and (block_n, 32) is one where (32, block_n) is not.
   split = _precision.split_of(precision, dtype)
   a_k_major = not transpose_a
   b_k_major = transpose_b
   if dtype.itemsize == 4:
     if not a_k_major:
       a, a_k_major = jnp.swapaxes(a, 1, 2), True
-    if not b_k_major and split is None:
+    if not b_k_major:
       b, b_k_major = jnp.swapaxes(b, 1, 2), True
 
   if c is not None:
