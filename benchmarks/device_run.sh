@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [precision] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [precision] [example] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
@@ -53,6 +53,11 @@ if has precision; then
   log "float32 precisions (presets, float32_accurate): gemm vs jnp.dot, speed and error"
   timeout 500 python3 -m benchmarks --precision --out "$OUT/precision" ${PRECISION_ARGS:-} 2>&1 \
     | tee "$OUT/precision.log"
+fi
+
+if has example; then
+  log "examples/flax_mlp.py --full: stock Flax vs dot_general vs fused layers"
+  timeout 400 python3 examples/flax_mlp.py --full --out "$OUT/example" 2>&1 | tee "$OUT/example.log"
 fi
 
 if has cuda; then

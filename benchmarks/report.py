@@ -12,6 +12,7 @@ import pathlib
 import platform
 
 import jax
+import numpy as np
 
 from benchmarks import shapes as shapes_lib
 from benchmarks.runner import DOT, geomean
@@ -177,4 +178,66 @@ def plots(out_dir: pathlib.Path, meta: dict, rows: list[dict]) -> list[pathlib.P
     fig.savefig(path, dpi=110)
     plt.close(fig)
     written.append(path)
+  summary_path = summary(out_dir, meta, rows)
+  if summary_path is not None:
+    written.append(summary_path)
   return written
+
+
+def summary(out_dir: pathlib.Path, meta: dict, rows: list[dict]) -> pathlib.Path | None:
+  """One figure for the whole run: a heatmap of shapes (rows, grouped by category) by dtype
+  variant (columns); each cell is the fastest correct backend's speed vs jnp.dot, colored
+  around 1.0 (red: slower, blue: faster), and names that backend."""
+  import matplotlib  # noqa: PLC0415 - plots() checked that it is installed
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  from matplotlib.colors import TwoSlopeNorm  # noqa: PLC0415
+
+  timed = [r for r in rows if r.get("ratio_vs_dot") is not None and r["backend"] != DOT
+           and r.get("correct") is not False]
+  if not timed:
+    return None
+  shapes = list(dict.fromkeys((r["category"], r["shape"]) for r in timed))
+  variants = list(dict.fromkeys(r["variant"] for r in timed))
+  best = {}
+  for r in timed:
+    key = (r["category"], r["shape"], r["variant"])
+    if key not in best or r["ratio_vs_dot"] > best[key]["ratio_vs_dot"]:
+      best[key] = r
+  grid = np.full((len(shapes), len(variants)), np.nan)
+  for i, (cat, shape) in enumerate(shapes):
+    for j, variant in enumerate(variants):
+      if (cat, shape, variant) in best:
+        grid[i, j] = best[(cat, shape, variant)]["ratio_vs_dot"]
+  fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(variants), 1.2 + 0.28 * len(shapes)))
+  high = max(2.0, float(np.nanmax(grid)))
+  image = ax.imshow(grid, cmap="RdBu", aspect="auto",
+                    norm=TwoSlopeNorm(vcenter=1.0, vmin=min(0.5, float(np.nanmin(grid))),
+                                      vmax=high))
+  for i, (cat, shape) in enumerate(shapes):
+    for j, variant in enumerate(variants):
+      r = best.get((cat, shape, variant))
+      if r is not None:
+        dark = not 0.6 < r["ratio_vs_dot"] < 2.0
+        ax.text(j, i, f"{r['ratio_vs_dot']:.2f}x {r['backend']}", ha="center", va="center",
+                fontsize=7, color="white" if dark else "black")
+  ax.set_xticks(range(len(variants)), variants)
+  ax.set_yticks(range(len(shapes)), [f"{cat}: {shape}" for cat, shape in shapes], fontsize=7)
+  ax.xaxis.tick_top()
+  fig.colorbar(image, ax=ax, label="best backend vs jnp.dot (x)", shrink=0.5)
+  ax.set_title(f"fastest pallas_gemm backend vs jnp.dot, {meta['device']} (jax {meta['jax']})",
+               fontsize=9, pad=24)
+  fig.tight_layout()
+  path = out_dir / "summary.png"
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+if __name__ == "__main__":  # python -m benchmarks.report results.json: redraw the figures
+  import sys  # noqa: PLC0415
+
+  source = pathlib.Path(sys.argv[1])
+  data = json.loads(source.read_text())
+  for written in plots(source.parent, data["meta"], data["rows"]):
+    print(written)
