@@ -90,12 +90,12 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
     # H100, session 8). float32_accurate: mosaic's split (69.5 TFLOP/s at 4096^3, error
     # 1.9e-7) beats IEEE SGEMM (52, 1.15e-6), the only other backend that meets it (XLA's
     # X6 preset, 84, errs 4.4e-6). X9: XLA's errs 2.9e-4 (not 9 products), mosaic's
-    # 1.6e-7. The other presets are faster in XLA (X3 171 vs 103, X6 84 vs 69, BF16 558
-    # vs 182), as are small products (unmeasured below 512^3: launch-bound).
-    accurate = precision in (_precisions.FLOAT32_ACCURATE,
-                             jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9)
-    if (accurate and dtype == np.float32 and m * n * k >= 512**3
-        and status["mosaic"] is None):
+    # 1.6e-7: mosaic at every size. The other presets are faster in XLA (X3 171 vs 103, X6
+    # 84 vs 69, BF16 558 vs 182), and small float32_accurate products (below 512^3,
+    # unmeasured, launch-bound) run as IEEE SGEMM.
+    if dtype == np.float32 and status["mosaic"] is None and (
+        precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9
+        or (precision == _precisions.FLOAT32_ACCURATE and m * n * k >= 512**3)):
       return "mosaic"
     return "xla"
   # Small square-ish 16-bit products: the Triton kernel's single short launch beats cuBLAS

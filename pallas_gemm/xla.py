@@ -52,7 +52,13 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
   # either way, and an f32 result plus a convert measured 7% slower at bf16 8192^3 (H200).
   epilogue = (alpha != 1.0 or (c is not None and beta != 0.0) or bias is not None
               or activation is not None)
-  direct = not epilogue and np.dtype(out_dtype) in (np.dtype(a.dtype), np.dtype(np.float32))
+  # Not for degenerate products (a row or column vector): XLA:GPU may turn those into a
+  # reduction in the 16-bit output type (H100: a 60-term bf16 dot product came out 25%
+  # off), where the contract is float32 accumulation.
+  m = a.shape[2] if transpose_a else a.shape[1]
+  n = b.shape[1] if transpose_b else b.shape[2]
+  direct = (not epilogue and min(m, n) >= 16
+            and np.dtype(out_dtype) in (np.dtype(a.dtype), np.dtype(np.float32)))
   acc_dtype = out_dtype if direct else jnp.float32
   if precision == "float32_accurate":  # IEEE SGEMM: the contract's own yardstick
     precision = jax.lax.Precision.HIGHEST
