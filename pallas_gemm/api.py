@@ -68,6 +68,30 @@ def _static_float(x, name: str) -> float:
   return float(x)
 
 
+def explicitly_sharded(x) -> bool:
+  """Whether x's type is sharded over Explicit mesh axes (jax.sharding.AxisType.Explicit)."""
+  return any(axes is not None for axes in jax.typeof(x).sharding.spec)
+
+
+def _explicit_mode_gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision,
+                        out_dtype, bias, activation):
+  """The GEMM as jnp ops, for operands sharded over Explicit mesh axes.
+
+  In explicit mode sharding is part of the type and every op must type its result: lax
+  does that for its dot (as for jnp.dot: an ambiguous K-sharded product raises and asks
+  for an out_sharding), the gemm primitive does not yet. So these calls run XLA's dot with
+  the same epilogue; a Pallas backend asked for by name is refused in api.gemm.
+  """
+  if precision == _precisions.FLOAT32_ACCURATE:
+    precision = jax.lax.Precision.HIGHEST  # IEEE SGEMM meets the contract
+  a_op = jnp.swapaxes(a, -1, -2) if transpose_a else a
+  b_op = jnp.swapaxes(b, -1, -2) if transpose_b else b
+  acc = jnp.matmul(a_op, b_op, precision=precision, preferred_element_type=jnp.float32)
+  if alpha != 1.0:
+    acc = alpha * acc
+  return epilogue.apply(acc, c, bias, beta=beta, activation=activation, out_dtype=out_dtype)
+
+
 def _on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
@@ -241,6 +265,16 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     interpret = not _on_gpu()
   elif not isinstance(interpret, (bool, np.bool_)):
     raise TypeError(f"interpret must be None or a bool; got {type(interpret).__name__}")
+
+  if any(explicitly_sharded(x) for x in (a, b, c, bias) if x is not None):
+    if backend not in ("auto", "xla") or config is not None:
+      raise ValueError(
+          f"backend={backend!r}: an operand is sharded over Explicit mesh axes "
+          "(jax.sharding.AxisType.Explicit), where gemm runs XLA's dot (backend 'auto' or "
+          "'xla', no config); the Pallas and CUDA kernels are partitioned in Auto mode")
+    return _explicit_mode_gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
+                               transpose_b=transpose_b, precision=precision,
+                               out_dtype=out_dtype, bias=bias, activation=activation)
 
   # Choose the backend and its config.
   if backend == "auto" and config is not None:  # a config names its backend

@@ -116,10 +116,6 @@ def _size(x, dims) -> int:
   return math.prod(x.shape[d] for d in dims)
 
 
-def _explicitly_sharded(x) -> bool:
-  return any(axes is not None for axes in jax.typeof(x).sharding.spec)
-
-
 def _fallback(reason, lhs, rhs, dimension_numbers, precision, preferred_element_type,
               out_sharding):
   FALLBACKS[reason] += 1
@@ -158,7 +154,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   ok, gemm_precision = _gemm_precision(precision, jnp.promote_types(lhs.dtype, rhs.dtype))
   if not ok:
     return _fallback("precision", lhs, rhs, *args)
-  if _explicitly_sharded(lhs) or _explicitly_sharded(rhs):
+  if api.explicitly_sharded(lhs) or api.explicitly_sharded(rhs):
     return _fallback("explicit sharding", lhs, rhs, *args)
 
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = (

@@ -226,3 +226,27 @@ def test_sharded_bias_and_activation(layout, rng):
   hlo = _hlo(f, *args)
   assert not GATHERS.search(hlo)
   assert len(REDUCES.findall(hlo)) == (layout == "K")
+
+
+@pytest.mark.parametrize("layout", ["M", "N", "batch"])
+def test_explicit_mode_types_like_jnp_dot(layout, rng):
+  """Explicit-sharding meshes: gemm runs XLA's dot and types its result (and gradients)
+  as jnp.dot does; a Pallas backend asked for by name is refused."""
+  devices = jax.devices()
+  if len(devices) < 2:
+    pytest.skip(f"needs >= 2 devices; this process has {len(devices)}")
+  mesh = jax.make_mesh((2,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=devices[:2])
+  a_spec, b_spec, a_batch, b_batch, _ = LAYOUTS[layout]
+  a = random(rng, a_batch + (16, 24), np.float32)
+  b = random(rng, b_batch + (24, 8), np.float32)
+  with jax.set_mesh(mesh):
+    a_s = jax.device_put(a, NamedSharding(mesh, a_spec))
+    b_s = jax.device_put(b, NamedSharding(mesh, b_spec))
+    out = jax.jit(lambda a, b: gemm(a, b, precision=HIGHEST))(a_s, b_s)
+    assert jax.typeof(out) == jax.typeof(jax.jit(jnp.matmul)(a_s, b_s))
+    assert relative_error(out, reference(a, b)) <= tolerance(np.float32, HIGHEST, 24)
+    grads = jax.jit(jax.grad(lambda a, b: gemm(a, b).sum(), (0, 1)))(a_s, b_s)
+    assert [jax.typeof(g) for g in grads] == [jax.typeof(a_s), jax.typeof(b_s)]
+    with pytest.raises(ValueError, match="Explicit mesh axes"):
+      gemm(a_s, b_s, backend="triton")
