@@ -140,10 +140,6 @@ class Config:
     is nearly full (bf16 4096^3: 3.88 rounds): ``stream_k_schedule`` decides per
     launch. Interpret mode runs whole tiles: its interpreter has no global
     semaphores (jax 0.11.2).
-  split_group: FP32 split only (precision "float32_accurate" and the bf16 presets):
-    K blocks whose piece products share one tensor-core accumulator before it is added
-    to the f32 sum. With 2 or more, block j + 1 is split (into its own piece buffers)
-    while block j's products run. 1 splits, multiplies and waits block by block.
   """
 
   block_m: int = 128
@@ -162,7 +158,6 @@ class Config:
   cluster_n: int = 1
   num_sms: int | None = None
   stream_k: bool | None = None
-  split_group: int = 1
 
   def __post_init__(self):
     def fail(field, why):
@@ -186,8 +181,6 @@ class Config:
       fail("wgmma_wait", "must be 0 or 1")
     if self.producer not in ("warp", "warpgroup"):
       fail("producer", "must be 'warp' or 'warpgroup'")
-    if self.split_group not in (1, 2, 3, 4):
-      fail("split_group", "must be 1, 2, 3 or 4")
     if self.stream_k is not None and not isinstance(self.stream_k, bool):
       fail("stream_k", "must be None or a bool")
     if self.stream_k and self.producer != "warp":
@@ -290,8 +283,7 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
   barriers = 8 * (2 * stages + config.num_compute_wgs)
   pieces = 0 if split is None else (
-      config.split_group * config.num_compute_wgs * split.pieces * config.block_k
-      * config.wg_block_n * 2)
+      config.num_compute_wgs * split.pieces * config.block_k * config.wg_block_n * 2)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
   return (sum(_round_up(x, 1024) for x in (ring, out, c, pieces) if x)
           + barriers + _RESERVED_SMEM_BYTES)
@@ -800,11 +792,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
     # Each consumer warpgroup's bf16 pieces of its columns of the B tile.
     p_block = (wg_n, bk) if b_k_major else (bk, wg_n)
     epilogue_allocs["b_pieces"] = plgpu.SMEM(
-        (num_wgs, cfg.split_group, split.pieces, *p_block), jnp.bfloat16,
+        (num_wgs, split.pieces, *p_block), jnp.bfloat16,
         transforms=_swizzle_transforms(p_block[1], jnp.bfloat16))
     if interpret:
       epilogue_allocs["a_pieces"] = plgpu.SMEM(
-          (num_wgs, cfg.split_group, split.pieces, wg_m, bk), jnp.bfloat16,
+          (num_wgs, split.pieces, wg_m, bk), jnp.bfloat16,
           transforms=_swizzle_transforms(bk, jnp.bfloat16))
     split_tiles = functools.partial(_split_tiles, split=split, b_k_major=b_k_major,
                                     wg_origin=wg_origin, wg_m=wg_m, wg_n=wg_n)
@@ -875,8 +867,7 @@ def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, b_k_majo
 
   B's columns of this warpgroup go to its buffers `b_pieces` (split.pieces, ...) in
   shared memory; A's pieces stay in registers as wgmma's left operand (in interpret
-  mode they go to `a_pieces_smem` (split.pieces, ...): its wgmma of jax 0.11.2 reads
-  shared memory only).
+  mode they go to `a_pieces_smem`: its wgmma of jax 0.11.2 reads shared memory only).
   Returns A's operands. After the commit the f32 tiles are no longer read.
   """
   wg_m0, wg_n0 = wg_origin(wg)
@@ -888,8 +879,8 @@ def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, b_k_majo
   a_pieces = _precision.split(a_view[...], split.pieces)
   if a_pieces_smem is not None:
     for i, piece in enumerate(a_pieces):
-      a_pieces_smem[i] = piece
-    a_pieces = [a_pieces_smem.at[i] for i in range(split.pieces)]
+      a_pieces_smem[wg, i] = piece
+    a_pieces = [a_pieces_smem.at[wg, i] for i in range(split.pieces)]
   plgpu.commit_smem()  # the pieces' stores, before wgmma reads them (async proxy)
   return a_pieces
 
@@ -1078,42 +1069,30 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
             write()
 
         if split:
-          # FP32 from bf16 pieces. The products of each group of cfg.split_group K
-          # blocks (per block smallest first) go into a zeroed accumulator, which is then
-          # added to the running f32 sum `total`, carried in registers, with IEEE adds:
-          # the tensor core's truncating accumulation never runs longer than one group.
-          # Each f32 stage is released as soon as it is split; within a group, block
-          # j + 1 is split while block j's products run (wgmma is asynchronous).
-          # (Splitting across the group boundary too, with the accumulator re-zeroed by
-          # a store, gave wrong results on the H100.)
+          # FP32 from bf16 pieces. Each K block's products (smallest first) go into a
+          # zeroed accumulator, which is then added to the running f32 sum `total`,
+          # carried in registers, with IEEE adds: the tensor core's truncating
+          # accumulation never runs longer than one K block. The f32 stage is released
+          # as soon as it is split. (Splitting block s + 1 while block s's products
+          # ran, with two piece buffers, was no faster on the H100: 64.0 vs 61.7
+          # TFLOP/s at 4096^3, and wrong, so it is not done.)
           split_tiles, split_products = wgmma
 
-          def group_sum(kk0, size):  # the products of K blocks kk0 .. kk0 + size - 1
-            def body(blk_ref):
-              for j in range(size):
-                step = first + kk0 + j - k0
-                slot = lax.rem(step, stages)
-                plgpu.barrier_wait(produced.at[slot])
-                a_ops = split_tiles(a_smem.at[slot], b_smem.at[slot], wg,
-                                    b_pieces.at[wg, j],
-                                    None if a_pieces is None else a_pieces.at[wg, j])
-                plgpu.barrier_arrive(consumed.at[slot])
-                split_products(blk_ref, a_ops, b_pieces.at[wg, j])
+          def _k(kk, total):
+            step = first + kk - k0
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            a_ops = split_tiles(a_smem.at[slot], b_smem.at[slot], wg, b_pieces.at[wg], a_pieces)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+            def block_sum(blk_ref):
+              split_products(blk_ref, a_ops, b_pieces.at[wg])
               return blk_ref[...]  # waits: the pieces may be overwritten after
 
-            return pl.run_scoped(body, plgpu.ACC((cfg.wg_block_m, cfg.wg_block_n),
-                                                 jnp.float32))
+            return total + pl.run_scoped(block_sum, plgpu.ACC(total.shape, jnp.float32))
 
-          zeros = jnp.zeros((cfg.wg_block_m, cfg.wg_block_n), jnp.float32)
-          group = cfg.split_group
-          if not (isinstance(k0, int) and isinstance(k1, int)):
-            group = 1  # a stream-K piece: K range known at run time only
-          groups, tail = divmod(k1 - k0, group)
-          total = lax.fori_loop(0, groups, lambda g, t: t + group_sum(k0 + g * group, group),
-                                zeros)
-          if group > 1 and tail:
-            total = total + group_sum(k0 + groups * group, tail)
-          finish(total)
+          finish(lax.fori_loop(k0, k1, _k, jnp.zeros((cfg.wg_block_m, cfg.wg_block_n),
+                                                      jnp.float32)))
           return
 
         @functools.partial(pl.run_scoped,
