@@ -113,7 +113,14 @@ def _check(lhs, rhs, dims, precision=None, preferred=None, *, fn=None, backend="
   k = int(np.prod([lhs.shape[d] for d in dims[0][0]]))
   in_dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
   tol = tolerance(in_dtype, precision, k, out.dtype)
-  err = relative_error(out, _reference(lhs, rhs, dims))
+  ref = _reference(lhs, rhs, dims)
+  err = relative_error(out, ref)
+  # The table bounds errors relative to a typical result, |ref| ~ sqrt(K) |a||b|. A grid
+  # case with a handful of outputs can cancel far below that (a 60-term dot product came
+  # out 10x smaller on the H100): measure it against sqrt(K) * the sum of |a||b| then.
+  magnitude = np.linalg.norm(_reference(np.abs(np.float64(lhs)), np.abs(np.float64(rhs)), dims))
+  if magnitude > 0 and np.linalg.norm(ref) > 0:
+    err *= np.linalg.norm(ref) / max(np.linalg.norm(ref), magnitude / np.sqrt(k))
   assert err <= tol, f"relative error {err:.3g} > {tol:.3g} ({dims}, {lhs.dtype} x {rhs.dtype})"
   return out
 
