@@ -7,7 +7,8 @@
    jnp.dot + jax.nn.gelu (XLA's fusions), `dot_general` passed where a Flax layer would take
    it (no fused layers), and `pallas_gemm.dense` with the fused bias + GELU (backend auto and
    mosaic forced).
-2. `gemm(a, b, c, alpha=0.5, beta=2.0)` vs the jnp.dot expression `0.5 * (a @ b) + 2 * c`.
+2. `gemm(a, b, c, alpha=0.5, beta=2.0)` vs the jnp.dot expression `0.5 * (a @ b) + 2 * c`,
+   bf16 2048^3, 4096^3, 8192^3 (`--parts epilogue` runs this part alone).
 
 Wall clock over back-to-back jitted calls (the step's elementwise kernels count too),
 median of 5 runs of 10 calls; the loss of each variant is printed beside XLA's.
@@ -96,7 +97,10 @@ def mlp(quick: bool) -> list[dict]:
 
 
 def epilogue(quick: bool) -> list[dict]:
-  n = 256 if quick else 4096
+  return [row for n in ((256,) if quick else (2048, 4096, 8192)) for row in _epilogue(n)]
+
+
+def _epilogue(n: int) -> list[dict]:
   keys = jax.random.split(jax.random.key(1), 3)
   a = jax.random.normal(keys[0], (n, n), jnp.bfloat16)
   b = jax.random.normal(keys[1], (n, n), jnp.bfloat16)
@@ -120,9 +124,12 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks --mlp")
   p.add_argument("--quick", action="store_true", help="small shapes (a CPU can run them)")
   p.add_argument("--out", type=pathlib.Path)
+  p.add_argument("--parts", default="epilogue,mlp", help="comma-separated: epilogue, mlp")
   args = p.parse_args(argv)
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-  rows = epilogue(args.quick) + mlp(args.quick)
+  parts = args.parts.split(",")
+  rows = (epilogue(args.quick) if "epilogue" in parts else []) + (
+      mlp(args.quick) if "mlp" in parts else [])
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "mlp.json").write_text(json.dumps(

@@ -98,7 +98,7 @@ def _on_gpu() -> bool:
 
 def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
                   leading_dims: tuple[int, ...], batch: int = 1, transpose_a: bool = False,
-                  transpose_b: bool = False) -> str:
+                  transpose_b: bool = False, reads_c: bool = False) -> str:
   """The `backend="auto"` decision, from the H200 measurements in benchmarks/results.
 
   cuBLAS (jnp.dot) is 1.0-1.03x our best kernels on aligned 16-bit shapes, so it keeps
@@ -128,6 +128,13 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   if (dtype.itemsize == 2 and batch == 1 and 256 <= min(m, n, k) and max(m, n, k) <= 512
       and status["triton"] is None):
     return "triton"
+  # beta * C with 16-bit inputs: the mosaic kernel reads C into its epilogue (TMA), where
+  # XLA's fusion of `alpha * (a @ b) + beta * c` around cuBLAS re-reads the product:
+  # bf16 4096^3 1.11x, 8192^3 1.08x the jnp.dot expression (H100, session 8; 1.086x at
+  # 4096^3 on the H200, session 7), but 0.87x at 2048^3, so from 4096 on.
+  if (reads_c and dtype.itemsize == 2 and batch == 1 and min(m, n, k) >= 4096
+      and status["mosaic"] is None):
+    return "mosaic"
   # Small or skinny products are launch- or bandwidth-bound: cuBLAS's specialised kernels
   # win there (16x8192x8192 bf16: jnp.dot 59, mosaic 31, triton 37 TFLOP/s).
   if min(m, n) < 128 or m * n * k < 512**3:
@@ -285,7 +292,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
   if backend == "auto":
     backend = _auto_backend(dtype, precision, m, n, k, (a.shape[-1], b.shape[-1], n),
                             batch=math.prod(batch_shape), transpose_a=transpose_a,
-                            transpose_b=transpose_b)
+                            transpose_b=transpose_b, reads_c=c is not None and beta != 0.0)
   elif backend not in BACKENDS:
     raise ValueError(f"backend must be 'auto' or one of {BACKENDS}; got {backend!r}")
   reason = backends()[backend]

@@ -63,3 +63,30 @@ def test_auto_batched_small_cubes_stay_on_cublas(fake_gpu):
 def test_auto_on_cpu_is_xla(monkeypatch):
   monkeypatch.setattr(api, "_on_gpu", lambda: False)
   assert api._auto_backend(BF16, None, 4097, 4097, 4097, (4097, 4097, 4097)) == "xla"
+
+
+@pytest.mark.parametrize("shape,dtype,reads_c,batch,expected", [
+    ((4096, 4096, 4096), BF16, True, 1, "mosaic"),   # beta * C in the kernel's epilogue
+    ((8192, 8192, 8192), BF16, True, 1, "mosaic"),
+    ((2048, 2048, 2048), BF16, True, 1, "xla"),      # 0.87x there
+    ((4096, 4096, 4096), BF16, False, 1, "xla"),     # no C: cuBLAS
+    ((4096, 4096, 4096), BF16, True, 2, "xla"),      # batched: unmeasured
+    ((4096, 4096, 4096), F32, True, 1, "xla"),       # TF32 with C: unmeasured
+])
+def test_auto_with_c(fake_gpu, shape, dtype, reads_c, batch, expected):
+  m, n, k = shape
+  assert api._auto_backend(dtype, None, m, n, k, (k, n, n), batch=batch,
+                           reads_c=reads_c) == expected
+
+
+@pytest.mark.parametrize("precision,shape,expected", [
+    ("float32_accurate", (4096, 4096, 4096), "mosaic"),
+    ("float32_accurate", (256, 256, 256), "xla"),    # small: IEEE SGEMM meets the contract
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9, (64, 64, 64), "mosaic"),  # XLA's X9 errs 2.9e-4
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, (4096, 4096, 4096), "xla"),
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, (4096, 4096, 4096), "xla"),
+    (jax.lax.DotAlgorithmPreset.TF32_TF32_F32, (4097, 4097, 4097), "xla"),  # rounds, wgmma truncates
+])
+def test_auto_precisions(fake_gpu, precision, shape, expected):
+  m, n, k = shape
+  assert api._auto_backend(F32, precision, m, n, k, (k, n, n)) == expected
