@@ -19,27 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 import pallas_gemm
 from pallas_gemm import dot_general
+from benchmarks.timing import pipelined_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST
-
-
-def _time_ms(f, *args, calls=10, reps=5) -> float:
-  jax.block_until_ready(f(*args))
-  runs = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    out = [f(*args) for _ in range(calls)]
-    jax.block_until_ready(out)
-    runs.append((time.perf_counter() - start) * 1e3 / calls)
-  return statistics.median(runs)
 
 
 def _mlp_variants(precision):
@@ -86,7 +74,7 @@ def mlp(quick: bool) -> list[dict]:
       loss = lambda p, x, y, forward=forward: jnp.mean(
           (forward(p, x, y).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
       step = jax.jit(jax.value_and_grad(loss))
-      ms = _time_ms(step, params, x, y)
+      ms = pipelined_ms(step, params, x, y)
       base_ms = base_ms or ms
       value = float(step(params, x, y)[0])
       rows.append(dict(bench="mlp step", dtype=label, variant=name, ms=ms, vs_xla=base_ms / ms,
@@ -112,7 +100,7 @@ def _epilogue(n: int) -> list[dict]:
           a, b, c, alpha=0.5, beta=2.0, backend=backend))
   rows, base_ms = [], None
   for name, f in variants.items():
-    ms = _time_ms(f, a, b, c, calls=20)
+    ms = pipelined_ms(f, a, b, c, calls=20)
     base_ms = base_ms or ms
     rows.append(dict(bench=f"alpha/beta*C bf16 {n}^3", variant=name, ms=ms, vs_xla=base_ms / ms,
                      tflops=2 * n**3 / ms / 1e9))

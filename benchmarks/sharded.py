@@ -16,8 +16,6 @@ import argparse
 import json
 import pathlib
 import re
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
 from pallas_gemm.reference import relative_error, tolerance
+from benchmarks.timing import pipelined_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
@@ -62,17 +61,6 @@ def _one_device_mesh():
                        devices=jax.devices()[:1])
 
 
-def _time_ms(f, a, b) -> float:
-  jax.block_until_ready(f(a, b))
-  runs = []
-  for _ in range(REPS):
-    start = time.perf_counter()
-    out = [f(a, b) for _ in range(CALLS)]
-    jax.block_until_ready(out)
-    runs.append((time.perf_counter() - start) * 1e3 / CALLS)
-  return statistics.median(runs)
-
-
 def _collectives(f, a, b) -> str:
   found = COLLECTIVES.findall(f.lower(a, b).compile().as_text())
   return ", ".join(f"{found.count(c)} {c}" for c in sorted(set(found))) or "none"
@@ -96,14 +84,14 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
       fns[name] = jax.jit(lambda a, b, p=precision, name=name: pallas_gemm.gemm(
           a, b, precision=p, backend=name))
     a1, b1 = _inputs("one", dtype, m, n, k, mesh)
-    single = {name: _time_ms(f, a1, b1) for name, f in fns.items()}
+    single = {name: pipelined_ms(f, a1, b1, calls=CALLS, reps=REPS) for name, f in fns.items()}
     ref = fns["jnp.dot"](a1, b1)
     del a1, b1
     for layout in layouts:
       a, b = _inputs(layout, dtype, m, n, k, mesh)
       dot_ms = None
       for name, f in fns.items():
-        ms = _time_ms(f, a, b)
+        ms = pipelined_ms(f, a, b, calls=CALLS, reps=REPS)
         dot_ms = dot_ms or ms
         out = f(a, b)
         # Against jnp.dot in the same layout (the float64 reference of a 16384^3 product
