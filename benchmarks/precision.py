@@ -109,7 +109,7 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
         row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
         print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
               " preset", flush=True)
-    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/epiN][/asmem]
+    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/epiN]
       tile, stages, *opts = spec.split("/")
       bm, bn, bk = (int(x) for x in tile.split("x"))
       cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE).replace(
@@ -118,8 +118,6 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
       for o in opts:
         if o.startswith("epi"):
           cfg = cfg.replace(epi_block_n=int(o[3:]))
-        if o == "asmem":
-          cfg = cfg.replace(split_a_in_smem=True)
       measure(f"mosaic float32_accurate {spec}", "gemm", P.FLOAT32_ACCURATE,
               _gemm(P.FLOAT32_ACCURATE, cfg), sgemm)
   return rows

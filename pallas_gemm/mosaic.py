@@ -140,8 +140,6 @@ class Config:
     is nearly full (bf16 4096^3: 3.88 rounds): ``stream_k_schedule`` decides per
     launch. Interpret mode runs whole tiles: its interpreter has no global
     semaphores (jax 0.11.2).
-  split_a_in_smem: FP32 split only: hand A's bf16 pieces to wgmma from shared memory
-    (as interpret mode always does) instead of registers.
   """
 
   block_m: int = 128
@@ -160,7 +158,6 @@ class Config:
   cluster_n: int = 1
   num_sms: int | None = None
   stream_k: bool | None = None
-  split_a_in_smem: bool = False
 
   def __post_init__(self):
     def fail(field, why):
@@ -286,8 +283,7 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
   barriers = 8 * (2 * stages + config.num_compute_wgs)
   pieces = 0 if split is None else (
-      config.num_compute_wgs * split.pieces * config.block_k
-      * (config.wg_block_n + config.wg_block_m * config.split_a_in_smem) * 2)
+      config.num_compute_wgs * split.pieces * config.block_k * config.wg_block_n * 2)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
   return (sum(_round_up(x, 1024) for x in (ring, out, c, pieces) if x)
           + barriers + _RESERVED_SMEM_BYTES)
@@ -798,7 +794,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
     epilogue_allocs["b_pieces"] = plgpu.SMEM(
         (num_wgs, split.pieces, *p_block), jnp.bfloat16,
         transforms=_swizzle_transforms(p_block[1], jnp.bfloat16))
-    if interpret or cfg.split_a_in_smem:
+    if interpret:
       epilogue_allocs["a_pieces"] = plgpu.SMEM(
           (num_wgs, split.pieces, wg_m, bk), jnp.bfloat16,
           transforms=_swizzle_transforms(bk, jnp.bfloat16))
