@@ -82,11 +82,10 @@ def _explicit_mode_gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, preci
   for an out_sharding), the gemm primitive does not yet. So these calls run XLA's dot with
   the same epilogue; a Pallas backend asked for by name is refused in api.gemm.
   """
-  if precision == _precisions.FLOAT32_ACCURATE:
-    precision = jax.lax.Precision.HIGHEST  # IEEE SGEMM meets the contract
   a_op = jnp.swapaxes(a, -1, -2) if transpose_a else a
   b_op = jnp.swapaxes(b, -1, -2) if transpose_b else b
-  acc = jnp.matmul(a_op, b_op, precision=precision, preferred_element_type=jnp.float32)
+  acc = jnp.matmul(a_op, b_op, precision=_precisions.for_lax(precision),
+                   preferred_element_type=jnp.float32)
   if alpha != 1.0:
     acc = alpha * acc
   return epilogue.apply(acc, c, bias, beta=beta, activation=activation, out_dtype=out_dtype)

@@ -344,7 +344,7 @@ def check_smem_budget(config: Config, dtype, out_dtype, c_dtype=None,
         " epi_block.")
 
 
-def check_split(config: Config, split: _precision.Split, b_k_major: bool) -> None:
+def check_split(config: Config, split: _precision.Split) -> None:
   """Raises ValueError if the config cannot run the FP32 emulation (see `_warp_producer_kernel`)."""
   if config.producer != "warp":
     raise ValueError(f"Config.producer={config.producer!r}: the FP32 split runs with the"
@@ -357,11 +357,9 @@ def check_split(config: Config, split: _precision.Split, b_k_major: bool) -> Non
         f"Config: a warpgroup tile of {config.wg_block_m}x{config.wg_block_n} is too large"
         " for the FP32 split, which keeps two f32 accumulators of it in registers (at most"
         " 64x128)")
-  itemsize = 4
-  for what, minor in (("block_k", config.block_k),
-                      ("wg_block_n", config.block_k if b_k_major else config.wg_block_n)):
-    if minor * itemsize % 128 and minor * 2 % 32:
-      raise ValueError(f"Config.{what}={minor}: too narrow for the split's swizzled tiles")
+  if config.block_k % 16:
+    raise ValueError(f"Config.block_k={config.block_k}: the split's bf16 piece rows need a"
+                     " multiple of 16 elements (32 bytes, the smallest swizzle)")
 
 
 def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
@@ -789,18 +787,19 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
           transforms=_swizzle_transforms(epi_n, c_gmem.dtype))
 
   if split is not None:
-    # Each consumer warpgroup's bf16 pieces of its columns of the B tile.
-    p_block = (wg_n, bk) if b_k_major else (bk, wg_n)
+    # Each consumer warpgroup's bf16 pieces of its columns of the B tile. gemm() makes
+    # both f32 operands K-major for the split.
+    assert a_k_major and b_k_major, "the FP32 split reads K-major f32 tiles"
     epilogue_allocs["b_pieces"] = plgpu.SMEM(
-        (num_wgs, split.pieces, *p_block), jnp.bfloat16,
-        transforms=_swizzle_transforms(p_block[1], jnp.bfloat16))
+        (num_wgs, split.pieces, wg_n, bk), jnp.bfloat16,
+        transforms=_swizzle_transforms(bk, jnp.bfloat16))
     if interpret:
       epilogue_allocs["a_pieces"] = plgpu.SMEM(
           (num_wgs, split.pieces, wg_m, bk), jnp.bfloat16,
           transforms=_swizzle_transforms(bk, jnp.bfloat16))
-    split_tiles = functools.partial(_split_tiles, split=split, b_k_major=b_k_major,
-                                    wg_origin=wg_origin, wg_m=wg_m, wg_n=wg_n)
-    split_products = functools.partial(_split_products, split=split, b_k_major=b_k_major)
+    split_tiles = functools.partial(_split_tiles, split=split, wg_origin=wg_origin,
+                                    wg_m=wg_m, wg_n=wg_n)
+    split_products = functools.partial(_split_products, split=split)
     wgmma = (split_tiles, split_products)
 
   if cfg.producer == "warp":
@@ -861,9 +860,9 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, b_k_major,
-                 wg_origin, wg_m, wg_n):
-  """Splits one K block's f32 tiles into bf16 pieces (`precision.split`).
+def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, wg_origin, wg_m,
+                 wg_n):
+  """Splits one K block's K-major f32 tiles into bf16 pieces (`precision.split`).
 
   B's columns of this warpgroup go to its buffers `b_pieces` (split.pieces, ...) in
   shared memory; A's pieces stay in registers as wgmma's left operand (in interpret
@@ -871,8 +870,7 @@ def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, b_k_majo
   Returns A's operands. After the commit the f32 tiles are no longer read.
   """
   wg_m0, wg_n0 = wg_origin(wg)
-  cols = pl.ds(wg_n0, wg_n)
-  b_view = b_tile.at[cols, :] if b_k_major else b_tile.at[:, cols]
+  b_view = b_tile.at[pl.ds(wg_n0, wg_n), :]
   for i, piece in enumerate(_precision.split(b_view[...], split.pieces)):
     b_pieces[i] = piece
   a_view = a_tile.at[pl.ds(wg_m0, wg_m), :] if a_tile.shape[0] != wg_m else a_tile
@@ -885,11 +883,11 @@ def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, b_k_majo
   return a_pieces
 
 
-def _split_products(blk_ref, a_pieces, b_pieces, *, split, b_k_major):
-  """Issues the piece products of one K block into blk_ref, smallest first (async)."""
+def _split_products(blk_ref, a_pieces, b_pieces, *, split):
+  """Issues the piece products of one K block into blk_ref, smallest first (async).
+  b_pieces holds (N, K) tiles: wgmma reads them transposed."""
   for i, j in split.products:
-    b_op = b_pieces.at[j]
-    plgpu.wgmma(blk_ref, a_pieces[i], b_op.T if b_k_major else b_op)
+    plgpu.wgmma(blk_ref, a_pieces[i], b_pieces.at[j].T)
 
 
 def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
@@ -1230,7 +1228,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if split is None:
     check_layout(config, dtype, a_k_major=a_k_major, b_k_major=b_k_major)
   else:
-    check_split(config, split, b_k_major)
+    check_split(config, split)
   check_smem_budget(config, dtype, out_dtype, c_dtype, k, split)
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k

@@ -138,6 +138,12 @@ def effective(precision, dtype):
   return precision
 
 
+def for_lax(precision):
+  """What jax.lax.dot_general gets for a gemm precision: "float32_accurate" becomes
+  Precision.HIGHEST (IEEE SGEMM, the contract's own yardstick); the rest pass as they are."""
+  return jax.lax.Precision.HIGHEST if precision == FLOAT32_ACCURATE else precision
+
+
 def split_of(precision, dtype) -> Split | None:
   """The bf16 split that computes float32 inputs at `precision`, or None."""
   if np.dtype(dtype) != np.float32:

@@ -7,6 +7,8 @@ import math
 import jax
 import numpy as np
 
+from pallas_gemm import precision as precisions
+
 
 # The activations in float64, from jax.nn (independent of pallas_gemm/epilogue.py).
 ACTIVATIONS = {
@@ -66,8 +68,6 @@ _OUTPUT_TOL = {"float32": 0.0, "bfloat16": 8e-3, "float16": 1e-3}
 
 
 def compute_class(dtype, precision) -> str:
-  from pallas_gemm import precision as precisions  # noqa: PLC0415 - keeps this module light
-
   if np.dtype(dtype).itemsize == 2:
     return "16bit"
   precision = precisions.effective(precisions.normalize(precision), dtype)

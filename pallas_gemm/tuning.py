@@ -63,6 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_gemm import precision as precisions
 from pallas_gemm import reference as _reference
 
 CACHE_VERSION = 1
@@ -82,9 +83,7 @@ def precision_class(dtype, precision, backend: str | None = None) -> str:
     return "-"
   if backend == "cuda":
     return "ieee"
-  from pallas_gemm import precision as _precision  # noqa: PLC0415 - tiny, avoids a cycle
-
-  split = _precision.split_of(precision, dtype)
+  split = precisions.split_of(precision, dtype)
   if split is not None:  # an FP32 emulation from bf16 pieces: its own tuning class
     return split.name
   if isinstance(precision, (tuple, list)):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm import epilogue as _epilogue
+from pallas_gemm import precision as precisions
 
 NAME = "xla"
 # bias and activation go into the expression: XLA fuses them with the dot (cuBLASLt
@@ -60,8 +61,7 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
   direct = (not epilogue and min(m, n) >= 16
             and np.dtype(out_dtype) in (np.dtype(a.dtype), np.dtype(np.float32)))
   acc_dtype = out_dtype if direct else jnp.float32
-  if precision == "float32_accurate":  # IEEE SGEMM: the contract's own yardstick
-    precision = jax.lax.Precision.HIGHEST
+  precision = precisions.for_lax(precision)
   a_op = jnp.swapaxes(a, 1, 2) if transpose_a else a    # (batch, M, K); XLA folds the transpose
   b_op = jnp.swapaxes(b, 1, 2) if transpose_b else b    # (batch_b, K, N)
   if b_op.shape[0] == 1:  # shared B: one (batch*M, K) @ (K, N) product, no broadcast copy
