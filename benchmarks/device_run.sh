@@ -2,6 +2,7 @@
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
 #   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [precision] [example] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
+#   [dense] [ksplit]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pallas_gemm_out}
@@ -58,6 +59,18 @@ fi
 if has example; then
   log "examples/flax_mlp.py --full: stock Flax vs dot_general vs fused layers"
   timeout 400 python3 examples/flax_mlp.py --full --out "$OUT/example" 2>&1 | tee "$OUT/example.log"
+fi
+
+if has dense; then
+  log "bf16 MLP step: the bias + GELU epilogue written several ways, and the GEMMs XLA compiled"
+  timeout 400 python3 benchmarks/probe.py dense 2>&1 | tee "$OUT/dense_probe.log"
+fi
+
+if has ksplit; then
+  log "K-sharded bf16 16384^3: row chunks, fewer CTAs, psum vs reduce-scatter (default XLA flags, then the latency-hiding scheduler)"
+  timeout 280 python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_probe.log"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true" timeout 280 \
+    python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_lhs_probe.log"
 fi
 
 if has cuda; then

@@ -21,6 +21,15 @@
                                            square, ragged, skinny and long-K shapes
   python3 benchmarks/probe.py mosaic_sk     the default mosaic config with stream-K on and off vs
                                            jnp.dot, called in turn, then by wall clock
+  python3 benchmarks/probe.py dense        the bf16 MLP step of `--mlp` written with the bias +
+                                           GELU epilogue expressed several ways (f32 or bf16 dot
+                                           output, pallas_gemm backends): wall clock, and the
+                                           GEMM custom calls (cuBLASLt epilogues) XLA compiled
+  python3 benchmarks/probe.py ksplit [N]    2+ GPUs, bf16 N^3 with K sharded: jnp.dot vs local mosaic
+                                           GEMMs (shard_map) in row chunks, each chunk's f32 partial
+                                           summed by psum (or reduce-scatter + bf16 all-gather),
+                                           on a persistent grid of fewer CTAs (SMs left to NCCL);
+                                           wall clock, and the order XLA scheduled them in
   python3 benchmarks/probe.py once WHAT [N] one compiled, warmed-up GEMM between cuProfilerStart /
                                            Stop, for `ncu --profile-from-start off` (WHAT: cuda,
                                            dot32 = jnp.dot HIGHEST f32, mosaic, mosaic_nosk (stream-K
@@ -30,6 +39,7 @@
 
 import dataclasses
 import math
+import re
 import sys
 
 import jax
@@ -479,11 +489,148 @@ def probe_once(what: str, n: int = 4096):
   libcuda.cuProfilerStop()
 
 
+def _gemm_calls(compiled_text: str) -> str:
+  """The GEMM custom calls of an optimized HLO module: target[epilogue] x count."""
+  calls = {}
+  for line in compiled_text.splitlines():
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if target is None or "fusion" in target.group(1):
+      continue
+    epi = re.search(r'"epilogue":"([A-Z_]+)"', line)
+    key = target.group(1).replace("__cublas$lt$matmul", "cublasLt").replace("__cublas$gemm", "cublas")
+    key += f"[{epi.group(1)}]" if epi else ""
+    calls[key] = calls.get(key, 0) + 1
+  return ", ".join(f"{k} x{v}" for k, v in sorted(calls.items()))
+
+
+def probe_dense(m: int = 8192, d: int = 4096, hidden: int = 16384):
+  """Which way of writing act(x @ w + bias) XLA compiles best inside a training step."""
+  from benchmarks.timing import pipelined_ms  # noqa: PLC0415
+  from pallas_gemm import dense  # noqa: PLC0415
+  bf16, f32 = jnp.bfloat16, jnp.float32
+  keys = jax.random.split(jax.random.key(0), 6)
+  params = {"w1": jax.random.normal(keys[0], (d, hidden), bf16) / d**0.5,
+            "b1": jax.random.normal(keys[1], (hidden,), bf16) * 0.1,
+            "w2": jax.random.normal(keys[2], (hidden, d), bf16) / hidden**0.5,
+            "b2": jax.random.normal(keys[3], (d,), bf16) * 0.1}
+  x = jax.random.normal(keys[4], (m, d), bf16)
+  y = jax.random.normal(keys[5], (m, d), bf16)
+
+  def layer(how):
+    def f(x, w, b, act):
+      if how == "stock":  # what a Flax model writes
+        z = jnp.dot(x, w) + b
+        return jax.nn.gelu(z) if act else z
+      if how == "f32 dot":  # pallas_gemm's xla backend today
+        z = jnp.dot(x, w, preferred_element_type=f32) + b.astype(f32)
+      elif how == "bf16 dot, f32 epilogue":
+        z = jnp.dot(x, w).astype(f32) + b.astype(f32)
+      return (jax.nn.gelu(z) if act else z).astype(bf16)
+    return f
+
+  variants = {how: layer(how) for how in ("stock", "f32 dot", "bf16 dot, f32 epilogue")}
+  for backend in ("xla", "mosaic", "auto"):
+    variants[f"dense {backend}"] = (
+        lambda x, w, b, act, backend=backend: dense(x, w, b, "gelu" if act else None,
+                                                    backend=backend))
+  base = {}
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: bf16 MLP step "
+        f"x {m}x{d}, hidden {hidden}, bias + GELU")
+  for name, lay in variants.items():
+    def loss(p, x, y, lay=lay):
+      h = lay(x, p["w1"], p["b1"], True)
+      out = lay(h, p["w2"], p["b2"], False)
+      return jnp.mean((out.astype(f32) - y.astype(f32)) ** 2)
+    for mode, fn in (("step", jax.value_and_grad(loss)),
+                     ("forward", lambda p, x, y, lay=lay: lay(x, p["w1"], p["b1"], True))):
+      step = jax.jit(fn)
+      ms = pipelined_ms(step, params, x, y, calls=20)
+      base.setdefault(mode, ms)
+      calls = _gemm_calls(step.lower(params, x, y).compile().as_text())
+      print(f"{mode:7s} {name:24s} {ms:8.3f} ms {base[mode] / ms:6.3f}x stock  {calls}",
+            flush=True)
+
+
+def _schedule(compiled_text: str) -> str:
+  """The entry computation's custom calls (G) and collectives, in scheduled order."""
+  entry = compiled_text[compiled_text.index("ENTRY"):]
+  short = {"custom-call": "G", "all-reduce-start": "AR<", "all-reduce-done": "AR>",
+           "all-reduce": "AR", "reduce-scatter": "RS", "all-gather-start": "AG<",
+           "all-gather-done": "AG>", "all-gather": "AG"}
+  ops = re.findall(r"\s(" + "|".join(map(re.escape, short)) + r")\(", entry)
+  return " ".join(short[op] for op in ops)
+
+
+def probe_ksplit(n: int = 16384):
+  from functools import partial  # noqa: PLC0415
+  from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
+  from benchmarks.timing import pipelined_ms  # noqa: PLC0415
+  devices = jax.devices()
+  print(f"{devices[0].device_kind} x {len(devices)}, jax {jax.__version__}, bf16 {n}^3, K sharded")
+  if len(devices) < 2:
+    print("ksplit needs >= 2 devices")
+    return
+  d = len(devices)
+  mesh = jax.make_mesh((d,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.jit(lambda: jax.random.normal(ka, (n, n), jnp.bfloat16),
+              out_shardings=NamedSharding(mesh, P(None, "d")))()
+  b = jax.jit(lambda: jax.random.normal(kb, (n, n), jnp.bfloat16),
+              out_shardings=NamedSharding(mesh, P("d")))()
+  flops = 2 * n**3
+  ref = jax.jit(jnp.dot)
+  base = pipelined_ms(ref, a, b)
+  expect = jnp.dot(a, b, preferred_element_type=jnp.float32)
+  print(f"jnp.dot                        {base:7.3f} ms {flops / base / 1e9:7.1f} TFLOP/s  "
+        f"1.000x  [{_schedule(ref.lower(a, b).compile().as_text())}]", flush=True)
+  sms = tuning.num_sms()
+
+  def local(chunks, ctas, how):
+    rows = n // chunks
+    cfg = dataclasses.replace(mosaic.default_config(rows, n, n // d, jnp.bfloat16), num_sms=ctas)
+    # On a CPU (checking the probe itself) XLA stands in: the interpreter's simulated GPU
+    # state does not survive two devices.
+    backend, cfg = ("mosaic", cfg) if jax.default_backend() == "gpu" else ("xla", None)
+
+    def f(a, b):
+      outs = []
+      for i in range(chunks):
+        part = gemm(a[i * rows:(i + 1) * rows], b, out_dtype=jnp.float32, backend=backend,
+                    config=cfg)
+        if outs:
+          # XLA combines independent all-reduces into one (after the last GEMM): chaining
+          # chunk i's collective input to chunk i-1's result keeps them apart, and leaves
+          # chunk i-1's collective free to run during chunk i's GEMM.
+          part, outs[-1] = jax.lax.optimization_barrier((part, outs[-1]))
+        if how == "psum":
+          outs.append(jax.lax.psum(part, "d").astype(jnp.bfloat16))
+        elif how == "rs+ag":
+          part = jax.lax.psum_scatter(part, "d", scatter_dimension=0, tiled=True)
+          outs.append(jax.lax.all_gather(part.astype(jnp.bfloat16), "d", axis=0, tiled=True))
+        else:  # no collective: the local GEMMs alone
+          outs.append(part.astype(jnp.bfloat16))
+      return jnp.concatenate(outs)
+    return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "d"), P("d")),
+                                 out_specs=P(), check_vma=False))
+
+  variants = [(1, sms, "none"), (1, sms, "psum"), (1, sms, "rs+ag"), (2, sms, "psum"),
+              (4, sms, "psum"), (4, sms - 16, "psum"), (4, sms - 16, "rs+ag"),
+              (8, sms - 16, "psum"), (4, sms - 32, "psum"), (8, sms - 8, "psum")]
+  for chunks, ctas, how in variants:
+    fn = local(chunks, ctas, how)
+    ms = pipelined_ms(fn, a, b)
+    err = "" if how == "none" else f"err {relative_error(fn(a, b), expect):.1e}"
+    print(f"{chunks} chunks {ctas:3d} CTAs {how:6s}     {ms:7.3f} ms {flops / ms / 1e9:7.1f} "
+          f"TFLOP/s {base / ms:6.3f}x {err} [{_schedule(fn.lower(a, b).compile().as_text())}]",
+          flush=True)
+
+
 if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
-            "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk}
+            "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense,
+            "ksplit": probe_ksplit}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
   elif what == "once":
