@@ -97,7 +97,7 @@ def _on_gpu() -> bool:
 
 def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
                   leading_dims: tuple[int, ...], batch: int = 1, transpose_a: bool = False,
-                  transpose_b: bool = False, reads_c: bool = False) -> str:
+                  transpose_b: bool = False, epilogue: bool = False) -> str:
   """The `backend="auto"` decision, from the H200 measurements in benchmarks/results.
 
   cuBLAS (jnp.dot) is 1.0-1.03x our best kernels on aligned 16-bit shapes, so it keeps
@@ -127,11 +127,14 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   if (dtype.itemsize == 2 and batch == 1 and 256 <= min(m, n, k) and max(m, n, k) <= 512
       and status["triton"] is None):
     return "triton"
-  # beta * C with 16-bit inputs: the mosaic kernel reads C into its epilogue (TMA), where
-  # XLA's fusion of `alpha * (a @ b) + beta * c` around cuBLAS re-reads the product:
-  # bf16 4096^3 1.11x, 8192^3 1.08x the jnp.dot expression (H100, session 8; 1.086x at
-  # 4096^3 on the H200, session 7), but 0.87x at 2048^3, so from 4096 on.
-  if (reads_c and dtype.itemsize == 2 and batch == 1 and min(m, n, k) >= 4096
+  # An epilogue (beta * C, a bias, an activation) with 16-bit inputs: the mosaic kernel
+  # applies it to its f32 accumulator before the single store (C through TMA), where XLA
+  # writes the product and reads it back in a fusion (or a cuBLASLt bias epilogue).
+  # beta * C: bf16 4096^3 1.11x, 8192^3 1.08x the jnp.dot expression (H100, session 8;
+  # 1.086x at 4096^3 on the H200), 0.87x at 2048^3. Bias + GELU: the MLP training step of
+  # `benchmarks --mlp` (8192x4096 @ 4096x16384, backward GEMMs on the same backend) 1.028x
+  # the jnp.dot + jax.nn.gelu step, forward 1.095x (H100, session 9). So from 4096 on.
+  if (epilogue and dtype.itemsize == 2 and batch == 1 and min(m, n, k) >= 4096
       and status["mosaic"] is None):
     return "mosaic"
   # Small or skinny products are launch- or bandwidth-bound: cuBLAS's specialised kernels
@@ -291,7 +294,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
   if backend == "auto":
     backend = _auto_backend(dtype, precision, m, n, k, (a.shape[-1], b.shape[-1], n),
                             batch=math.prod(batch_shape), transpose_a=transpose_a,
-                            transpose_b=transpose_b, reads_c=c is not None and beta != 0.0)
+                            transpose_b=transpose_b,
+                            epilogue=(c is not None and beta != 0.0) or bias is not None
+                            or activation is not None)
   elif backend not in BACKENDS:
     raise ValueError(f"backend must be 'auto' or one of {BACKENDS}; got {backend!r}")
   reason = backends()[backend]

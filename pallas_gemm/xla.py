@@ -49,8 +49,14 @@ def supports(dtype, precision) -> str | None:
 def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype, config,
          interpret, bias=None, activation=None):
   del config, interpret
-  # Without an epilogue, ask XLA for the output dtype directly: cuBLAS accumulates in f32
-  # either way, and an f32 result plus a convert measured 7% slower at bf16 8192^3 (H200).
+  # Ask XLA for the output dtype directly: cuBLAS accumulates in f32 either way. An f32
+  # result plus a convert measured 7% slower at bf16 8192^3 (H200), and with an epilogue
+  # the f32 product's round trip through memory cost the MLP training step of `benchmarks
+  # --mlp` 5.7% (H100, session 9: 0.943x the jnp.dot step; rounded to bf16 first, as the
+  # jnp.dot expression rounds it, 1.013x). So a 16-bit product is rounded once to its
+  # dtype before the f32 epilogue, like `jnp.dot(a, b) + bias` (mosaic keeps the f32
+  # accumulator: `backend="mosaic"` for the single rounding). Not f16: a product beyond
+  # its range (65504) would be inf before alpha, beta * C or the bias could bring it back.
   epilogue = (alpha != 1.0 or (c is not None and beta != 0.0) or bias is not None
               or activation is not None)
   # Not for degenerate products (a row or column vector): XLA:GPU may turn those into a
@@ -58,8 +64,9 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
   # off), where the contract is float32 accumulation.
   m = a.shape[2] if transpose_a else a.shape[1]
   n = b.shape[1] if transpose_b else b.shape[2]
-  direct = (not epilogue and min(m, n) >= 16
-            and np.dtype(out_dtype) in (np.dtype(a.dtype), np.dtype(np.float32)))
+  direct = (min(m, n) >= 16
+            and np.dtype(out_dtype) in (np.dtype(a.dtype), np.dtype(np.float32))
+            and not (epilogue and np.dtype(out_dtype) == np.dtype(np.float16)))
   acc_dtype = out_dtype if direct else jnp.float32
   precision = precisions.for_lax(precision)
   a_op = jnp.swapaxes(a, 1, 2) if transpose_a else a    # (batch, M, K); XLA folds the transpose
@@ -69,6 +76,8 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
   else:
     acc = jax.lax.dot_general(a_op, b_op, (((2,), (1,)), ((0,), (0,))), precision=precision,
                               preferred_element_type=acc_dtype)
+  if epilogue:
+    acc = acc.astype(jnp.float32)
   if alpha != 1.0:
     acc = alpha * acc
   return _epilogue.apply(acc, c, bias, beta=beta, activation=activation, out_dtype=out_dtype)

@@ -65,18 +65,19 @@ def test_auto_on_cpu_is_xla(monkeypatch):
   assert api._auto_backend(BF16, None, 4097, 4097, 4097, (4097, 4097, 4097)) == "xla"
 
 
-@pytest.mark.parametrize("shape,dtype,reads_c,batch,expected", [
-    ((4096, 4096, 4096), BF16, True, 1, "mosaic"),   # beta * C in the kernel's epilogue
+@pytest.mark.parametrize("shape,dtype,epilogue,batch,expected", [
+    ((4096, 4096, 4096), BF16, True, 1, "mosaic"),   # beta*C / bias / act in the kernel's epilogue
+    ((8192, 16384, 4096), BF16, True, 1, "mosaic"),  # the MLP step's first layer
     ((8192, 8192, 8192), BF16, True, 1, "mosaic"),
     ((2048, 2048, 2048), BF16, True, 1, "xla"),      # 0.87x there
     ((4096, 4096, 4096), BF16, False, 1, "xla"),     # no C: cuBLAS
     ((4096, 4096, 4096), BF16, True, 2, "xla"),      # batched: unmeasured
     ((4096, 4096, 4096), F32, True, 1, "xla"),       # TF32 with C: unmeasured
 ])
-def test_auto_with_c(fake_gpu, shape, dtype, reads_c, batch, expected):
+def test_auto_with_epilogue(fake_gpu, shape, dtype, epilogue, batch, expected):
   m, n, k = shape
   assert api._auto_backend(dtype, None, m, n, k, (k, n, n), batch=batch,
-                           reads_c=reads_c) == expected
+                           epilogue=epilogue) == expected
 
 
 @pytest.mark.parametrize("precision,shape,expected", [
@@ -90,3 +91,20 @@ def test_auto_with_c(fake_gpu, shape, dtype, reads_c, batch, expected):
 def test_auto_precisions(fake_gpu, precision, shape, expected):
   m, n, k = shape
   assert api._auto_backend(F32, precision, m, n, k, (k, n, n)) == expected
+
+
+@pytest.mark.parametrize("kwargs,epilogue", [
+    ({}, False), ({"alpha": 2.0}, False), ({"bias": True}, True), ({"activation": "relu"}, True),
+    ({"c": True, "beta": 1.0}, True), ({"c": True, "beta": 0.0}, False)])
+def test_gemm_tells_auto_about_its_epilogue(monkeypatch, kwargs, epilogue):
+  seen = []
+  monkeypatch.setattr(api, "_auto_backend", lambda *a, **kw: seen.append(kw["epilogue"]) or "xla")
+  a = jnp.ones((8, 4), jnp.bfloat16)
+  b = jnp.ones((4, 6), jnp.bfloat16)
+  kwargs = dict(kwargs)
+  if kwargs.pop("bias", False):
+    kwargs["bias"] = jnp.ones((6,), jnp.bfloat16)
+  if kwargs.pop("c", False):
+    kwargs["c"] = jnp.ones((8, 6), jnp.bfloat16)
+  api.gemm(a, b, **kwargs)
+  assert seen == [epilogue]
