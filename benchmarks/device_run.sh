@@ -67,10 +67,11 @@ if has dense; then
 fi
 
 if has ksplit; then
-  log "K-sharded bf16 16384^3: row chunks, fewer CTAs, psum vs reduce-scatter (default XLA flags, then the latency-hiding scheduler)"
+  log "K-sharded bf16 16384^3: row chunks, fewer CTAs, psum vs reduce-scatter (default XLA flags, then without command buffers)"
   timeout 280 python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_probe.log"
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_latency_hiding_scheduler=true" timeout 280 \
-    python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_lhs_probe.log"
+  echo "-- without command buffers (CUDA graphs)"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" OUT= timeout 280 \
+    python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_nocb_probe.log"
 fi
 
 if has cuda; then

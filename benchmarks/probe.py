@@ -39,6 +39,8 @@
 
 import dataclasses
 import math
+import os
+import pathlib
 import re
 import sys
 
@@ -554,7 +556,7 @@ def probe_dense(m: int = 8192, d: int = 4096, hidden: int = 16384):
 def _schedule(compiled_text: str) -> str:
   """The entry computation's custom calls (G) and collectives, in scheduled order."""
   entry = compiled_text[compiled_text.index("ENTRY"):]
-  short = {"custom-call": "G", "all-reduce-start": "AR<", "all-reduce-done": "AR>",
+  short = {"custom-call": "G", "command_buffer": "CB", "call": "CALL", "all-reduce-start": "AR<", "all-reduce-done": "AR>",
            "all-reduce": "AR", "reduce-scatter": "RS", "all-gather-start": "AG<",
            "all-gather-done": "AG>", "all-gather": "AG"}
   ops = re.findall(r"\s(" + "|".join(map(re.escape, short)) + r")\(", entry)
@@ -587,7 +589,8 @@ def probe_ksplit(n: int = 16384):
 
   def local(chunks, ctas, how):
     rows = n // chunks
-    cfg = dataclasses.replace(mosaic.default_config(rows, n, n // d, jnp.bfloat16), num_sms=ctas)
+    cfg = dataclasses.replace(mosaic.default_config(rows, n, n // d, jnp.bfloat16,
+                                                    out_dtype=jnp.float32), num_sms=ctas)
     # On a CPU (checking the probe itself) XLA stands in: the interpreter's simulated GPU
     # state does not survive two devices.
     backend, cfg = ("mosaic", cfg) if jax.default_backend() == "gpu" else ("xla", None)
@@ -613,11 +616,15 @@ def probe_ksplit(n: int = 16384):
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "d"), P("d")),
                                  out_specs=P(), check_vma=False))
 
-  variants = [(1, sms, "none"), (1, sms, "psum"), (1, sms, "rs+ag"), (2, sms, "psum"),
-              (4, sms, "psum"), (4, sms - 16, "psum"), (4, sms - 16, "rs+ag"),
-              (8, sms - 16, "psum"), (4, sms - 32, "psum"), (8, sms - 8, "psum")]
+  variants = [(1, sms, "none"), (1, sms - 32, "none"), (1, sms, "psum"), (1, sms, "rs+ag"),
+              (4, sms - 32, "psum"), (4, sms - 32, "rs+ag"), (8, sms - 32, "psum"),
+              (8, sms - 32, "rs+ag"), (8, sms - 24, "rs+ag"), (4, sms - 16, "rs+ag")]
+  dump = os.environ.get("OUT")
   for chunks, ctas, how in variants:
     fn = local(chunks, ctas, how)
+    if dump and chunks == 4 and how == "psum":
+      pathlib.Path(dump, f"ksplit_{chunks}x{ctas}_{how}.hlo.txt").write_text(
+          fn.lower(a, b).compile().as_text())
     ms = pipelined_ms(fn, a, b)
     err = "" if how == "none" else f"err {relative_error(fn(a, b), expect):.1e}"
     print(f"{chunks} chunks {ctas:3d} CTAs {how:6s}     {ms:7.3f} ms {flops / ms / 1e9:7.1f} "
