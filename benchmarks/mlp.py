@@ -10,8 +10,9 @@
 2. `gemm(a, b, c, alpha=0.5, beta=2.0)` vs the jnp.dot expression `0.5 * (a @ b) + 2 * c`,
    bf16 2048^3, 4096^3, 8192^3 (`--parts epilogue` runs this part alone).
 
-Wall clock over back-to-back jitted calls (the step's elementwise kernels count too),
-median of 5 runs of 10 calls; the loss of each variant is printed beside XLA's.
+Wall clock over back-to-back jitted calls (the step's elementwise kernels count too), the
+variants timed in turns (`timing.interleaved_ms`: 7 rounds of 10 calls each), median; the
+loss of each variant is printed beside XLA's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 
 import pallas_gemm
 from pallas_gemm import dot_general
-from benchmarks.timing import pipelined_ms
+from benchmarks.timing import interleaved_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -67,16 +68,17 @@ def mlp(quick: bool) -> list[dict]:
               "b2": jax.random.normal(keys[3], (d,), dtype) * 0.1}
     x = jax.random.normal(keys[4], (m, d), dtype)
     y = jax.random.normal(keys[5], (m, d), dtype)
-    base_ms = None
+    steps = {}
     for name, forward in _mlp_variants(precision).items():
       if "mosaic" in name and (dtype == jnp.float32 or jax.default_backend() != "gpu"):
         continue  # mosaic has no IEEE f32 (and only interprets on a CPU)
       loss = lambda p, x, y, forward=forward: jnp.mean(
           (forward(p, x, y).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
-      step = jax.jit(jax.value_and_grad(loss))
-      ms = pipelined_ms(step, params, x, y)
-      base_ms = base_ms or ms
-      value = float(step(params, x, y)[0])
+      steps[name] = jax.jit(jax.value_and_grad(loss))
+    times = interleaved_ms(steps, params, x, y)
+    base_ms = times["jnp.dot (XLA)"]
+    for name, step in steps.items():
+      ms, value = times[name], float(step(params, x, y)[0])
       rows.append(dict(bench="mlp step", dtype=label, variant=name, ms=ms, vs_xla=base_ms / ms,
                        loss=value))
       print(f"mlp step {label:12s} {name:20s} {ms:9.3f} ms  {base_ms / ms:6.3f}x XLA  "
@@ -98,10 +100,9 @@ def _epilogue(n: int) -> list[dict]:
     if backend != "mosaic" or jax.default_backend() == "gpu":
       variants[f"gemm {backend}"] = jax.jit(lambda a, b, c, backend=backend: pallas_gemm.gemm(
           a, b, c, alpha=0.5, beta=2.0, backend=backend))
-  rows, base_ms = [], None
-  for name, f in variants.items():
-    ms = pipelined_ms(f, a, b, c, calls=20)
-    base_ms = base_ms or ms
+  times = interleaved_ms(variants, a, b, c, calls=20)
+  base_ms, rows = times["jnp.dot expression"], []
+  for name, ms in times.items():
     rows.append(dict(bench=f"alpha/beta*C bf16 {n}^3", variant=name, ms=ms, vs_xla=base_ms / ms,
                      tflops=2 * n**3 / ms / 1e9))
     print(f"alpha/beta*C bf16 {n}^3 {name:20s} {ms:9.3f} ms  {base_ms / ms:6.3f}x", flush=True)

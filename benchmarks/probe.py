@@ -25,6 +25,9 @@
                                            GELU epilogue expressed several ways (f32 or bf16 dot
                                            output, pallas_gemm backends): wall clock, and the
                                            GEMM custom calls (cuBLASLt epilogues) XLA compiled
+  python3 benchmarks/probe.py step_gemms    the five GEMMs of that step (forward with bias [+ GELU],
+                                           the three backward layouts), CUPTI: jnp.dot / the jnp.dot
+                                           expression vs gemm on xla and mosaic
   python3 benchmarks/probe.py ksplit [N]    2+ GPUs, bf16 N^3 with K sharded: jnp.dot vs local mosaic
                                            GEMMs (shard_map) in row chunks, each chunk's f32 partial
                                            summed by psum (or reduce-scatter + bf16 all-gather),
@@ -553,6 +556,36 @@ def probe_dense(m: int = 8192, d: int = 4096, hidden: int = 16384):
             flush=True)
 
 
+def probe_step_gemms(m: int = 8192, d: int = 4096, hidden: int = 16384):
+  bf16 = jnp.bfloat16
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: the bf16 MLP step's GEMMs "
+        f"(x {m}x{d}, hidden {hidden}), CUPTI ms, median of 20, rotating inputs")
+  # (label, a shape, b shape, transpose_a, transpose_b, bias length or 0, activation)
+  cases = [("fwd1 x@W1+b1, gelu", (m, d), (d, hidden), False, False, hidden, "gelu"),
+           ("fwd1 x@W1+b1 (z)", (m, d), (d, hidden), False, False, hidden, None),
+           ("fwd2 h@W2+b2", (m, hidden), (hidden, d), False, False, d, None),
+           ("dW2 h^T@g", (m, hidden), (m, d), True, False, 0, None),
+           ("dh g@W2^T", (m, d), (hidden, d), False, True, 0, None),
+           ("dW1 x^T@dz", (m, d), (m, hidden), True, False, 0, None)]
+  for label, sa, sb, ta, tb, nb, act in cases:
+    sets = _inputs(sa, sb, bf16)
+    bias = jax.random.normal(jax.random.key(1), (nb,), bf16) if nb else None
+
+    def expr(a, b):  # what a Flax model writes
+      a = a.T if ta else a
+      b = b.T if tb else b
+      z = jnp.dot(a, b) if bias is None else jnp.dot(a, b) + bias
+      return jax.nn.gelu(z) if act else z
+
+    row = {"jnp.dot": _ms(expr, sets)}
+    for backend in ("xla", "mosaic"):
+      row[backend] = _ms(lambda a, b, backend=backend: gemm(
+          a, b, transpose_a=ta, transpose_b=tb, bias=bias, activation=act, backend=backend),
+          sets)
+    print(f"{label:22s} " + "  ".join(f"{k} {v:.3f} ({row['jnp.dot'] / v:.3f}x)"
+                                      for k, v in row.items()), flush=True)
+
+
 def _schedule(compiled_text: str) -> str:
   """The entry computation's custom calls (G) and collectives, in scheduled order."""
   entry = compiled_text[compiled_text.index("ENTRY"):]
@@ -636,7 +669,7 @@ if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
-            "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense,
+            "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense, "step_gemms": probe_step_gemms,
             "ksplit": probe_ksplit}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)

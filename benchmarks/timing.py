@@ -69,3 +69,22 @@ def pipelined_ms(f, *args, calls: int = 10, reps: int = 5) -> float:
     jax.block_until_ready(out)
     runs.append((time.perf_counter() - start) * 1e3 / calls)
   return statistics.median(runs)
+
+
+def interleaved_ms(fns: dict, *args, calls: int = 10, reps: int = 7) -> dict:
+  """`pipelined_ms` of several functions of the same arguments, taken in turns: every
+  rep times `calls` back-to-back calls of each function in order, so a drift of the GPU's
+  clock or temperature during the run reaches all of them alike (timed one after the
+  other, the same jnp.dot step measured 8.23 and 8.55 ms in two runs on one H100).
+  Median per function."""
+  for f in fns.values():
+    jax.block_until_ready(f(*args))
+  runs = {name: [] for name in fns}
+  for _ in range(reps):
+    for name, f in fns.items():
+      start = time.perf_counter()
+      out = [f(*args) for _ in range(calls)]
+      jax.block_until_ready(out)
+      runs[name].append((time.perf_counter() - start) * 1e3 / calls)
+      del out
+  return {name: statistics.median(t) for name, t in runs.items()}
