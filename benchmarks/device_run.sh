@@ -2,7 +2,7 @@
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
 #   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [precision] [example] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
-#   [dense] [step_gemms] [ksplit]
+#   [dense] [step_kernels] [step_gemms] [ksplit]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pallas_gemm_out}
@@ -64,6 +64,11 @@ fi
 if has dense; then
   log "bf16 MLP step: the bias + GELU epilogue written several ways, and the GEMMs XLA compiled"
   timeout 400 python3 benchmarks/probe.py dense 2>&1 | tee "$OUT/dense_probe.log"
+fi
+
+if has step_kernels; then
+  log "the kernels of one bf16 MLP step per variant (CUPTI)"
+  timeout 300 python3 benchmarks/probe.py step_kernels 2>&1 | tee "$OUT/step_kernels_probe.log"
 fi
 
 if has step_gemms; then

@@ -28,6 +28,8 @@
   python3 benchmarks/probe.py step_gemms    the five GEMMs of that step (forward with bias [+ GELU],
                                            the three backward layouts), CUPTI: jnp.dot / the jnp.dot
                                            expression vs gemm on xla and mosaic
+  python3 benchmarks/probe.py step_kernels  the kernels of one bf16 MLP step (`--mlp`'s variants),
+                                           by name, CUPTI time summed over 5 steps
   python3 benchmarks/probe.py ksplit [N]    2+ GPUs, bf16 N^3 with K sharded: jnp.dot vs local mosaic
                                            GEMMs (shard_map) in row chunks, each chunk's f32 partial
                                            summed by psum (or reduce-scatter + bf16 all-gather),
@@ -586,6 +588,39 @@ def probe_step_gemms(m: int = 8192, d: int = 4096, hidden: int = 16384):
                                       for k, v in row.items()), flush=True)
 
 
+def probe_step_kernels(top: int = 14):
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
+  from benchmarks import mlp  # noqa: PLC0415
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  m, d, hidden, bf16 = 8192, 4096, 16384, jnp.bfloat16
+  keys = jax.random.split(jax.random.key(0), 6)
+  params = {"w1": jax.random.normal(keys[0], (d, hidden), bf16) / d**0.5,
+            "b1": jax.random.normal(keys[1], (hidden,), bf16) * 0.1,
+            "w2": jax.random.normal(keys[2], (hidden, d), bf16) / hidden**0.5,
+            "b2": jax.random.normal(keys[3], (d,), bf16) * 0.1}
+  x = jax.random.normal(keys[4], (m, d), bf16)
+  y = jax.random.normal(keys[5], (m, d), bf16)
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: kernels of one bf16 MLP step")
+  for name, forward in mlp._mlp_variants(None).items():
+    loss = lambda p, x, y, forward=forward: jnp.mean(
+        (forward(p, x, y).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
+    step = jax.jit(jax.value_and_grad(loss))
+    jax.block_until_ready(step(params, x, y))
+    ext._cupti_init()
+    try:
+      jax.block_until_ready([step(params, x, y) for _ in range(5)])
+    finally:
+      timings = ext._cupti_get_timings(True)
+    by_name = {}
+    for kernel, ms in timings:
+      count, total = by_name.get(kernel, (0, 0.0))
+      by_name[kernel] = (count + 1, total + ms / 5)
+    total = sum(t for _, t in by_name.values())
+    print(f"-- {name}: {total:.3f} ms per step in {len(timings) // 5} kernels", flush=True)
+    for kernel, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
+      print(f"   {ms:7.3f} ms  x{count // 5:<3d} {kernel[:110]}")
+
+
 def _schedule(compiled_text: str) -> str:
   """The entry computation's custom calls (G) and collectives, in scheduled order."""
   entry = compiled_text[compiled_text.index("ENTRY"):]
@@ -670,6 +705,7 @@ if __name__ == "__main__":
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
             "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense, "step_gemms": probe_step_gemms,
+            "step_kernels": probe_step_kernels,
             "ksplit": probe_ksplit}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
