@@ -11,9 +11,10 @@
    bf16 2048^3, 4096^3, 8192^3 (`--parts epilogue` runs this part alone).
 
 Wall clock over back-to-back jitted calls (the step's elementwise kernels count too), the
-variants timed in turns (`timing.interleaved_ms`: 7 rounds of 10 calls each), median; on
-a GPU also the step's CUPTI device time (its kernels summed, median of 10); the loss of
-each variant is printed beside XLA's.
+variants timed in turns (`timing.interleaved_ms`: 7 rounds of 10 calls each), median; the
+loss of each variant is printed beside XLA's. (CUPTI device time of each step, taken one
+variant after the other, drifted with the GPU's temperature: the same XLA kernels summed to
+7.45 ms in one place and 8.16 in another. `probe.py step_kernels` lists a step's kernels.)
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import statistics
 
 import jax
 import jax.numpy as jnp
 
 import pallas_gemm
-from pallas_gemm import dot_general, tuning
+from pallas_gemm import dot_general
 from benchmarks.timing import interleaved_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -59,14 +59,6 @@ def _mlp_variants(precision):
           "dense auto": fused("auto"), "dense mosaic": fused("mosaic")}
 
 
-def _gpu_ms(step, *args) -> float | None:
-  """Median CUPTI device time of one step (all its kernels summed; no launch gaps), which
-  a drifting clock moves less than wall clock. None without a GPU."""
-  if jax.default_backend() != "gpu":
-    return None
-  return statistics.median(tuning.time_gpu_ms(step, [args], iterations=10))
-
-
 def mlp(quick: bool) -> list[dict]:
   rows = []
   m, d, hidden = (256, 128, 512) if quick else (8192, 4096, 16384)
@@ -86,16 +78,13 @@ def mlp(quick: bool) -> list[dict]:
           (forward(p, x, y).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
       steps[name] = jax.jit(jax.value_and_grad(loss))
     times = interleaved_ms(steps, params, x, y)
-    gpu = {name: _gpu_ms(step, params, x, y) for name, step in steps.items()}
-    base_ms, base_gpu = times["jnp.dot (XLA)"], gpu["jnp.dot (XLA)"]
+    base_ms = times["jnp.dot (XLA)"]
     for name, step in steps.items():
       ms, value = times[name], float(step(params, x, y)[0])
-      vs_gpu = "" if gpu[name] is None else (
-          f"  GPU {gpu[name]:8.3f} ms {base_gpu / gpu[name]:6.3f}x")
       rows.append(dict(bench="mlp step", dtype=label, variant=name, ms=ms, vs_xla=base_ms / ms,
-                       gpu_ms=gpu[name], loss=value))
-      print(f"mlp step {label:12s} {name:20s} {ms:9.3f} ms  {base_ms / ms:6.3f}x XLA{vs_gpu}"
-            f"  loss {value:.6f}", flush=True)
+                       loss=value))
+      print(f"mlp step {label:12s} {name:20s} {ms:9.3f} ms  {base_ms / ms:6.3f}x XLA  "
+            f"loss {value:.6f}", flush=True)
   return rows
 
 
