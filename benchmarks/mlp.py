@@ -3,10 +3,10 @@
     python -m benchmarks --mlp [--quick] [--out DIR]
 
 1. value_and_grad of a two-layer MLP (x 8192x4096, W1 4096x16384, W2 16384x4096, bias +
-   GELU (tanh), mean squared error), bf16 and f32 HIGHEST, written four ways in the same run:
+   GELU (tanh), mean squared error), bf16 and f32 HIGHEST, written several ways in the same run:
    jnp.dot + jax.nn.gelu (XLA's fusions), `dot_general` passed where a Flax layer would take
-   it (no fused layers), and `pallas_gemm.dense` with the fused bias + GELU (backend auto and
-   mosaic forced).
+   it (no fused layers), and `pallas_gemm.dense` with the fused bias + GELU (backend auto,
+   mosaic and xla).
 2. `gemm(a, b, c, alpha=0.5, beta=2.0)` vs the jnp.dot expression `0.5 * (a @ b) + 2 * c`,
    bf16 2048^3, 4096^3, 8192^3 (`--parts epilogue` runs this part alone).
 
@@ -56,7 +56,8 @@ def _mlp_variants(precision):
     return f
 
   return {"jnp.dot (XLA)": xla, "dot_general auto": with_dot_general("auto"),
-          "dense auto": fused("auto"), "dense mosaic": fused("mosaic")}
+          "dense auto": fused("auto"), "dense mosaic": fused("mosaic"),
+          "dense xla": fused("xla")}
 
 
 def mlp(quick: bool) -> list[dict]:
