@@ -130,10 +130,13 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   # An epilogue (beta * C, a bias, an activation) with 16-bit inputs: the mosaic kernel
   # applies it to its f32 accumulator before the single store (C through TMA), where XLA
   # writes the product and reads it back in a fusion (or a cuBLASLt bias epilogue).
-  # beta * C: bf16 4096^3 1.11x, 8192^3 1.08x the jnp.dot expression (H100, session 8;
-  # 1.086x at 4096^3 on the H200), 0.87x at 2048^3. Bias + GELU: the MLP training step of
-  # `benchmarks --mlp` (8192x4096 @ 4096x16384, backward GEMMs on the same backend) 1.028x
-  # the jnp.dot + jax.nn.gelu step, forward 1.095x (H100, session 9). So from 4096 on.
+  # beta * C: bf16 4096^3 1.10-1.18x, 8192^3 1.06-1.12x the jnp.dot expression (H100,
+  # session 9, four runs; 1.086x at 4096^3 on the H200), 0.87x at 2048^3. Bias (+ GELU):
+  # the MLP layer x(8192x4096) @ W1 + b1 1.13x (1.06x) jnp.dot + b1 (+ jax.nn.gelu),
+  # CUPTI. Under a training step's grad it is a wash (wall clock 0.95-1.00x the jnp.dot
+  # step across runs, kernel time 0.96x: XLA fuses the bias into cuBLASLt there too, and
+  # the GELU passes around the op cost more than XLA's own; README "In a Flax model"),
+  # and on XLA with an f32 product it was 0.94-0.95x. So from 4096 on.
   if (epilogue and dtype.itemsize == 2 and batch == 1 and min(m, n, k) >= 4096
       and status["mosaic"] is None):
     return "mosaic"
@@ -206,8 +209,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     bias: None or an (N,) vector added to every row (after beta * c).
     activation: None, "relu", "gelu" (tanh approximation), "gelu_exact" or "silu",
       applied last. The whole epilogue runs in f32 before the cast to out_dtype, inside
-      the kernel for mosaic (and in XLA's fusion for xla); cuda and triton apply bias
-      and activation in one XLA pass after an f32 result. Under differentiation the
+      the kernel for mosaic; in XLA's fusion for xla, which rounds a bf16 product to
+      bf16 first (as ``jnp.dot(a, b) + bias`` does); cuda and triton apply bias and
+      activation in one XLA pass after an f32 result. Under differentiation the
       kernel computes the pre-activation (bias included) and XLA applies the activation
       and its derivative around it.
   """

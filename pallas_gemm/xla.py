@@ -51,12 +51,13 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
   del config, interpret
   # Ask XLA for the output dtype directly: cuBLAS accumulates in f32 either way. An f32
   # result plus a convert measured 7% slower at bf16 8192^3 (H200), and with an epilogue
-  # the f32 product's round trip through memory cost the MLP training step of `benchmarks
-  # --mlp` 5.7% (H100, session 9: 0.943x the jnp.dot step; rounded to bf16 first, as the
-  # jnp.dot expression rounds it, 1.013x). So a 16-bit product is rounded once to its
-  # dtype before the f32 epilogue, like `jnp.dot(a, b) + bias` (mosaic keeps the f32
-  # accumulator: `backend="mosaic"` for the single rounding). Not f16: a product beyond
-  # its range (65504) would be inf before alpha, beta * C or the bias could bring it back.
+  # the f32 product's round trip through memory cost (H100, session 9): the MLP training
+  # step 0.943x the jnp.dot step (written with jnp and a bf16 product: 1.013x, probe.py
+  # dense), alpha/beta*C 0.86-0.94x the jnp.dot expression (now 0.98-1.01x). So a bf16
+  # product is rounded once to bf16 before the f32 epilogue, as `jnp.dot(a, b) + bias`
+  # rounds it (mosaic keeps the f32 accumulator: `backend="mosaic"` for one rounding).
+  # Not f16: a product beyond its range (65504) would be inf before alpha, beta * C or
+  # the bias could bring it back.
   epilogue = (alpha != 1.0 or (c is not None and beta != 0.0) or bias is not None
               or activation is not None)
   # Not for degenerate products (a row or column vector): XLA:GPU may turn those into a
