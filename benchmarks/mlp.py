@@ -60,24 +60,34 @@ def _mlp_variants(precision):
           "dense xla": fused("xla")}
 
 
+def problem(dtype, m: int = 8192, d: int = 4096, hidden: int = 16384):
+  """(params, x, y) of the MLP: W1 (d, hidden), W2 (hidden, d), x and y (m, d)."""
+  keys = jax.random.split(jax.random.key(0), 6)
+  params = {"w1": jax.random.normal(keys[0], (d, hidden), dtype) / d**0.5,
+            "b1": jax.random.normal(keys[1], (hidden,), dtype) * 0.1,
+            "w2": jax.random.normal(keys[2], (hidden, d), dtype) / hidden**0.5,
+            "b2": jax.random.normal(keys[3], (d,), dtype) * 0.1}
+  x = jax.random.normal(keys[4], (m, d), dtype)
+  y = jax.random.normal(keys[5], (m, d), dtype)
+  return params, x, y
+
+
+def loss_of(forward):
+  """The mean squared error of forward(params, x, y) against y, in f32."""
+  return lambda p, x, y: jnp.mean((forward(p, x, y).astype(jnp.float32)
+                                   - y.astype(jnp.float32)) ** 2)
+
+
 def mlp(quick: bool) -> list[dict]:
   rows = []
   m, d, hidden = (256, 128, 512) if quick else (8192, 4096, 16384)
   for dtype, precision, label in ((jnp.bfloat16, None, "bf16"), (jnp.float32, HIGHEST, "f32-highest")):
-    keys = jax.random.split(jax.random.key(0), 6)
-    params = {"w1": jax.random.normal(keys[0], (d, hidden), dtype) / d**0.5,
-              "b1": jax.random.normal(keys[1], (hidden,), dtype) * 0.1,
-              "w2": jax.random.normal(keys[2], (hidden, d), dtype) / hidden**0.5,
-              "b2": jax.random.normal(keys[3], (d,), dtype) * 0.1}
-    x = jax.random.normal(keys[4], (m, d), dtype)
-    y = jax.random.normal(keys[5], (m, d), dtype)
+    params, x, y = problem(dtype, m, d, hidden)
     steps = {}
     for name, forward in _mlp_variants(precision).items():
       if "mosaic" in name and (dtype == jnp.float32 or jax.default_backend() != "gpu"):
         continue  # mosaic has no IEEE f32 (and only interprets on a CPU)
-      loss = lambda p, x, y, forward=forward: jnp.mean(
-          (forward(p, x, y).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
-      steps[name] = jax.jit(jax.value_and_grad(loss))
+      steps[name] = jax.jit(jax.value_and_grad(loss_of(forward)))
     times = interleaved_ms(steps, params, x, y)
     base_ms = times["jnp.dot (XLA)"]
     for name, step in steps.items():

@@ -512,16 +512,11 @@ def _gemm_calls(compiled_text: str) -> str:
 
 def probe_dense(m: int = 8192, d: int = 4096, hidden: int = 16384):
   """Which way of writing act(x @ w + bias) XLA compiles best inside a training step."""
+  from benchmarks import mlp  # noqa: PLC0415
   from benchmarks.timing import pipelined_ms  # noqa: PLC0415
   from pallas_gemm import dense  # noqa: PLC0415
   bf16, f32 = jnp.bfloat16, jnp.float32
-  keys = jax.random.split(jax.random.key(0), 6)
-  params = {"w1": jax.random.normal(keys[0], (d, hidden), bf16) / d**0.5,
-            "b1": jax.random.normal(keys[1], (hidden,), bf16) * 0.1,
-            "w2": jax.random.normal(keys[2], (hidden, d), bf16) / hidden**0.5,
-            "b2": jax.random.normal(keys[3], (d,), bf16) * 0.1}
-  x = jax.random.normal(keys[4], (m, d), bf16)
-  y = jax.random.normal(keys[5], (m, d), bf16)
+  params, x, y = mlp.problem(bf16, m, d, hidden)
 
   def layer(how):
     def f(x, w, b, act):
@@ -544,11 +539,9 @@ def probe_dense(m: int = 8192, d: int = 4096, hidden: int = 16384):
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: bf16 MLP step "
         f"x {m}x{d}, hidden {hidden}, bias + GELU")
   for name, lay in variants.items():
-    def loss(p, x, y, lay=lay):
-      h = lay(x, p["w1"], p["b1"], True)
-      out = lay(h, p["w2"], p["b2"], False)
-      return jnp.mean((out.astype(f32) - y.astype(f32)) ** 2)
-    for mode, fn in (("step", jax.value_and_grad(loss)),
+    def forward(p, x, y, lay=lay):
+      return lay(lay(x, p["w1"], p["b1"], True), p["w2"], p["b2"], False)
+    for mode, fn in (("step", jax.value_and_grad(mlp.loss_of(forward))),
                      ("forward", lambda p, x, y, lay=lay: lay(x, p["w1"], p["b1"], True))):
       step = jax.jit(fn)
       ms = pipelined_ms(step, params, x, y, calls=20)
@@ -592,19 +585,10 @@ def probe_step_kernels(top: int = 14):
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
   from benchmarks import mlp  # noqa: PLC0415
   ext = mosaic_gpu_lib._mosaic_gpu_ext
-  m, d, hidden, bf16 = 8192, 4096, 16384, jnp.bfloat16
-  keys = jax.random.split(jax.random.key(0), 6)
-  params = {"w1": jax.random.normal(keys[0], (d, hidden), bf16) / d**0.5,
-            "b1": jax.random.normal(keys[1], (hidden,), bf16) * 0.1,
-            "w2": jax.random.normal(keys[2], (hidden, d), bf16) / hidden**0.5,
-            "b2": jax.random.normal(keys[3], (d,), bf16) * 0.1}
-  x = jax.random.normal(keys[4], (m, d), bf16)
-  y = jax.random.normal(keys[5], (m, d), bf16)
+  params, x, y = mlp.problem(jnp.bfloat16)
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: kernels of one bf16 MLP step")
   for name, forward in mlp._mlp_variants(None).items():
-    loss = lambda p, x, y, forward=forward: jnp.mean(
-        (forward(p, x, y).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
-    step = jax.jit(jax.value_and_grad(loss))
+    step = jax.jit(jax.value_and_grad(mlp.loss_of(forward)))
     jax.block_until_ready(step(params, x, y))
     ext._cupti_init()
     try:
