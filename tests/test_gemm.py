@@ -91,6 +91,17 @@ def test_out_dtype(backend, out_dtype, rng):
   check(backend, 24, 40, 32, preferred_dtype(backend), None, rng, out_dtype=out_dtype)
 
 
+def test_alpha_brings_an_f16_product_back_into_range(backend):
+  """alpha applies to the f32 accumulator: an f16 product beyond f16's range (65504) that
+  alpha scales back into it is finite (no backend rounds the product to f16 first)."""
+  if skip_reason(backend, np.float16):
+    pytest.skip(skip_reason(backend, np.float16))
+  a = jnp.full((16, 16), 300.0, jnp.float16)
+  out = gemm(a, a, alpha=1.0 / 64, bias=jnp.full((16,), -500.0, jnp.float16), backend=backend)
+  assert out.dtype == jnp.float16
+  np.testing.assert_allclose(np.asarray(out, np.float32), 16 * 300.0**2 / 64 - 500, rtol=2**-10)
+
+
 def test_jit_and_vmap(backend, rng):
   dtype = preferred_dtype(backend)
   a, b = random(rng, (3, 12, 20), dtype), random(rng, (3, 20, 28), dtype)
