@@ -786,6 +786,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
           (num_wgs, epi_m, epi_n), c_gmem.dtype,
           transforms=_swizzle_transforms(epi_n, c_gmem.dtype))
 
+  split_ops = None
   if split is not None:
     # Each consumer warpgroup's bf16 pieces of its columns of the B tile. gemm() makes
     # both f32 operands K-major for the split.
@@ -799,8 +800,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
           transforms=_swizzle_transforms(bk, jnp.bfloat16))
     split_tiles = functools.partial(_split_tiles, split=split, wg_origin=wg_origin,
                                     wg_m=wg_m, wg_n=wg_n)
-    split_products = functools.partial(_split_products, split=split)
-    wgmma = (split_tiles, split_products)
+    split_ops = (split_tiles, functools.partial(_split_products, split=split))
 
   if cfg.producer == "warp":
     _warp_producer_kernel(
@@ -810,7 +810,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         num_ctas=num_ctas, stream_k=stream_k, partials_gmem=partials_gmem,
         tile_coords=tile_coords, wg_origin=wg_origin, wgmma=wgmma, a_window=a_window,
         b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs,
-        split=split is not None)
+        split_ops=split_ops)
     return
 
   ignore = lambda *_, **__: None
@@ -893,7 +893,7 @@ def _split_products(blk_ref, a_pieces, b_pieces, *, split):
 def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
                           a_k_major, b_k_major, k_iters, wgmma_wait, tiles, num_ctas,
                           stream_k, partials_gmem, tile_coords, wg_origin, wgmma,
-                          a_window, b_window, epilogue, epilogue_allocs, split=False):
+                          a_window, b_window, epilogue, epilogue_allocs, split_ops=None):
   """Config.producer == "warp": the CTA's K steps as one ring.
 
   The CTA's work is a sequence of pieces, each a tile and a range [k0, k1) of its K
@@ -915,6 +915,9 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
   ``stream_k_schedule`` refuses a grid larger than the device), so there is no cycle;
   a first piece ends at about the time the previous CTA's range does, so a partial
   is normally ready when it is needed.
+
+  split_ops: None, or (split_tiles, split_products) of the FP32 emulation from bf16
+  pieces, which then replace `wgmma` in each K step (`_split_tiles`, `_split_products`).
   """
   num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
   # A ring deeper than K is never filled (smem_bytes counts it this way too).
@@ -1066,7 +1069,7 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def _whole():
             write()
 
-        if split:
+        if split_ops is not None:
           # FP32 from bf16 pieces. Each K block's products (smallest first) go into a
           # zeroed accumulator, which is then added to the running f32 sum `total`,
           # carried in registers, with IEEE adds: the tensor core's truncating
@@ -1074,7 +1077,7 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           # as soon as it is split. (Splitting block s + 1 while block s's products
           # ran, with two piece buffers, was no faster on the H100: 64.0 vs 61.7
           # TFLOP/s at 4096^3, and wrong, so it is not done.)
-          split_tiles, split_products = wgmma
+          split_tiles, split_products = split_ops
 
           def _k(kk, total):
             step = first + kk - k0
