@@ -97,7 +97,7 @@ def _on_gpu() -> bool:
 
 def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
                   leading_dims: tuple[int, ...], batch: int = 1, transpose_a: bool = False,
-                  transpose_b: bool = False, epilogue: bool = False) -> str:
+                  transpose_b: bool = False, has_epilogue: bool = False) -> str:
   """The `backend="auto"` decision, from the H200 measurements in benchmarks/results.
 
   cuBLAS (jnp.dot) is 1.0-1.03x our best kernels on aligned 16-bit shapes, so it keeps
@@ -137,7 +137,7 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   # step across runs, kernel time 0.96x: XLA fuses the bias into cuBLASLt there too, and
   # the GELU passes around the op cost more than XLA's own; README "In a Flax model"),
   # and on XLA with an f32 product it was 0.94-0.95x. So from 4096 on.
-  if (epilogue and dtype.itemsize == 2 and batch == 1 and min(m, n, k) >= 4096
+  if (has_epilogue and dtype.itemsize == 2 and batch == 1 and min(m, n, k) >= 4096
       and status["mosaic"] is None):
     return "mosaic"
   # Small or skinny products are launch- or bandwidth-bound: cuBLAS's specialised kernels
@@ -299,7 +299,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     backend = _auto_backend(dtype, precision, m, n, k, (a.shape[-1], b.shape[-1], n),
                             batch=math.prod(batch_shape), transpose_a=transpose_a,
                             transpose_b=transpose_b,
-                            epilogue=(c is not None and beta != 0.0) or bias is not None
+                            has_epilogue=(c is not None and beta != 0.0) or bias is not None
                             or activation is not None)
   elif backend not in BACKENDS:
     raise ValueError(f"backend must be 'auto' or one of {BACKENDS}; got {backend!r}")

@@ -77,7 +77,7 @@ def test_auto_on_cpu_is_xla(monkeypatch):
 def test_auto_with_epilogue(fake_gpu, shape, dtype, epilogue, batch, expected):
   m, n, k = shape
   assert api._auto_backend(dtype, None, m, n, k, (k, n, n), batch=batch,
-                           epilogue=epilogue) == expected
+                           has_epilogue=epilogue) == expected
 
 
 @pytest.mark.parametrize("precision,shape,expected", [
@@ -98,7 +98,7 @@ def test_auto_precisions(fake_gpu, precision, shape, expected):
     ({"c": True, "beta": 1.0}, True), ({"c": True, "beta": 0.0}, False)])
 def test_gemm_tells_auto_about_its_epilogue(monkeypatch, kwargs, epilogue):
   seen = []
-  monkeypatch.setattr(api, "_auto_backend", lambda *a, **kw: seen.append(kw["epilogue"]) or "xla")
+  monkeypatch.setattr(api, "_auto_backend", lambda *a, **kw: seen.append(kw["has_epilogue"]) or "xla")
   a = jnp.ones((8, 4), jnp.bfloat16)
   b = jnp.ones((4, 6), jnp.bfloat16)
   kwargs = dict(kwargs)
