@@ -11,6 +11,8 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 stages=${*:-build test sanitize bench}
 has() { [[ " $stages " == *" $1 "* ]]; }
 log() { echo "== $(date +%T) $*"; }
+# probe SECONDS WHAT [ARGS...]: python3 benchmarks/probe.py WHAT ARGS, logged to $OUT/WHAT_probe.log
+probe() { timeout "$1" python3 benchmarks/probe.py "${@:2}" 2>&1 | tee "$OUT/$2_probe.log"; }
 
 if has build; then
   log build
@@ -63,22 +65,22 @@ fi
 
 if has dense; then
   log "bf16 MLP step: the bias + GELU epilogue written several ways, and the GEMMs XLA compiled"
-  timeout 400 python3 benchmarks/probe.py dense 2>&1 | tee "$OUT/dense_probe.log"
+  probe 400 dense
 fi
 
 if has step_kernels; then
   log "the kernels of one bf16 MLP step per variant (CUPTI)"
-  timeout 300 python3 benchmarks/probe.py step_kernels 2>&1 | tee "$OUT/step_kernels_probe.log"
+  probe 300 step_kernels
 fi
 
 if has step_gemms; then
   log "the bf16 MLP step's GEMMs one by one (CUPTI): jnp.dot expression vs xla vs mosaic"
-  timeout 300 python3 benchmarks/probe.py step_gemms 2>&1 | tee "$OUT/step_gemms_probe.log"
+  probe 300 step_gemms
 fi
 
 if has ksplit; then
   log "K-sharded bf16 16384^3: row chunks, fewer CTAs, psum vs reduce-scatter (default XLA flags, then without command buffers)"
-  timeout 280 python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_probe.log"
+  probe 280 ksplit
   echo "-- without command buffers (CUDA graphs)"
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" OUT= timeout 280 \
     python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_nocb_probe.log"
@@ -93,12 +95,12 @@ fi
 
 if has cuda_sk; then
   log cuda kernel with stream-K on and off, called in turn with jnp.dot
-  timeout 400 python3 benchmarks/probe.py cuda_sk 2>&1 | tee "$OUT/cuda_sk_probe.log"
+  probe 400 cuda_sk
 fi
 
 if has mosaic_sk; then
   log mosaic default config with stream-K on and off, called in turn with jnp.dot
-  timeout 400 python3 benchmarks/probe.py mosaic_sk 2>&1 | tee "$OUT/mosaic_sk_probe.log"
+  probe 400 mosaic_sk
 fi
 
 if has cuda_ab; then
@@ -127,17 +129,17 @@ fi
 
 if has ragged; then
   log where a ragged mosaic GEMM spends its time
-  timeout 200 python3 benchmarks/probe.py ragged 4096 2>&1 | tee "$OUT/ragged_probe.log"
+  probe 200 ragged 4096
 fi
 
 if has mosaic; then
   log mosaic configs vs jnp.dot and hopper_matmul_mgpu
-  timeout 400 python3 benchmarks/probe.py mosaic 2>&1 | tee "$OUT/mosaic_probe.log"
+  probe 400 mosaic
 fi
 
 if has ab; then
   log mosaic variants vs jnp.dot, called in turn
-  timeout 300 python3 benchmarks/probe.py ab 2>&1 | tee "$OUT/ab_probe.log"
+  probe 300 ab
 fi
 
 if has power; then
@@ -149,7 +151,7 @@ fi
 
 if has triton; then
   log triton variants at bf16 4096^3
-  timeout 200 python3 benchmarks/probe.py triton 2>&1 | tee "$OUT/triton_probe.log"
+  probe 200 triton
 fi
 
 if has ncu; then

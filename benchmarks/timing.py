@@ -61,14 +61,7 @@ def pipelined_ms(f, *args, calls: int = 10, reps: int = 5) -> float:
   """Wall clock per call of `calls` back-to-back calls (dispatch pipelined, one wait at the
   end), median of `reps`, after one warm-up call: the time a jitted program sees, with its
   elementwise kernels and collectives (what CUPTI kernel time of one GEMM leaves out)."""
-  jax.block_until_ready(f(*args))
-  runs = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    out = [f(*args) for _ in range(calls)]
-    jax.block_until_ready(out)
-    runs.append((time.perf_counter() - start) * 1e3 / calls)
-  return statistics.median(runs)
+  return interleaved_ms({"f": f}, *args, calls=calls, reps=reps)["f"]
 
 
 def interleaved_ms(fns: dict, *args, calls: int = 10, reps: int = 7) -> dict:
