@@ -523,7 +523,7 @@ def probe_dense(m: int = 8192, d: int = 4096, hidden: int = 16384):
       if how == "stock":  # what a Flax model writes
         z = jnp.dot(x, w) + b
         return jax.nn.gelu(z) if act else z
-      if how == "f32 dot":  # pallas_gemm's xla backend today
+      if how == "f32 dot":  # pallas_gemm's xla backend before session 9
         z = jnp.dot(x, w, preferred_element_type=f32) + b.astype(f32)
       elif how == "bf16 dot, f32 epilogue":
         z = jnp.dot(x, w).astype(f32) + b.astype(f32)
@@ -543,10 +543,10 @@ def probe_dense(m: int = 8192, d: int = 4096, hidden: int = 16384):
       return lay(lay(x, p["w1"], p["b1"], True), p["w2"], p["b2"], False)
     for mode, fn in (("step", jax.value_and_grad(mlp.loss_of(forward))),
                      ("forward", lambda p, x, y, lay=lay: lay(x, p["w1"], p["b1"], True))):
-      step = jax.jit(fn)
+      step = jax.jit(fn).lower(params, x, y).compile()
       ms = pipelined_ms(step, params, x, y, calls=20)
       base.setdefault(mode, ms)
-      calls = _gemm_calls(step.lower(params, x, y).compile().as_text())
+      calls = _gemm_calls(step.as_text())
       print(f"{mode:7s} {name:24s} {ms:8.3f} ms {base[mode] / ms:6.3f}x stock  {calls}",
             flush=True)
 
@@ -608,15 +608,15 @@ def probe_step_kernels(top: int = 14):
 def _schedule(compiled_text: str) -> str:
   """The entry computation's custom calls (G) and collectives, in scheduled order."""
   entry = compiled_text[compiled_text.index("ENTRY"):]
-  short = {"custom-call": "G", "command_buffer": "CB", "call": "CALL", "all-reduce-start": "AR<", "all-reduce-done": "AR>",
-           "all-reduce": "AR", "reduce-scatter": "RS", "all-gather-start": "AG<",
-           "all-gather-done": "AG>", "all-gather": "AG"}
+  short = {"custom-call": "G", "command_buffer": "CB", "call": "CALL",
+           "all-reduce-start": "AR<", "all-reduce-done": "AR>", "all-reduce": "AR",
+           "reduce-scatter": "RS", "all-gather-start": "AG<", "all-gather-done": "AG>",
+           "all-gather": "AG"}
   ops = re.findall(r"\s(" + "|".join(map(re.escape, short)) + r")\(", entry)
   return " ".join(short[op] for op in ops)
 
 
 def probe_ksplit(n: int = 16384):
-  from functools import partial  # noqa: PLC0415
   from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: PLC0415
   from benchmarks.timing import pipelined_ms  # noqa: PLC0415
   devices = jax.devices()
@@ -632,11 +632,11 @@ def probe_ksplit(n: int = 16384):
   b = jax.jit(lambda: jax.random.normal(kb, (n, n), jnp.bfloat16),
               out_shardings=NamedSharding(mesh, P("d")))()
   flops = 2 * n**3
-  ref = jax.jit(jnp.dot)
+  ref = jax.jit(jnp.dot).lower(a, b).compile()
   base = pipelined_ms(ref, a, b)
   expect = jnp.dot(a, b, preferred_element_type=jnp.float32)
   print(f"jnp.dot                        {base:7.3f} ms {flops / base / 1e9:7.1f} TFLOP/s  "
-        f"1.000x  [{_schedule(ref.lower(a, b).compile().as_text())}]", flush=True)
+        f"1.000x  [{_schedule(ref.as_text())}]", flush=True)
   sms = tuning.num_sms()
 
   def local(chunks, ctas, how):
@@ -666,7 +666,7 @@ def probe_ksplit(n: int = 16384):
           outs.append(part.astype(jnp.bfloat16))
       return jnp.concatenate(outs)
     return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(None, "d"), P("d")),
-                                 out_specs=P(), check_vma=False))
+                                 out_specs=P(), check_vma=False)).lower(a, b).compile()
 
   variants = [(1, sms, "none"), (1, sms - 32, "none"), (1, sms, "psum"), (1, sms, "rs+ag"),
               (4, sms - 32, "psum"), (4, sms - 32, "rs+ag"), (8, sms - 32, "psum"),
@@ -675,12 +675,11 @@ def probe_ksplit(n: int = 16384):
   for chunks, ctas, how in variants:
     fn = local(chunks, ctas, how)
     if dump and chunks == 4 and how == "psum":
-      pathlib.Path(dump, f"ksplit_{chunks}x{ctas}_{how}.hlo.txt").write_text(
-          fn.lower(a, b).compile().as_text())
+      pathlib.Path(dump, f"ksplit_{chunks}x{ctas}_{how}.hlo.txt").write_text(fn.as_text())
     ms = pipelined_ms(fn, a, b)
     err = "" if how == "none" else f"err {relative_error(fn(a, b), expect):.1e}"
     print(f"{chunks} chunks {ctas:3d} CTAs {how:6s}     {ms:7.3f} ms {flops / ms / 1e9:7.1f} "
-          f"TFLOP/s {base / ms:6.3f}x {err} [{_schedule(fn.lower(a, b).compile().as_text())}]",
+          f"TFLOP/s {base / ms:6.3f}x {err} [{_schedule(fn.as_text())}]",
           flush=True)
 
 
@@ -688,8 +687,8 @@ if __name__ == "__main__":
   what, *rest = sys.argv[1:] or ["cuda"]
   probes = {"cuda": probe_cuda, "ragged": probe_ragged, "mosaic": probe_mosaic,
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
-            "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense, "step_gemms": probe_step_gemms,
-            "step_kernels": probe_step_kernels,
+            "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense,
+            "step_gemms": probe_step_gemms, "step_kernels": probe_step_kernels,
             "ksplit": probe_ksplit}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
