@@ -33,7 +33,7 @@ from benchmarks.timing import interleaved_ms
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _mlp_variants(precision):
+def variants(precision):
   def xla(params, x, y):
     h = jax.nn.gelu(jnp.dot(x, params["w1"], precision=precision) + params["b1"])
     return jnp.dot(h, params["w2"], precision=precision) + params["b2"]
@@ -84,7 +84,7 @@ def mlp(quick: bool) -> list[dict]:
   for dtype, precision, label in ((jnp.bfloat16, None, "bf16"), (jnp.float32, HIGHEST, "f32-highest")):
     params, x, y = problem(dtype, m, d, hidden)
     steps = {}
-    for name, forward in _mlp_variants(precision).items():
+    for name, forward in variants(precision).items():
       if "mosaic" in name and (dtype == jnp.float32 or jax.default_backend() != "gpu"):
         continue  # mosaic has no IEEE f32 (and only interprets on a CPU)
       steps[name] = jax.jit(jax.value_and_grad(loss_of(forward)))

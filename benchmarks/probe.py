@@ -587,7 +587,7 @@ def probe_step_kernels(top: int = 14):
   ext = mosaic_gpu_lib._mosaic_gpu_ext
   params, x, y = mlp.problem(jnp.bfloat16)
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: kernels of one bf16 MLP step")
-  for name, forward in mlp._mlp_variants(None).items():
+  for name, forward in mlp.variants(None).items():
     step = jax.jit(jax.value_and_grad(mlp.loss_of(forward)))
     jax.block_until_ready(step(params, x, y))
     ext._cupti_init()
