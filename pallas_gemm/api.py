@@ -74,7 +74,7 @@ def explicitly_sharded(x) -> bool:
 
 
 def _explicit_mode_gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision,
-                        out_dtype, bias, activation):
+                        out_dtype, bias, activation, a_activation):
   """The GEMM as jnp ops, for operands sharded over Explicit mesh axes.
 
   In explicit mode sharding is part of the type and every op must type its result: lax
@@ -82,6 +82,8 @@ def _explicit_mode_gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, preci
   for an out_sharding), the gemm primitive does not yet. So these calls run XLA's dot with
   the same epilogue; a Pallas backend asked for by name is refused in api.gemm.
   """
+  if a_activation is not None:
+    a = epilogue.activate(a.astype(jnp.float32), a_activation).astype(a.dtype)
   a_op = jnp.swapaxes(a, -1, -2) if transpose_a else a
   b_op = jnp.swapaxes(b, -1, -2) if transpose_b else b
   acc = jnp.matmul(a_op, b_op, precision=_precisions.for_lax(precision),
@@ -184,7 +186,7 @@ def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtyp
 
 def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
          precision=None, out_dtype=None, backend="auto", config=None, interpret=None,
-         bias=None, activation=None):
+         bias=None, activation=None, a_activation=None):
   """Returns ``act(alpha * op(a) @ op(b) + beta * c + bias)`` (BLAS GEMM + epilogue), jittable.
 
   Args:
@@ -214,6 +216,13 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       activation in one XLA pass after an f32 result. Under differentiation the
       kernel computes the pre-activation (bias included) and XLA applies the activation
       and its derivative around it.
+    a_activation: None or an activation name as for ``activation``: the product reads
+      act(a) (elementwise, in f32, rounded to a's dtype) in place of a. For the layer
+      after an activation: ``gemm(z, w, a_activation="gelu")`` is
+      ``gemm(gelu(z), w)``, but its gradient in z is one GEMM whose epilogue multiplies
+      by gelu'(z) (fused in mosaic's, an XLA pass after the others), where the unfused
+      pair spends a pass over the hidden gradient on it. act(a) itself is an XLA pass
+      before the kernel, as jnp writes it.
   """
   a_dtype, b_dtype = _dtype_of(a, "a"), _dtype_of(b, "b")
   dtype = np.dtype(jnp.promote_types(a_dtype, b_dtype))
@@ -259,9 +268,10 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
                       f"{getattr(bias, 'dtype', None)}")
     if tuple(bias.shape) != (n,):
       raise ValueError(f"bias must have shape (N,) = ({n},); got {tuple(bias.shape)}")
-  if activation is not None and activation not in epilogue.ACTIVATIONS:
-    raise ValueError(f"activation must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
-                     f"got {activation!r}")
+  for name, act in (("activation", activation), ("a_activation", a_activation)):
+    if act is not None and act not in epilogue.ACTIVATIONS:
+      raise ValueError(f"{name} must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
+                       f"got {act!r}")
   if out_dtype is None:
     out_dtype = dtype
   else:
@@ -287,7 +297,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
           "'xla', no config); the Pallas and CUDA kernels are partitioned in Auto mode")
     return _explicit_mode_gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
                                transpose_b=transpose_b, precision=precision,
-                               out_dtype=out_dtype, bias=bias, activation=activation)
+                               out_dtype=out_dtype, bias=bias, activation=activation,
+                               a_activation=a_activation)
 
   # Choose the backend and its config.
   if backend == "auto" and config is not None:  # a config names its backend
@@ -300,7 +311,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
                             batch=math.prod(batch_shape), transpose_a=transpose_a,
                             transpose_b=transpose_b,
                             has_epilogue=(c is not None and beta != 0.0) or bias is not None
-                            or activation is not None)
+                            or activation is not None or a_activation is not None)
   elif backend not in BACKENDS:
     raise ValueError(f"backend must be 'auto' or one of {BACKENDS}; got {backend!r}")
   reason = backends()[backend]
@@ -327,18 +338,23 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     c3 = jnp.broadcast_to(c, out_shape).reshape((batch, m, n))
   plan = op.Plan(backend, config, alpha, beta if c3 is not None else 0.0, transpose_a,
                  transpose_b, precision, out_dtype, bool(interpret), bias=bias is not None,
-                 activation=activation)
+                 activation=activation, a_activation=a_activation)
   return op.bind(plan, a3, b3, c3, bias).reshape(out_shape)
 
 
-def dense(x, w, bias=None, activation=None, *, precision=None, out_dtype=None,
-          backend="auto", config=None):
+def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=None,
+          out_dtype=None, backend="auto", config=None):
   """A dense layer, ``act(x @ w + bias)``, with the epilogue fused where the backend can:
-  x (..., K), w (K, N), bias None or (N,). Differentiable in x, w and bias like `gemm`."""
+  x (..., K), w (K, N), bias None or (N,). Differentiable in x, w and bias like `gemm`.
+
+  input_activation: the layer reads ``input_activation(x)`` (`gemm`'s ``a_activation``).
+  An MLP written ``dense(dense(x, w1, b1), w2, b2, input_activation="gelu")`` is
+  ``dense(dense(x, w1, b1, "gelu"), w2, b2)`` with GELU's derivative fused into the
+  backward GEMM that computes the hidden gradient."""
   x = jnp.asarray(x)
   if x.ndim < 1:
     raise ValueError(f"x must have rank >= 1 (..., K); got shape {x.shape}")
   x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
   out = gemm(x2, w, bias=bias, activation=activation, precision=precision,
-             out_dtype=out_dtype, backend=backend, config=config)
+             out_dtype=out_dtype, backend=backend, config=config, a_activation=input_activation)
   return out.reshape(x.shape[:-1] + out.shape[-1:])

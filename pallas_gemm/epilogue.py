@@ -1,4 +1,5 @@
-"""The fused epilogue: ``act(alpha * op(a) @ op(b) + beta * c + bias)``, in f32.
+"""The fused epilogue: ``act(alpha * op(a) @ op(b) + beta * c + bias)``, in f32, and the
+gate ``act'(c) * (alpha * op(a) @ op(b))`` of a backward pass (see `op.py`).
 
 One definition of each activation and of its derivative, used by every path: inside the
 Mosaic GPU kernel's epilogue (these jnp functions lower there), in the XLA backend's
@@ -61,10 +62,15 @@ def derivative(x, activation: str):
   return ACTIVATIONS[activation][1](x)
 
 
-def apply(acc, c, bias, *, beta: float, activation: str | None, out_dtype):
+def apply(acc, c, bias, *, beta: float, activation: str | None, out_dtype,
+          c_gate: str | None = None):
   """acc (f32, alpha already applied) -> act(acc + beta*c + bias) in out_dtype.
 
-  bias is (N,) and broadcasts over rows (and the batch)."""
+  bias is (N,) and broadcasts over rows (and the batch). With c_gate (an activation's
+  name), c is a gate, not a summand: acc * act'(c), and beta, bias and activation are
+  unused (a gated call has none)."""
+  if c_gate is not None:
+    return (acc * derivative(c.astype(jnp.float32), c_gate)).astype(out_dtype)
   if c is not None and beta != 0.0:
     acc = acc + beta * c.astype(jnp.float32)
   if bias is not None:

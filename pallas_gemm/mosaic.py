@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.epilogue import activate
+from pallas_gemm.epilogue import activate, derivative
 from pallas_gemm import precision as _precision
 from pallas_gemm import tuning
 
@@ -75,6 +75,9 @@ NAME = "mosaic"
 # cut by a timeout before the report, so why is not known yet);
 # op.py applies it in XLA after the kernel's f32 result (bias still fused).
 FUSED_ACTIVATIONS = (None, "relu", "gelu", "silu")
+# c_gate: the epilogue multiplies by act'(C) in place of adding beta * C (op.py's gated
+# backward GEMM); the same functions as above, and erf's derivative needs erf.
+FUSED_GATES = ("relu", "gelu", "silu")
 
 # Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BYTES_PER_BLOCK = 232448
@@ -613,13 +616,16 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
             m: int, n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
             b_shared: bool, alpha: float, beta: float, c_separate: bool,
             activation: str | None, num_ctas: int, stream_k: StreamK | None,
-            split: _precision.Split | None = None, interpret: bool = False):
+            split: _precision.Split | None = None, interpret: bool = False,
+            c_gate: str | None = None):
   """One persistent CTA (of num_ctas, or of num_ctas clusters).
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
   b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
   c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N.
   bias_gmem: (N',) f32 or None, added to every row before the activation.
+  c_gate: None, or an activation whose derivative at C multiplies the product (C is
+    then not added).
   num_ctas: CTAs of the grid, or clusters of CTAs (both CTAs of a cluster run the same
     tiles' two halves, so the schedule counts clusters).
   partials_gmem: None, or with stream_k (num_ctas * cluster_size * num_compute_wgs,
@@ -738,9 +744,12 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         plgpu.copy_gmem_to_smem(c_window, c_dst, c_barrier.at[wg])
         plgpu.barrier_wait(c_barrier.at[wg])
         c_val = c_dst[...].astype(jnp.float32)
-        if beta != 1.0:
-          c_val = c_val * jnp.float32(beta)
-        val = val + c_val
+        if c_gate is not None:
+          val = val * derivative(c_val, c_gate)
+        else:
+          if beta != 1.0:
+            c_val = c_val * jnp.float32(beta)
+          val = val + c_val
       if bias_gmem is not None:  # (epi_n,) columns, broadcast over the sub-tile's rows
         bias = plgpu.load(bias_gmem.at[pl.ds(col0 + es_n.start, epi_n)],
                           layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
@@ -1173,8 +1182,10 @@ def _num_sms(config: Config, interpret: bool) -> int:
 
 def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
          transpose_b: bool, precision, out_dtype, config: Config,
-         interpret: bool, bias=None, activation: str | None = None) -> jax.Array:
-  """act(alpha * op(a) @ op(b) + beta * c + bias) on Hopper (see the backend contract).
+         interpret: bool, bias=None, activation: str | None = None,
+         c_gate: str | None = None) -> jax.Array:
+  """act(alpha * op(a) @ op(b) + beta * c + bias) on Hopper (see the backend contract),
+  or with c_gate: act'(c) * alpha * op(a) @ op(b) (C read as for beta * c).
 
   a: (batch, M, K), or (batch, K, M) if transpose_a
   b: (batch_b, K, N), or (batch_b, N, K) if transpose_b; batch_b in {1, batch}
@@ -1199,7 +1210,11 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if b.shape[0] not in (1, batch):
     raise ValueError(f"b.shape[0]={b.shape[0]} must be 1 or batch={batch}")
   out_dtype = jnp.dtype(out_dtype)
-  if beta == 0.0:
+  if c_gate is not None and (c_gate not in FUSED_GATES or c is None or bias is not None
+                             or activation is not None):
+    raise ValueError(f"c_gate={c_gate!r} needs a c, no bias or activation, and one of "
+                     f"{FUSED_GATES}")
+  if beta == 0.0 and c_gate is None:
     c = None  # BLAS semantics: C is not read when beta == 0.
   if c is not None and c.shape != (batch, m, n):
     raise ValueError(f"c.shape={c.shape}, expected {(batch, m, n)}")
@@ -1255,7 +1270,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
       activation=activation, num_ctas=num_ctas, stream_k=stream_k, split=split,
-      interpret=interpret)
+      interpret=interpret, c_gate=c_gate)
   out_type = jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype)
   if stream_k is not None:  # + the partial accumulators handed between CTAs
     out_type = (out_type, jax.ShapeDtypeStruct(

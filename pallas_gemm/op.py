@@ -8,6 +8,11 @@ Every rule JAX needs lives here, so "what happens under jit with shardings" is o
 - JVP: the op is linear in a, in b and in c separately, so the tangent is
   ``alpha*op(da)@op(b) + alpha*op(a)@op(db) + beta*dc``: two more `gemm_p`, the second
   taking the first as its C so the sum happens in the kernel's f32 epilogue.
+- gates: a call whose a is an activation's output (``a_activation``, the layer after
+  the activation) differentiates in a through ``act'(a) * da``. That product stays inside
+  a `gemm_p` (``a_gate``), so its transpose is one GEMM whose epilogue multiplies by
+  ``act'(a)`` (``c_gate``, a as its C): the backward pass of an MLP's hidden activation
+  fused into the GEMM that computes the hidden gradient, where XLA spends a pass on it.
 - transpose: the cotangent of a linear a, b or c as `gemm_p` calls of the same backend.
   Reverse mode is JVP + transpose, so `grad`, `jvp`, `linearize`, `jacfwd`, `jacrev` and
   `hessian` all work and every tangent/cotangent GEMM runs on the forward's backend.
@@ -57,20 +62,46 @@ class Plan:
   interpret: bool
   bias: bool = False                # a (N,) bias operand follows c
   activation: str | None = None     # a name in epilogue.ACTIVATIONS
+  # Elementwise prologues on a (names in epilogue.ACTIVATIONS), run by XLA before the
+  # kernel: op(a) -> act(op(a)), or op(a) -> act'(aux) * op(a) with an operand aux of
+  # a's shape after b. Only the JVP creates a_gate plans.
+  a_activation: str | None = None
+  a_gate: str | None = None
+  # c is not added but multiplies: act'(c) * alpha * op(a) @ op(b) (beta is 1.0, there is
+  # no bias and no activation). The transpose of an a_gate plan creates it.
+  c_gate: str | None = None
 
 
-def bind(plan: Plan, a, b, c=None, bias=None):
+def _args(a, b, c=None, bias=None, aux=None) -> list:
+  """The primitive's operand list: a, b, then those present of aux, c, bias."""
+  return [x for x in (a, b, aux, c, bias) if x is not None]
+
+
+def bind(plan: Plan, a, b, c=None, bias=None, aux=None):
   """act(alpha * op(a) @ op(b) [+ beta * c] [+ bias]) on normalised operands (see
-  `_contract.md`); c is present exactly when plan.beta != 0, bias when plan.bias."""
-  return gemm_p.bind(*(x for x in (a, b, c, bias) if x is not None), plan=plan)
+  `_contract.md`); c is present exactly when plan.beta != 0, bias when plan.bias, aux
+  when plan.a_gate."""
+  return gemm_p.bind(*_args(a, b, c, bias, aux), plan=plan)
 
 
 def _operands(plan: Plan, args):
-  """(a, b, c or None, bias or None) from the primitive's operand list."""
+  """(a, b, c, bias, aux), each absent one None, from the primitive's operand list."""
   a, b, *rest = args
+  aux = rest.pop(0) if plan.a_gate is not None else None
   c = rest.pop(0) if plan.beta != 0.0 else None
   bias = rest.pop(0) if plan.bias else None
-  return a, b, c, bias
+  return a, b, c, bias, aux
+
+
+def _prologue(plan: Plan, a, aux):
+  """a as the product reads it: act(a) or act'(aux) * a, in f32, rounded back to a's dtype
+  (as XLA rounds an activation's output before the next dot)."""
+  a32 = a.astype(F32)
+  if plan.a_activation is not None:
+    a32 = epilogue.activate(a32, plan.a_activation)
+  if plan.a_gate is not None:
+    a32 = epilogue.derivative(aux.astype(F32), plan.a_gate) * a32
+  return a32.astype(a.dtype)
 
 
 def _mnk(plan: Plan, a_shape, b_shape) -> tuple[int, int, int]:
@@ -93,12 +124,19 @@ def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
 
 def _kernel(plan: Plan, *args):
   """The backend call on (local) operands."""
-  a, b, c, bias = _operands(plan, args)
+  a, b, c, bias, aux = _operands(plan, args)
+  if plan.a_activation is not None or plan.a_gate is not None:
+    a = _prologue(plan, a, aux)  # elementwise: the same on a as on op(a)
   module = importlib.import_module(f"pallas_gemm.{plan.backend}")
   call = functools.partial(
       module.gemm, a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
       transpose_b=plan.transpose_b, precision=plan.precision, config=plan.config,
       interpret=plan.interpret)
+  if plan.c_gate is not None:
+    if plan.c_gate in getattr(module, "FUSED_GATES", ()):
+      return call(c, beta=1.0, out_dtype=plan.out_dtype, c_gate=plan.c_gate)
+    return epilogue.apply(call(None, beta=0.0, out_dtype=F32), c, None, beta=0.0,
+                          activation=None, out_dtype=plan.out_dtype, c_gate=plan.c_gate)
   if bias is None and plan.activation is None:
     return call(c, beta=plan.beta, out_dtype=plan.out_dtype)
   # What the kernel's epilogue fuses (FUSED_ACTIVATIONS; absent: neither bias nor an
@@ -148,6 +186,10 @@ def _effects(plan: Plan, *avals):
 # ----------------------------------------------------------------------------- JVP
 
 
+def _zero(t) -> bool:
+  return t is None or type(t) is ad.Zero
+
+
 def _jvp(primals, tangents, *, plan):
   if plan.activation is not None:
     # act(z): z (bias included) from the kernel without the activation, rounded to the
@@ -158,27 +200,65 @@ def _jvp(primals, tangents, *, plan):
     if type(dz) is ad.Zero:
       return out, ad.Zero.from_primal_value(out)
     return out, (epilogue.derivative(z32, plan.activation) * dz.astype(F32)).astype(plan.out_dtype)
-  a, b, _, _ = _operands(plan, primals)
-  da, db, dc, dbias = _operands(plan, tangents)
-  out = gemm_p.bind(*primals, plan=plan)
+  if plan.c_gate is not None:
+    return _jvp_c_gate(primals, tangents, plan)
+  a, b, c, bias, aux = _operands(plan, primals)
+  da, db, dc, dbias, daux = _operands(plan, tangents)
+  if plan.a_gate is not None:
+    # A second-order path (the first-order JVP only creates a_gate plans): the prologue
+    # act'(aux) * a and its tangent in XLA, then the product of a plain plan.
+    prologue = functools.partial(_prologue, plan)
+    if _zero(da) and _zero(daux):
+      a = prologue(a, aux)
+    else:
+      a, da = jax.jvp(prologue, (a, aux), tuple(map(ad.instantiate_zeros, (da, daux))))
+    plan = dataclasses.replace(plan, a_gate=None)
+  # The terms of the tangent: (x, y, plan changes, aux) for each product alpha*op(x)@op(y).
+  if plan.a_activation is not None:
+    # a enters as h = act(a): d(h @ b) = (act'(a) * da) @ b + h @ db. The first term is an
+    # a_gate plan with a as its aux, so reverse mode transposes it into one gated GEMM.
+    h, act = _prologue(plan, a, None), plan.a_activation
+    plan = dataclasses.replace(plan, a_activation=None)
+    out = bind(plan, h, b, c, bias)
+    terms = [(da, b, {"a_gate": act}, a), (h, db, {}, None)]
+  else:
+    out = bind(plan, a, b, c, bias)
+    terms = [(da, b, {}, None), (a, db, {}, None)]
   # The tangent through the kernels' C and bias inputs (summed in their f32 epilogue):
-  # beta*dc + dbias, then + alpha*op(da)@op(b), then + alpha*op(a)@op(db). Each partial is
-  # rounded to the output dtype, as jnp.dot's own JVP rounds its two products (an f32
-  # partial would make the transposed GEMMs run in f32 for 16-bit inputs).
-  zero = lambda t: t is None or type(t) is ad.Zero  # noqa: E731
-  acc, acc_beta = (None, 0.0) if zero(dc) else (dc, plan.beta)
-  acc_bias = None if zero(dbias) else dbias
-  terms = [(x, y) for x, y, t in ((da, b, da), (a, db, db)) if not zero(t)]
-  for x, y in terms:
+  # beta*dc + dbias, then + each product. Each partial is rounded to the output dtype, as
+  # jnp.dot's own JVP rounds its two products (an f32 partial would make the transposed
+  # GEMMs run in f32 for 16-bit inputs).
+  acc, acc_beta = (None, 0.0) if _zero(dc) else (dc, plan.beta)
+  acc_bias = None if _zero(dbias) else dbias
+  terms = [(x, y, changes, x_aux) for x, y, changes, x_aux in terms
+           if not _zero(x) and not _zero(y)]
+  for x, y, changes, x_aux in terms:
     p = derive(plan, x.shape, y.shape, x.dtype, beta=acc_beta if acc is not None else 0.0,
-               bias=acc_bias is not None, c_dtype=None if acc is None else np.dtype(acc.dtype))
-    acc, acc_beta, acc_bias = bind(p, x, y, acc, acc_bias), 1.0, None
+               bias=acc_bias is not None, c_dtype=None if acc is None else np.dtype(acc.dtype),
+               **changes)
+    acc, acc_beta, acc_bias = bind(p, x, y, acc, acc_bias, x_aux), 1.0, None
   if acc is None and acc_bias is None:
     return out, ad.Zero.from_primal_value(out)
   if not terms:  # only c and/or the bias moved
     t = jnp.zeros(out.shape, F32) if acc is None else plan.beta * acc.astype(F32)
     acc = (t if acc_bias is None else t + acc_bias.astype(F32)).astype(plan.out_dtype)
   return out, acc
+
+
+def _jvp_c_gate(primals, tangents, plan):
+  """act'(c) * p with p = alpha*op(a)@op(b): the primal fused, the tangent act'(c) * dp +
+  act''(c) * dc * p in XLA (a second-order path: only a transpose creates these plans)."""
+  a, b, c, _, aux = _operands(plan, primals)
+  da, db, dc, _, daux = _operands(plan, tangents)
+  out = bind(plan, a, b, c, aux=aux)
+  inner = dataclasses.replace(plan, c_gate=None, beta=0.0)
+  p, dp = _jvp(_args(a, b, aux=aux), _args(da, db, aux=daux), plan=inner)
+  gate = lambda p, c: (p.astype(F32) * epilogue.derivative(  # noqa: E731
+      c.astype(F32), plan.c_gate)).astype(plan.out_dtype)
+  if _zero(dc) and _zero(dp):
+    return out, ad.Zero.from_primal_value(out)
+  _, tangent = jax.jvp(gate, (p, c), tuple(map(ad.instantiate_zeros, (dp, dc))))
+  return out, tangent
 
 
 ad.primitive_jvps[gemm_p] = _jvp
@@ -189,34 +269,46 @@ ad.primitive_jvps[gemm_p] = _jvp
 
 def _transpose(g, *args, plan):
   """Cotangents of the linear operands (a or b, and c, bias) of
-  alpha*op(a)@op(b) + beta*c + bias (the JVP never leaves an activation to transpose)."""
-  assert plan.activation is None, "the JVP of an activation is not linear"
-  a, b, c, bias = _operands(plan, args)
+  alpha*op(a)@op(b) + beta*c + bias (the JVP never leaves an activation to transpose),
+  with a's gate act'(aux) * a or the output's gate act'(c) * (...)."""
+  assert plan.activation is None and plan.a_activation is None, "not linear"
+  a, b, c, bias, aux = _operands(plan, args)
   a_lin, b_lin = ad.is_undefined_primal(a), ad.is_undefined_primal(b)
   assert not (a_lin and b_lin), "gemm is bilinear: a and b cannot both be linear"
+  assert not ad.is_undefined_primal(aux), "a gate is not linear in its aux"
+  assert not (plan.c_gate and ad.is_undefined_primal(c)), "a gate is not linear in its c"
   if type(g) is ad.Zero:
     return [None] * len(args)
   a_aval = a.aval if a_lin else core.typeof(a)
   b_aval = b.aval if b_lin else core.typeof(b)
+  if plan.c_gate is not None:  # act'(c) * p: p's cotangent is act'(c) * g (second order)
+    g = epilogue.apply(g.astype(F32), c, None, beta=0.0, activation=None, out_dtype=g.dtype,
+                       c_gate=plan.c_gate)
+  if plan.a_gate is not None and b_lin:  # the gated a is a constant here
+    a = _prologue(plan, a, aux)
   # Backends take one input dtype. A cotangent wider than the inputs (f16 in, f32 out)
   # keeps its width: narrowing it would overflow under f16 loss scaling.
   wide = np.dtype(jnp.promote_types(g.dtype, a_aval.dtype))
   g_in = g.astype(wide)
   ta, tb = plan.transpose_a, plan.transpose_b
 
-  def mm(x, y, *, trans_x, trans_y, out_dtype):
-    p = derive(plan, x.shape, y.shape, wide, beta=0.0, transpose_a=trans_x, transpose_b=trans_y,
-               out_dtype=np.dtype(out_dtype), bias=False)
-    return bind(p, x, y)
+  def mm(x, y, *, trans_x, trans_y, out_dtype, gate=None):
+    # gate: da of an a_gate plan is act'(aux) * (its plain cotangent), stored as a is
+    # stored, so aux is the cotangent GEMM's C and the product is gated in its epilogue.
+    p = derive(plan, x.shape, y.shape, wide, beta=0.0 if gate is None else 1.0,
+               transpose_a=trans_x, transpose_b=trans_y, out_dtype=np.dtype(out_dtype),
+               bias=False, a_gate=None, c_gate=gate,
+               c_dtype=None if gate is None else np.dtype(aux.dtype))
+    return bind(p, x, y, None if gate is None else aux)
 
   da = db = None
   if a_lin:  # dA = alpha * g @ op(b)^T, stored as op(a) is stored
     b3 = b.astype(wide)
     if not ta:
-      da = mm(g_in, b3, trans_x=False, trans_y=not tb, out_dtype=a_aval.dtype)
+      da = mm(g_in, b3, trans_x=False, trans_y=not tb, out_dtype=a_aval.dtype, gate=plan.a_gate)
     else:  # dA^T = alpha * op(b) @ g^T
       b_full = jnp.broadcast_to(b3, (a_aval.shape[0],) + b3.shape[1:])
-      da = mm(b_full, g_in, trans_x=tb, trans_y=True, out_dtype=a_aval.dtype)
+      da = mm(b_full, g_in, trans_x=tb, trans_y=True, out_dtype=a_aval.dtype, gate=plan.a_gate)
   if b_lin:  # dB = alpha * op(a)^T @ g
     a3, g_c, ta_c = a.astype(wide), g_in, ta
     if b_aval.shape[0] == 1 and a3.shape[0] > 1:
@@ -229,7 +321,7 @@ def _transpose(g, *args, plan):
       db = mm(a3, g_c, trans_x=not ta_c, trans_y=False, out_dtype=b_aval.dtype)
     else:  # dB^T = alpha * g^T @ op(a)
       db = mm(g_c, a3, trans_x=True, trans_y=ta_c, out_dtype=b_aval.dtype)
-  cotangents = [da, db]
+  cotangents = [da, db] + [None] * (aux is not None)
   if c is not None:
     cotangents.append((plan.beta * g.astype(F32)).astype(c.aval.dtype)
                       if ad.is_undefined_primal(c) else None)
@@ -265,15 +357,16 @@ def _batch(args, dims, *, plan):
 
   if size * batch == 0:  # an empty vmapped axis: nothing for a kernel to do
     return jnp.zeros((size, batch, m, n), plan.out_dtype), 0
-  a, b, c, bias = _operands(plan, moved)
-  _, _, c_mapped, bias_mapped = _operands(plan, mapped)
+  a, b, c, bias, aux = _operands(plan, moved)
+  _, _, c_mapped, bias_mapped, aux_mapped = _operands(plan, mapped)
   if bias is not None and bias_mapped:
     # One bias per vmapped entry is no longer one (N,) vector for the kernel: it joins C.
     rows = jnp.broadcast_to(bias[:, None, None, :].astype(F32), (size, batch, m, n))
     c = rows if c is None else rows + plan.beta * c.astype(F32)
     c_mapped, bias, plan = True, None, dataclasses.replace(plan, beta=1.0, bias=False)
   folded = [fold(a, mapped[0]), fold(b, mapped[1], keep_shared=b.shape[0] == 1),
-            None if c is None else fold(c, c_mapped), bias]
+            None if c is None else fold(c, c_mapped), bias,
+            None if aux is None else fold(aux, aux_mapped)]
   out = bind(plan, *folded)
   return out.reshape((size, batch, m, n)), 0
 
@@ -358,17 +451,20 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
   out_spec = (bt, m + k if f["scatter"] else m, n)
   named = lambda spec: NamedSharding(mesh, PartitionSpec(*map(_entry, spec)))  # noqa: E731
-  arg_shardings = [named(a_spec), named(b_spec)]
+  arg_shardings = [named(a_spec), named(b_spec)] + [named(a_spec)] * (plan.a_gate is not None)
   arg_shardings += [named(out_spec)] * (plan.beta != 0.0) + [named((n,))] * plan.bias
 
   def local(*args):
     if not k:
       return _kernel(plan, *args)
     # K split over devices: f32 partial sums, cast only after the sum (as one GEMM
-    # would), then beta*C, the bias and the activation once.
-    a, b, c, bias = _operands(plan, args)
+    # would), then beta*C (or the gate), the bias and the activation once. a's
+    # prologue is elementwise: each device applies it to its own K shard.
+    a, b, c, bias, aux = _operands(plan, args)
     partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32, bias=False,
-                                          activation=None), a, b)
+                                          activation=None, c_gate=None), *_args(a, b, aux=aux))
+    finish = functools.partial(epilogue.apply, beta=plan.beta, activation=plan.activation,
+                               out_dtype=plan.out_dtype, c_gate=plan.c_gate)
     if f["scatter"]:
       acc = jax.lax.psum_scatter(partial, k, scatter_dimension=1, tiled=True)
     elif f["gather"]:
@@ -379,26 +475,24 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
       if c is not None:
         rows = acc.shape[1]
         c = jax.lax.dynamic_slice_in_dim(c, jax.lax.axis_index(k) * rows, rows, axis=1)
-      out = epilogue.apply(acc, c, bias, beta=plan.beta, activation=plan.activation,
-                           out_dtype=plan.out_dtype)
-      return jax.lax.all_gather(out, k, axis=1, tiled=True)
+      return jax.lax.all_gather(finish(acc, c, bias), k, axis=1, tiled=True)
     else:
       acc = jax.lax.psum(partial, k)
-    return epilogue.apply(acc, c, bias, beta=plan.beta, activation=plan.activation,
-                          out_dtype=plan.out_dtype)
+    return finish(acc, c, bias)
 
   return mesh, local, named(out_spec), tuple(arg_shardings)
 
 
 def _sharding_rule(plan: Plan, mesh, value_types, result_types):
   """Shardy's einsum-like rule: b(atch), m, n, k(contracting); s: a shared b's batch of 1;
-  the bias runs along n."""
+  the bias runs along n; a gate's aux is laid out as a."""
   del mesh, result_types
   shapes = [mlir.ir.RankedTensorType(t).shape for t in value_types]
   shared_b = _shared_b(shapes[0], shapes[1])
   a = "b k m" if plan.transpose_a else "b m k"
   b = ("s" if shared_b else "b") + (" n k" if plan.transpose_b else " k n")
-  operands = [a, b] + ["b m n"] * (plan.beta != 0.0) + ["n"] * plan.bias
+  operands = [a, b] + [a] * (plan.a_gate is not None) + ["b m n"] * (plan.beta != 0.0)
+  operands += ["n"] * plan.bias
   return f"{', '.join(operands)} -> b m n", {"reduction_factors": ("k",)}
 
 

@@ -20,9 +20,9 @@ ACTIVATIONS = {
 
 
 def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
-              bias=None, activation=None):
-  """act(alpha * op(a) @ op(b) + beta * c + bias) in float64 (BLAS semantics: beta == 0
-  ignores c).
+              bias=None, activation=None, a_activation=None):
+  """act(alpha * op(a') @ op(b) + beta * c + bias) in float64 (BLAS semantics: beta == 0
+  ignores c), a' = a_activation(a) or a.
 
   NumPy on the host. Large products on a GPU run there, still in float64 (a 4097^3
   product takes seconds on the host, milliseconds on the device), and come back as a
@@ -34,6 +34,8 @@ def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose
     import jax.numpy as xp  # noqa: PLC0415 - device path only
   with jax.enable_x64(True):
     a64, b64 = xp.asarray(a, dtype=xp.float64), xp.asarray(b, dtype=xp.float64)
+    if a_activation is not None:
+      a64 = xp.asarray(ACTIVATIONS[a_activation](jax.numpy.asarray(a64)), dtype=xp.float64)
     if transpose_a:
       a64 = xp.swapaxes(a64, -1, -2)
     if transpose_b:

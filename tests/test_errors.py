@@ -40,6 +40,8 @@ B = jnp.ones((8, 5), jnp.float32)
     (dict(backend="triton", config=pallas_gemm.xla.Config()), TypeError,
      r"config must be a pallas_gemm.triton.Config"),
     (dict(interpret="yes"), TypeError, r"interpret must be None or a bool"),
+    (dict(activation="tanh"), ValueError, r"activation must be None or one of .*'tanh'"),
+    (dict(a_activation="tanh"), ValueError, r"a_activation must be None or one of .*'tanh'"),
     (dict(config={"block_m": 64}), TypeError, r"config must be a pallas_gemm.<backend>.Config; got dict"),
     (dict(c=jnp.ones((4, 5)), beta=1.0, config=pallas_gemm.xla.Config()), None, None),
 ])

@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 
 from conftest import ON_GPU, random, skip_reason
 import pallas_gemm
-from pallas_gemm import gemm
+from pallas_gemm import gemm, op
 from pallas_gemm.reference import ACTIVATIONS as reference_activations
 from pallas_gemm.reference import reference, relative_error, tolerance
 
@@ -198,13 +198,19 @@ def test_bias_and_activation(backend, activation, bias_dtype, rng):
   assert relative_error(out, ref) <= tolerance(dtype, None, k, np.float32)
 
 
+def _f32_precision(backend):
+  """IEEE f32 where the backend has it, else its f32 default (TF32); skips without f32."""
+  precision = HIGHEST if not skip_reason(backend, np.float32, HIGHEST) else None
+  if skip_reason(backend, np.float32, precision):
+    pytest.skip(skip_reason(backend, np.float32, precision))
+  return precision
+
+
 @pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
 def test_dense_gradients(backend, activation, rng):
   """grad and jvp of dense(x, w, bias, act) against float64 autodiff of the reference."""
   dtype = np.float32
-  precision = HIGHEST if not skip_reason(backend, dtype, HIGHEST) else None
-  if skip_reason(backend, dtype, precision):
-    pytest.skip(skip_reason(backend, dtype, precision))
+  precision = _f32_precision(backend)
   x, w = random(rng, (3, 5, 8), dtype), random(rng, (8, 6), dtype)
   bias, cot = random(rng, (6,), dtype), random(rng, (3, 5, 6), dtype)
   loss = lambda x, w, bias: jnp.sum(pallas_gemm.dense(
@@ -227,13 +233,49 @@ def test_dense_gradients(backend, activation, rng):
   assert relative_error(tangent, tangent_ref) <= tol
 
 
+@pytest.mark.parametrize("a_activation,transpose_a", [
+    ("relu", False), ("gelu", False), ("silu", False), ("gelu", True)])
+def test_a_activation(backend, a_activation, transpose_a, rng):
+  """gemm(a, b, a_activation=act) is act(op(a)) @ b, in value, grad, jvp and hessian; its
+  gradient in a is ONE gated GEMM on the backend (act'(a) in the epilogue)."""
+  precision = _f32_precision(backend)
+  m, n, k = 6, 5, 8
+  a = random(rng, (2, k, m) if transpose_a else (2, m, k), np.float32)
+  b, bias, cot = (random(rng, s, np.float32) for s in ((k, n), (n,), (2, m, n)))
+  f = lambda a, b, bias: gemm(a, b, bias=bias, transpose_a=transpose_a, a_activation=a_activation,
+                              precision=precision, backend=backend)
+  tol = 2 * tolerance(np.float32, precision, k)  # as in test_dense_gradients
+  ref = reference(a, b, bias=bias, transpose_a=transpose_a, a_activation=a_activation)
+  assert relative_error(f(a, b, bias), ref) <= tol
+  act64 = reference_activations[a_activation]
+  op_a = (lambda a: jnp.swapaxes(a, -1, -2)) if transpose_a else (lambda a: a)
+  f64 = lambda a, b, bias: jnp.matmul(op_a(act64(a)), b, precision=HIGHEST) + bias
+  loss = lambda f: lambda a, b, bias: jnp.sum(f(a, b, bias) * cot)
+  with jax.enable_x64(True):
+    args64 = [np.asarray(v, np.float64) for v in (a, b, bias)]
+    want = jax.grad(loss(f64), argnums=(0, 1, 2))(*args64)
+    tangent_ref = jax.jvp(f64, args64, args64)[1]
+    cube = lambda f: lambda a: jnp.sum(f(a, args64[1], args64[2]) ** 3)
+    hessian_ref = np.asarray(jax.hessian(cube(f64))(args64[0]))
+  grads = jax.jit(jax.grad(loss(f), argnums=(0, 1, 2)))(a, b, bias)
+  for got, ref in zip(grads, want):
+    assert relative_error(got, np.asarray(ref)) <= tol
+  # Per-example gradients: vmap folds the gate's aux with a into the batch axis.
+  per_example = jax.vmap(jax.grad(lambda a, cot: jnp.sum(f(a, b, bias) * cot)))(a, cot)
+  assert relative_error(per_example, np.asarray(want[0])) <= tol
+  assert relative_error(jax.jvp(f, (a, b, bias), (a, b, bias))[1], np.asarray(tangent_ref)) <= tol
+  cube32 = lambda a: jnp.sum(f(a, b, bias) ** 3)
+  assert relative_error(jax.hessian(cube32)(a), hessian_ref) <= 4 * tol
+  plans = [e.params["plan"] for e in jax.make_jaxpr(jax.grad(loss(f)))(a, b, bias).eqns
+           if e.primitive is op.gemm_p]
+  assert [(p.backend, p.c_gate) for p in plans if p.c_gate] == [(backend, a_activation)], plans
+
+
 def test_forward_mode_and_higher_order(backend, rng):
   """jvp, linearize, jacfwd and hessian (forward over reverse) agree with jnp.dot's, and the
   tangent/cotangent GEMMs run on the backend (one gemm primitive per product, no dot)."""
   dtype = np.float32
-  precision = HIGHEST if not skip_reason(backend, dtype, HIGHEST) else None
-  if skip_reason(backend, dtype, precision):
-    pytest.skip(skip_reason(backend, dtype, precision))
+  precision = _f32_precision(backend)
   a, b = random(rng, (5, 4), dtype), random(rng, (4, 3), dtype)
   c, ta, tb, tc = (random(rng, s, dtype) for s in ((5, 3), (5, 4), (4, 3), (5, 3)))
   kw = dict(alpha=0.5, beta=-1.5, precision=precision)
@@ -328,6 +370,26 @@ def test_gpu_fused_epilogue_ragged(backend, activation, rng):
   out = gemm(a, b, c, alpha=0.5, beta=-1.0, bias=bias, activation=activation, backend=backend)
   ref = reference(a, b, c, alpha=0.5, beta=-1.0, bias=bias, activation=activation)
   assert relative_error(out, ref) <= tolerance(dtype, None, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("a_activation", ["relu", "gelu", "silu"])
+def test_gpu_gated_gradient_ragged(backend, a_activation, rng):
+  """The gradient of gemm(a, b, a_activation=act) in a: one GEMM whose epilogue reads a
+  as its C and multiplies by act'(a), on ragged multi-tile shapes."""
+  dtype = preferred_dtype(backend)
+  m, n, k = 1031, 517, 777
+  poison_allocator(4 * m * k)
+  a, b, cot = random(rng, (m, k), dtype), random(rng, (k, n), dtype), random(rng, (m, n), dtype)
+  loss = lambda a: jnp.sum(gemm(a, b, a_activation=a_activation, backend=backend)
+                           .astype(np.float32) * cot.astype(np.float32))
+  got = jax.jit(jax.grad(loss))(a)
+  with jax.enable_x64(True):
+    a64 = np.asarray(a, np.float64)
+    slope = jax.jvp(reference_activations[a_activation], (a64,), (np.ones_like(a64),))[1]
+    want = np.asarray(slope) * (cot.astype(np.float64) @ b.astype(np.float64).T)
+  # Doubled: the gate is evaluated in f32 on top of the GEMM (xla rounds the product first).
+  assert relative_error(got, want) <= 2 * tolerance(dtype, None, n)
 
 
 @pytest.mark.gpu

@@ -280,3 +280,28 @@ def test_explicit_mode_types_like_jnp_dot(layout, rng):
     assert [jax.typeof(g) for g in grads] == [jax.typeof(a_s), jax.typeof(b_s)]
     with pytest.raises(ValueError, match="Explicit mesh axes"):
       gemm(a_s, b_s, backend="triton")
+
+
+@pytest.mark.parametrize("layout", ["M", "K"])
+def test_sharded_gated_gradient(layout, rng):
+  """The layer after an activation (a_activation) under shardings: act(a) and the gate
+  act'(a) are elementwise, so each device applies them to its own shard of a (K-sharded
+  too); the gradient runs partitioned with no operand gathered."""
+  backend, dtype = _partitioned_backend()
+  mesh = _mesh()
+  spec_a, spec_b, *_ = LAYOUTS[layout]
+  m, n, k = 32, 16, 24
+  a, b, w = random(rng, (m, k), dtype), random(rng, (k, n), dtype), random(rng, (m, n), dtype)
+  f = lambda a, b: gemm(a, b, a_activation="gelu", backend=backend, out_dtype=np.float32)
+  loss = lambda a, b, w: jnp.sum(f(a, b) * w)
+  args = (_put(a, mesh, spec_a), _put(b, mesh, spec_b), _put(w, mesh, P(spec_a[0])))
+  tol = 2 * tolerance(dtype, None, k, np.float32)
+  assert relative_error(jax.jit(f)(*args[:2]), reference(a, b, a_activation="gelu")) <= tol
+  da = jax.jit(jax.grad(loss))(*args)
+  with jax.enable_x64(True):
+    a64, w64 = np.asarray(a, np.float64), np.asarray(w, np.float64)
+    slope = np.asarray(jax.jvp(lambda x: jax.nn.gelu(x, approximate=True), (a64,),
+                               (np.ones_like(a64),))[1])
+  assert relative_error(da, slope * (w64 @ b.astype(np.float64).T)) <= tol
+  hlo = _hlo(jax.grad(loss, argnums=(0, 1)), *args)
+  assert not GATHERS.search(hlo), GATHERS.search(hlo).group(0)
