@@ -331,15 +331,40 @@ def _align_rows(a, b, *, transpose_a: bool, transpose_b: bool):
   return a, b
 
 
+# Below this many rows (copying a) or columns (copying b) of the result, the copy costs
+# more than a third of what it saves (see `_nt_copy`).
+_NT_COPY_MIN_OTHER_DIM = 2048
+
+
+def _nt_copy(batch: int, m: int, n: int, k: int, batch_b: int) -> str | None:
+  """Which operand to copy out of the NT layout (a (M, K) and b (N, K), both K-contiguous),
+  "a", "b" or None.
+
+  The kernel runs NT at 0.913x cuBLAS at 4096^3 where TT (a copied to (K, M)) runs 1.022x
+  and NN (b copied to (K, N)) 1.007x (H200, session 5, `probe.py cuda`); no issue-step
+  variant closed the gap. NT is the layout of a backward pass's g @ W^T, e.g. the MLP
+  step's dh = g_y @ W2^T (one of its five f32 GEMMs; the step ran 0.98x jnp.dot's).
+  A copy of a moves 8*M*K bytes (about 66.7/N of the GEMM's time at 50 TFLOP/s and
+  3 TB/s) to save 9%: the smaller operand is copied when its ratio is below 3%.
+  (Chosen from those figures, not yet timed end to end: session 10 had no GPU.)
+  """
+  a_elems, b_elems = batch * m * k, batch_b * n * k
+  if a_elems <= b_elems and n >= _NT_COPY_MIN_OTHER_DIM:
+    return "a"
+  if b_elems < a_elems and m >= _NT_COPY_MIN_OTHER_DIM:
+    return "b"
+  return None
+
+
 def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool, transpose_b: bool,
          precision, out_dtype, config: Config, interpret: bool) -> jax.Array:
   """alpha * op(a) @ op(b) + beta * c with the CUDA kernel (see _contract.md).
 
   a: (batch, M, K), or (batch, K, M) when transpose_a; b: (batch_b, K, N), or
   (batch_b, N, K) when transpose_b, batch_b in {batch, 1}; c: None or (batch, M, N).
-  Transposes are read in place (no copies); an operand whose rows are not 16-byte
-  aligned is copied once, padded (see _align_rows). Under vmap every leading dim is a
-  batch dim (vmap_method="broadcast_all").
+  Transposes are read in place, except the NT layout of long products (see
+  `_nt_copy`); an operand whose rows are not 16-byte aligned is copied once, padded (see
+  _align_rows). Under vmap every leading dim is a batch dim (vmap_method="broadcast_all").
   """
   if interpret:
     raise ValueError("interpret=True: the cuda backend has no interpreter; it runs on "
@@ -370,6 +395,11 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool, transpose_b: 
     raise ValueError(f"c must have shape {(batch, m, n)}, got {c.shape}")
   else:
     c = c.astype(jnp.float32)
+  copy = _nt_copy(batch, m, n, k, b.shape[0]) if transpose_b and not transpose_a else None
+  if copy == "a":
+    a, transpose_a = jnp.swapaxes(a, 1, 2), True
+  elif copy == "b":
+    b, transpose_b = jnp.swapaxes(b, 1, 2), False
   a, b = _align_rows(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
   call = jax.ffi.ffi_call(
       TARGET_NAME,

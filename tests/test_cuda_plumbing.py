@@ -90,6 +90,28 @@ def test_lowers_to_custom_call(transpose_a, transpose_b, with_c):
 
 
 @needs_library
+@pytest.mark.parametrize("m,n,want", [(2100, 2100, "a"), (2100, 300, "b"), (300, 2100, "a"),
+                                      (512, 512, None)])
+def test_nt_layout_of_a_long_product_copies_the_smaller_operand(m, n, want):
+  """NT (transpose_b alone) is the kernel's slow layout: a long product runs TT (a copied)
+  or NN (b copied), whichever copy is smaller; a short one stays NT (see cuda._nt_copy)."""
+  k = 64
+  a = jax.ShapeDtypeStruct((1, m, k), np.float32)
+  b = jax.ShapeDtypeStruct((1, n, k), np.float32)
+
+  def f(a, b):
+    return cuda.gemm(a, b, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=True,
+                     precision=None, out_dtype=np.dtype(np.float32), config=cuda.Config(),
+                     interpret=False)
+
+  text = _lower(f, a, b)
+  layout = {"a": ("true", "true"), "b": ("false", "false"), None: ("false", "true")}[want]
+  assert f"transpose_a = {layout[0]}" in text and f"transpose_b = {layout[1]}" in text
+  assert text.count("stablehlo.transpose") == (want is not None)
+  assert f"-> tensor<1x{m}x{n}xf32>" in text
+
+
+@needs_library
 def test_lowers_under_vmap_with_leading_batch_dims():
   # broadcast_all: the handler sees (V, batch, ...) operands and treats both as batch.
   a = jax.ShapeDtypeStruct((3, 2, 40, 24), np.float32)

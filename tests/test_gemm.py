@@ -359,6 +359,16 @@ def test_gpu_transposed_batched_epilogue(backend, transpose_a, transpose_b, dtyp
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(2100, 2051, 300), (200, 2100, 129)])  # copies b, a
+@pytest.mark.parametrize("shared_b", [False, True])
+def test_gpu_nt_layout_of_long_products(backend, m, n, k, shared_b, rng):
+  """transpose_b alone on products long enough that cuda copies an operand out of it."""
+  poison_allocator(4 * 2 * m * n)
+  check(backend, m, n, k, np.float32, HIGHEST, rng, batch=(2,), shared_b=shared_b,
+        transpose_b=True, alpha=0.5, beta=-1.0, c_shape=(2, m, n))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_gpu_fused_epilogue_ragged(backend, activation, rng):
   """Bias + activation on ragged multi-tile shapes (edge sub-tiles read the padded bias)."""
