@@ -4,6 +4,8 @@
     pallas_gemm.backends()                          # {name: None | why it cannot run}
     pallas_gemm.dot_general(x, w, dims)             # lax.dot_general's signature (Flax, einsum)
     pallas_gemm.dense(x, w, bias, "gelu")           # a layer with the fused epilogue
+    pallas_gemm.dense(z, w, bias, input_activation="gelu")  # the layer after GELU: gelu'
+                                                    # fused into its backward GEMM
 
 Backends, one module each: `xla` (jnp.dot; reference and CPU path), `triton` (Pallas,
 Triton lowering; Ampere and newer), `mosaic` (Pallas Mosaic GPU: TMA + wgmma; Hopper),
