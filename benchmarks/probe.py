@@ -30,6 +30,8 @@
                                            expression vs gemm on xla and mosaic
   python3 benchmarks/probe.py step_kernels  the kernels of one bf16 MLP step (`--mlp`'s variants),
                                            by name, CUPTI time summed over 5 steps
+  python3 benchmarks/probe.py gate          the step's gated GEMM dz = g @ W2^T: mosaic plain / + C /
+                                           * relu'(C) / * gelu'(C) vs cuBLAS (+ XLA's gate), CUPTI
   python3 benchmarks/probe.py ksplit [N]    2+ GPUs, bf16 N^3 with K sharded: jnp.dot vs local mosaic
                                            GEMMs (shard_map) in row chunks, each chunk's f32 partial
                                            summed by psum (or reduce-scatter + bf16 all-gather),
@@ -53,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import cuda, gemm, mosaic, triton, tuning
+from pallas_gemm import cuda, epilogue, gemm, mosaic, triton, tuning
 from pallas_gemm.reference import relative_error
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -581,6 +583,37 @@ def probe_step_gemms(m: int = 8192, d: int = 4096, hidden: int = 16384):
                                       for k, v in row.items()), flush=True)
 
 
+def probe_gate(m: int = 8192, d: int = 4096, hidden: int = 16384):
+  """The MLP step's hidden-gradient GEMM dz = g @ W2^T (m x hidden, K = d) with its epilogue
+  variants on mosaic (plain; + C; * gelu'(C); * relu'(C)) and XLA's (cuBLAS + a fusion):
+  what reading C costs against what the gate's arithmetic costs."""
+  bf16 = jnp.bfloat16
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: dz = g @ W2^T, {m}x{hidden}x{d}"
+        " bf16, CUPTI ms, median of 20, rotating g and W2")
+  sets = _inputs((m, d), (hidden, d), bf16)
+  z = jax.random.normal(jax.random.key(2), (m, hidden), bf16)
+  config = tuning.resolve_config("mosaic", m, hidden, d, jnp.dtype(bf16), None,
+                                 out_dtype=jnp.dtype(bf16), c_dtype=jnp.dtype(bf16))
+  print(f"  mosaic config with C: {config}")
+
+  def mos(c=None, gate=None):
+    return lambda g, w: mosaic.gemm(g[None], w[None], None if c is None else c[None],
+                                    alpha=1.0, beta=0.0 if c is None else 1.0,
+                                    transpose_a=False, transpose_b=True, precision=None,
+                                    out_dtype=bf16, config=config, interpret=False, c_gate=gate)[0]
+
+  gelu_grad = lambda z: epilogue.derivative(z.astype(jnp.float32), "gelu")
+  rows = {"jnp.dot": lambda g, w: g @ w.T,
+          "jnp.dot * gelu'(z) (XLA)": lambda g, w: ((g @ w.T).astype(jnp.float32)
+                                                    * gelu_grad(z)).astype(bf16),
+          "mosaic": mos(), "mosaic + C": mos(z), "mosaic * relu'(C)": mos(z, "relu"),
+          "mosaic * gelu'(C)": mos(z, "gelu")}
+  base = _ms(rows["jnp.dot"], sets)
+  for label, fn in rows.items():
+    ms = base if label == "jnp.dot" else _ms(fn, sets)
+    print(f"  {label:26s} {ms:7.3f} ms  {base / ms:6.3f}x jnp.dot", flush=True)
+
+
 def probe_step_kernels(top: int = 14):
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
   from benchmarks import mlp  # noqa: PLC0415
@@ -689,7 +722,7 @@ if __name__ == "__main__":
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
             "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense,
             "step_gemms": probe_step_gemms, "step_kernels": probe_step_kernels,
-            "ksplit": probe_ksplit}
+            "ksplit": probe_ksplit, "gate": probe_gate}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
   elif what == "once":
