@@ -128,12 +128,13 @@ def _hopper_best(n, inputs):
   return best
 
 
-def _mosaic(a, b, config=None):
-  """mosaic.gemm itself, without gemm()'s per-plan caches."""
-  config = config or mosaic.default_config(*a.shape, b.shape[1], a.dtype)
-  return mosaic.gemm(a[None], b[None], None, alpha=1.0, beta=0.0, transpose_a=False,
-                     transpose_b=False, precision=None, out_dtype=a.dtype, config=config,
-                     interpret=False)[0]
+def _mosaic(a, b, config=None, *, transpose_b=False, c=None, c_gate=None):
+  """mosaic.gemm itself, without gemm()'s per-plan caches (+ c, or c as a gate)."""
+  config = config or mosaic.default_config(*a.shape, b.shape[0 if transpose_b else 1], a.dtype)
+  return mosaic.gemm(a[None], b[None], None if c is None else c[None], alpha=1.0,
+                     beta=0.0 if c is None else 1.0, transpose_a=False,
+                     transpose_b=transpose_b, precision=None, out_dtype=a.dtype,
+                     config=config, interpret=False, c_gate=c_gate)[0]
 
 
 def _cuda(a, b, config, transpose_a=False, transpose_b=False):
@@ -597,15 +598,12 @@ def probe_gate(m: int = 8192, d: int = 4096, hidden: int = 16384):
   print(f"  mosaic config with C: {config}")
 
   def mos(c=None, gate=None):
-    return lambda g, w: mosaic.gemm(g[None], w[None], None if c is None else c[None],
-                                    alpha=1.0, beta=0.0 if c is None else 1.0,
-                                    transpose_a=False, transpose_b=True, precision=None,
-                                    out_dtype=bf16, config=config, interpret=False, c_gate=gate)[0]
+    return lambda g, w: _mosaic(g, w, config, transpose_b=True, c=c, c_gate=gate)
 
-  gelu_grad = lambda z: epilogue.derivative(z.astype(jnp.float32), "gelu")
   rows = {"jnp.dot": lambda g, w: g @ w.T,
-          "jnp.dot * gelu'(z) (XLA)": lambda g, w: ((g @ w.T).astype(jnp.float32)
-                                                    * gelu_grad(z)).astype(bf16),
+          "jnp.dot * gelu'(z) (XLA)": lambda g, w: epilogue.apply(
+              (g @ w.T).astype(jnp.float32), z, None, beta=0.0, activation=None,
+              out_dtype=bf16, c_gate="gelu"),
           "mosaic": mos(), "mosaic + C": mos(z), "mosaic * relu'(C)": mos(z, "relu"),
           "mosaic * gelu'(C)": mos(z, "gelu")}
   base = _ms(rows["jnp.dot"], sets)

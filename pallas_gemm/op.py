@@ -253,8 +253,9 @@ def _jvp_c_gate(primals, tangents, plan):
   out = bind(plan, a, b, c, aux=aux)
   inner = dataclasses.replace(plan, c_gate=None, beta=0.0)
   p, dp = _jvp(_args(a, b, aux=aux), _args(da, db, aux=daux), plan=inner)
-  gate = lambda p, c: (p.astype(F32) * epilogue.derivative(  # noqa: E731
-      c.astype(F32), plan.c_gate)).astype(plan.out_dtype)
+  gate = lambda p, c: epilogue.apply(p.astype(F32), c, None, beta=0.0,  # noqa: E731
+                                     activation=None, out_dtype=plan.out_dtype,
+                                     c_gate=plan.c_gate)
   if _zero(dc) and _zero(dp):
     return out, ad.Zero.from_primal_value(out)
   _, tangent = jax.jvp(gate, (p, c), tuple(map(ad.instantiate_zeros, (dp, dc))))

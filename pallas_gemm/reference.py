@@ -50,6 +50,14 @@ def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose
   return out
 
 
+def gated_gradient(a, b, g, activation):
+  """The float64 gradient in a of sum(g * (act(a) @ b)): act'(a) * (g @ b^T), on the host."""
+  with jax.enable_x64(True):
+    a64 = np.asarray(a, np.float64)
+    slope = jax.jvp(ACTIVATIONS[activation], (a64,), (np.ones_like(a64),))[1]
+    return np.asarray(slope) * (np.asarray(g, np.float64) @ np.asarray(b, np.float64).T)
+
+
 # Normwise relative error ||out - ref|| / ||ref|| allowed, as base + per_sqrt_k * sqrt(K):
 # rounding of the products/accumulation, which grows like a random walk over K.
 _COMPUTE_TOL = {
