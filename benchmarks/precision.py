@@ -1,7 +1,7 @@
 """float32 GEMM precisions: speed and error of every DotAlgorithmPreset, gemm vs jnp.dot.
 
     python -m benchmarks --precision [--quick] [--shapes 4096,8192,4097] [--out DIR]
-                                     [--split-configs BMxBNxBK/STAGES,...]
+                                     [--split-configs BMxBNxBK/STAGES[/cm2][/cn2][/wgm|/wgn][/epiN],...]
 
 For each square shape: jnp.dot at HIGHEST (IEEE SGEMM, the baseline), then for each
 precision (the float32 presets and "float32_accurate") jnp.dot with that preset beside
@@ -104,17 +104,25 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
       if isinstance(precision, Preset):
         ref = measure(f"jnp.dot {_name(precision)}", "jnp.dot", precision,
                       _jnp_dot(precision), sgemm)
-      row = measure(f"gemm {_name(precision)}", "gemm", precision, _gemm(precision), sgemm)
-      if row is not None and ref is not None and "ms" in ref:
-        row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
-        print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
-              " preset", flush=True)
-    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/epiN]
+      variants = [("gemm", _gemm(precision))]
+      if isinstance(precision, Preset) and P.split_of(precision, jnp.float32) is not None:
+        # The mosaic kernel's bf16 pieces beside auto's choice: what auto's rule rests on.
+        cfg = mosaic.default_config(n, n, n, jnp.float32, precision=precision)
+        variants.append(("mosaic", _gemm(precision, cfg)))
+      for label, fn in variants:
+        row = measure(f"{label} {_name(precision)}", "gemm", precision, fn, sgemm)
+        if row is not None and ref is not None and "ms" in ref:
+          row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
+          print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
+                " preset", flush=True)
+    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/wgm|/wgn][/epiN]
       tile, stages, *opts = spec.split("/")
       bm, bn, bk = (int(x) for x in tile.split("x"))
-      cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE).replace(
+      cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE)
+      cfg = cfg.replace(
           block_m=bm, block_n=bn, block_k=bk, stages=int(stages),
-          cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1)
+          cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1,
+          wg_split="n" if "wgn" in opts else "m" if "wgm" in opts else cfg.wg_split)
       for o in opts:
         if o.startswith("epi"):
           cfg = cfg.replace(epi_block_n=int(o[3:]))

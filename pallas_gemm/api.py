@@ -112,15 +112,19 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   status = backends()
   if isinstance(precision, (str, jax.lax.DotAlgorithmPreset)):
     # The fastest backend that keeps the precision's promise (benchmarks --precision,
-    # H100, session 8). float32_accurate: mosaic's split (69.5 TFLOP/s at 4096^3, error
-    # 1.9e-7) beats IEEE SGEMM (52, 1.15e-6), the only other backend that meets it (XLA's
-    # X6 preset, 84, errs 4.4e-6). X9: XLA's errs 2.9e-4 (not 9 products), mosaic's
-    # 1.6e-7: mosaic at every size. The other presets are faster in XLA (X3 171 vs 103, X6
-    # 84 vs 69, BF16 558 vs 182), and small float32_accurate products (below 512^3,
-    # unmeasured, launch-bound) run as IEEE SGEMM.
-    if dtype == np.float32 and status["mosaic"] is None and (
+    # H100, session 11, TFLOP/s at 4096^3 / 8192^3 / 4097^3, error at 4096^3). Mosaic's
+    # bf16 pieces with X6 (float32_accurate too): 103 / 114 / 85, error 2.0e-7, where
+    # XLA's X6 runs 84 / 99 / 32 at 4.4e-6 and IEEE SGEMM 52 / 52 / 45 at 1.15e-6. X9:
+    # XLA's errs 2.9e-4 (not 9 products), mosaic's 2.0e-7: mosaic at every size. X3 and
+    # BF16 (f32 inputs): XLA where cuBLAS gets 16-byte-aligned bf16 rows (X3 172 / 212
+    # vs 158 / 202), mosaic where not (4097^3: X3 137 vs 51, BF16 243 vs 120). Small
+    # products (below 512^3, unmeasured, launch-bound) stay on XLA (float32_accurate
+    # there: IEEE SGEMM).
+    split = _precisions.split_of(precision, dtype)
+    bf16_misaligned = any(d * 2 % 16 for d in leading_dims)
+    if split is not None and status["mosaic"] is None and (
         precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9
-        or (precision == _precisions.FLOAT32_ACCURATE and m * n * k >= 512**3)):
+        or (m * n * k >= 512**3 and (len(split.products) >= 6 or bf16_misaligned))):
       return "mosaic"
     return "xla"
   # Small square-ish 16-bit products: the Triton kernel's single short launch beats cuBLAS

@@ -51,6 +51,14 @@ Shapes, edges and layouts (costs in parentheses):
     operands only K-major, so B is consumed as (N, K) and A as (M, K): with
     transpose_b=False (or transpose_a=True) that operand is copied once with
     ``jnp.swapaxes`` (one extra read+write of it, ~8% of a 4096^3 TF32 GEMM).
+  * float32 from bf16 pieces (``precision="float32_accurate"`` and the BF16_BF16_F32_X*
+    presets, `precision.Split`): one fused XLA pass writes each operand's bf16 pieces
+    (1.5x the f32 bytes for 3 pieces, K-major),
+    every pipeline stage loads all piece tiles by TMA, and each K block's piece
+    products go into a zeroed accumulator that is added to an f32 register sum. The
+    pieces used to be made inside the kernel from f32 tiles (no extra HBM pass): the
+    split, its shared-memory stores and the wait before the products held that
+    kernel at 1.35x SGEMM (H100, session 8), where the pass costs ~5-10% of the GEMM.
 """
 
 from __future__ import annotations
@@ -271,9 +279,10 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
   c_dtype: dtype of C, None when C is not read. A C of the out dtype is staged
   in the output buffer; another dtype needs its own buffer.
   k: the problem's K, which caps the ring at ceil(K / block_k) stages.
-  split: the FP32 emulation's bf16 split (adds each warpgroup's B pieces), or None.
+  split: the FP32 emulation's bf16 split (its ring holds split.pieces bf16 tiles of each
+    operand per stage), or None.
   """
-  itemsize = jnp.dtype(dtype).itemsize
+  itemsize = jnp.dtype(dtype).itemsize if split is None else 2 * split.pieces
   stages = config.stages
   if k is not None:
     stages = min(stages, -(-k // config.block_k))
@@ -285,10 +294,8 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
   c = 0 if not _c_separate(c_dtype, out_dtype) else (
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
   barriers = 8 * (2 * stages + config.num_compute_wgs)
-  pieces = 0 if split is None else (
-      config.num_compute_wgs * split.pieces * config.block_k * config.wg_block_n * 2)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
-  return (sum(_round_up(x, 1024) for x in (ring, out, c, pieces) if x)
+  return (sum(_round_up(x, 1024) for x in (ring, out, c) if x)
           + barriers + _RESERVED_SMEM_BYTES)
 
 
@@ -343,8 +350,8 @@ def check_smem_budget(config: Config, dtype, out_dtype, c_dtype=None,
         + (f", split {split.name}" if split is not None else "")
         + f"; sm_90 allows {SMEM_BYTES_PER_BLOCK} per block (shared-memory"
         " budget: stages*(block_m+block_n)*block_k*itemsize + epilogue"
-        " buffers [+ B's bf16 pieces]). Lower stages, block_k, the block tile or the"
-        " epi_block.")
+        " buffers; with a split the ring holds bf16 pieces). Lower stages, block_k,"
+        " the block tile or the epi_block.")
 
 
 def check_split(config: Config, split: _precision.Split) -> None:
@@ -352,17 +359,11 @@ def check_split(config: Config, split: _precision.Split) -> None:
   if config.producer != "warp":
     raise ValueError(f"Config.producer={config.producer!r}: the FP32 split runs with the"
                      " 'warp' producer only")
-  if config.num_compute_wgs > 1 and config.wg_split != "n":
-    raise ValueError("Config.wg_split='m': with the FP32 split each warpgroup splits its"
-                     " own columns of B, so the warpgroups must split the tile along n")
   if config.wg_block_m * config.wg_block_n > 64 * 128:
     raise ValueError(
         f"Config: a warpgroup tile of {config.wg_block_m}x{config.wg_block_n} is too large"
         " for the FP32 split, which keeps two f32 accumulators of it in registers (at most"
         " 64x128)")
-  if config.block_k % 16:
-    raise ValueError(f"Config.block_k={config.block_k}: the split's bf16 piece rows need a"
-                     " multiple of 16 elements (32 bytes, the smallest swizzle)")
 
 
 def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
@@ -379,11 +380,16 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
   split = _precision.split_of(precision, dtype)
   if split is not None:
     # Two f32 accumulators per warpgroup (the running sum and the K block's) cap its
-    # tile at 64x128; 32-wide f32 K blocks (128-byte rows) leave room for 3 stages of
-    # the f32 ring, the bf16 pieces of B and the epilogue.
-    cfg = Config(block_m=64, block_n=256 if n > 128 else 128, block_k=32, stages=3,
-                 num_compute_wgs=2, wg_split="n", epi_block_m=64, epi_block_n=64,
-                 grid_minor_dim="n", grid_tile_width=8)
+    # tile at 64x128. A 128x128 CTA tile (two warpgroups of 64 rows) loads as many
+    # bytes per product as the 256x128 bf16 tiles do per K step; with 3 pieces of each
+    # operand, 32-wide K blocks leave room for 3 stages and the epilogue. CTA pairs
+    # sharing A (multicast): 4097^3 89.6 vs 85.0 TFLOP/s, 8192^3 112.6 vs 111.1, 4096^3
+    # even (H100, session 11); 64x256 tiles split by columns ran 7-15% slower.
+    big = m > 64 and n > 128
+    cfg = Config(block_m=128 if m > 64 else 64, block_n=128, block_k=32, stages=3,
+                 num_compute_wgs=2 if m > 64 else 1, wg_split="m", epi_block_m=64,
+                 epi_block_n=64, grid_minor_dim="n", grid_tile_width=8,
+                 cluster_n=2 if big else 1)
   elif max(m, n) <= 64 or (m <= 128 and n <= 128):
     # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
     # B's block must keep the 128-byte swizzle of A (wgmma needs one swizzle).
@@ -498,7 +504,7 @@ def supports(dtype, precision) -> str | None:
   if dtype not in _SUPPORTED_DTYPES:
     return f"dtype {dtype.name} is not supported (float32, bfloat16, float16)"
   if _precision.split_of(precision, dtype) is not None:
-    return None  # float32 from bf16 pieces, split in the kernel
+    return None  # float32 from bf16 pieces
   if isinstance(precision, (str, lax.DotAlgorithmPreset)):
     return (f"precision={getattr(precision, 'name', precision)} has no Mosaic GPU kernel"
             f" for {dtype.name} inputs (backend='xla' runs it)")
@@ -632,6 +638,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
     wg_block_m, wg_block_n) f32: per warpgroup, the sum it hands over for a tile that
     another CTA finishes.
   split: float32 operands computed from bf16 pieces (see `_warp_producer_kernel`), or None.
+    a_gmem and b_gmem then hold split.pieces bf16 pieces per batch entry (entry
+    bi's piece i at bi * split.pieces + i).
   """
   cfg = config
   dtype = a_gmem.dtype
@@ -700,12 +708,16 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         pipeline_state=pipeline_state,
     )
 
-  def a_window(bi, mi):  # rows [mi*bm, +bm) of batch bi, all K
+  def a_window(bi, mi, piece=0):  # rows [mi*bm, +bm) of batch bi (its piece), all K
     ms = pl.ds(mi * bm, bm)
+    if split is not None:
+      bi = bi * split.pieces + piece
     return a_gmem.at[bi, ms, :] if a_k_major else a_gmem.at[bi, :, ms]
 
-  def b_window(bi, ni):  # columns [ni*bn, +bn) of batch bi, all K
+  def b_window(bi, ni, piece=0):  # columns [ni*bn, +bn) of batch bi (its piece), all K
     bb = 0 if b_shared else bi
+    if split is not None:
+      bb = bb * split.pieces + piece
     ns = pl.ds(ni * bn, bn)
     return b_gmem.at[bb, ns, :] if b_k_major else b_gmem.at[bb, :, ns]
 
@@ -795,22 +807,6 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
           (num_wgs, epi_m, epi_n), c_gmem.dtype,
           transforms=_swizzle_transforms(epi_n, c_gmem.dtype))
 
-  split_ops = None
-  if split is not None:
-    # Each consumer warpgroup's bf16 pieces of its columns of the B tile. gemm() makes
-    # both f32 operands K-major for the split.
-    assert a_k_major and b_k_major, "the FP32 split reads K-major f32 tiles"
-    epilogue_allocs["b_pieces"] = plgpu.SMEM(
-        (num_wgs, split.pieces, wg_n, bk), jnp.bfloat16,
-        transforms=_swizzle_transforms(bk, jnp.bfloat16))
-    if interpret:
-      epilogue_allocs["a_pieces"] = plgpu.SMEM(
-          (num_wgs, split.pieces, wg_m, bk), jnp.bfloat16,
-          transforms=_swizzle_transforms(bk, jnp.bfloat16))
-    split_tiles = functools.partial(_split_tiles, split=split, wg_origin=wg_origin,
-                                    wg_m=wg_m, wg_n=wg_n)
-    split_ops = (split_tiles, functools.partial(_split_products, split=split))
-
   if cfg.producer == "warp":
     _warp_producer_kernel(
         cfg=cfg, a_block=a_block, b_block=b_block, a_transforms=a_transforms,
@@ -819,7 +815,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         num_ctas=num_ctas, stream_k=stream_k, partials_gmem=partials_gmem,
         tile_coords=tile_coords, wg_origin=wg_origin, wgmma=wgmma, a_window=a_window,
         b_window=b_window, epilogue=_epilogue, epilogue_allocs=epilogue_allocs,
-        split_ops=split_ops)
+        split=split)
     return
 
   ignore = lambda *_, **__: None
@@ -869,40 +865,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _split_tiles(a_tile, b_tile, wg, b_pieces, a_pieces_smem, *, split, wg_origin, wg_m,
-                 wg_n):
-  """Splits one K block's K-major f32 tiles into bf16 pieces (`precision.split`).
-
-  B's columns of this warpgroup go to its buffers `b_pieces` (split.pieces, ...) in
-  shared memory; A's pieces stay in registers as wgmma's left operand (in interpret
-  mode they go to `a_pieces_smem`: its wgmma of jax 0.11.2 reads shared memory only).
-  Returns A's operands. After the commit the f32 tiles are no longer read.
-  """
-  wg_m0, wg_n0 = wg_origin(wg)
-  b_view = b_tile.at[pl.ds(wg_n0, wg_n), :]
-  for i, piece in enumerate(_precision.split(b_view[...], split.pieces)):
-    b_pieces[i] = piece
-  a_view = a_tile.at[pl.ds(wg_m0, wg_m), :] if a_tile.shape[0] != wg_m else a_tile
-  a_pieces = _precision.split(a_view[...], split.pieces)
-  if a_pieces_smem is not None:
-    for i, piece in enumerate(a_pieces):
-      a_pieces_smem[wg, i] = piece
-    a_pieces = [a_pieces_smem.at[wg, i] for i in range(split.pieces)]
-  plgpu.commit_smem()  # the pieces' stores, before wgmma reads them (async proxy)
-  return a_pieces
-
-
-def _split_products(blk_ref, a_pieces, b_pieces, *, split):
-  """Issues the piece products of one K block into blk_ref, smallest first (async).
-  b_pieces holds (N, K) tiles: wgmma reads them transposed."""
-  for i, j in split.products:
-    plgpu.wgmma(blk_ref, a_pieces[i], b_pieces.at[j].T)
-
-
 def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, dtype,
                           a_k_major, b_k_major, k_iters, wgmma_wait, tiles, num_ctas,
                           stream_k, partials_gmem, tile_coords, wg_origin, wgmma,
-                          a_window, b_window, epilogue, epilogue_allocs, split_ops=None):
+                          a_window, b_window, epilogue, epilogue_allocs, split=None):
   """Config.producer == "warp": the CTA's K steps as one ring.
 
   The CTA's work is a sequence of pieces, each a tile and a range [k0, k1) of its K
@@ -925,8 +891,9 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
   a first piece ends at about the time the previous CTA's range does, so a partial
   is normally ready when it is needed.
 
-  split_ops: None, or (split_tiles, split_products) of the FP32 emulation from bf16
-  pieces, which then replace `wgmma` in each K step (`_split_tiles`, `_split_products`).
+  split: None, or the FP32 emulation's `precision.Split`: each step then loads the
+  split.pieces bf16 pieces of both tiles (a (stages, pieces, ...) ring) and issues the
+  split's piece products in place of one wgmma.
   """
   num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
   # A ring deeper than K is never filled (smem_bytes counts it this way too).
@@ -939,10 +906,12 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
                                     num_barriers=stages)
   else:
     consumed = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
+  pieces = () if split is None else (split.pieces,)
+  loads = 2 * (1 if split is None else split.pieces)  # TMA loads per step
   scoped = dict(
-      a_smem=plgpu.SMEM((stages, *a_block), dtype, transforms=a_transforms),
-      b_smem=plgpu.SMEM((stages, *b_block), dtype, transforms=b_transforms),
-      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # A and B loads
+      a_smem=plgpu.SMEM((stages, *pieces, *a_block), dtype, transforms=a_transforms),
+      b_smem=plgpu.SMEM((stages, *pieces, *b_block), dtype, transforms=b_transforms),
+      produced=plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
       consumed=consumed,
       **epilogue_allocs,
   )
@@ -988,8 +957,7 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
     return tile_coords(lax.div(g, per_batch), lax.rem(g, per_batch))
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-  def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None,
-             b_pieces=None, a_pieces=None):
+  def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == num_wgs)
@@ -1003,7 +971,8 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def load_piece(g, k0, k1, first, cut):
             del cut  # the loads do not depend on it
             bi, mi, ni = coords(g)
-            a_src, b_src = a_window(bi, mi), b_window(bi, ni)
+            srcs = [(a_window(bi, mi, i), b_window(bi, ni, i), (i,) if pieces else ())
+                    for i in range(split.pieces if split else 1)]
 
             @pl.loop(k0, k1)
             def _k(kk):
@@ -1015,12 +984,13 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
                 plgpu.barrier_wait(consumed.at[slot])
 
               ks = pl.ds(kk * bk, bk)
-              plgpu.copy_gmem_to_smem(a_src.at[:, ks] if a_k_major else a_src.at[ks, :],
-                                      a_smem.at[slot], produced.at[slot],
-                                      collective_axes=a_multicast)
-              plgpu.copy_gmem_to_smem(b_src.at[:, ks] if b_k_major else b_src.at[ks, :],
-                                      b_smem.at[slot], produced.at[slot],
-                                      collective_axes=b_multicast)
+              for a_src, b_src, piece in srcs:
+                plgpu.copy_gmem_to_smem(a_src.at[:, ks] if a_k_major else a_src.at[ks, :],
+                                        a_smem.at[(slot, *piece)], produced.at[slot],
+                                        collective_axes=a_multicast)
+                plgpu.copy_gmem_to_smem(b_src.at[:, ks] if b_k_major else b_src.at[ks, :],
+                                        b_smem.at[(slot, *piece)], produced.at[slot],
+                                        collective_axes=b_multicast)
 
           steps = for_each_piece(load_piece)
 
@@ -1078,28 +1048,24 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def _whole():
             write()
 
-        if split_ops is not None:
-          # FP32 from bf16 pieces. Each K block's products (smallest first) go into a
-          # zeroed accumulator, which is then added to the running f32 sum `total`,
-          # carried in registers, with IEEE adds: the tensor core's truncating
-          # accumulation never runs longer than one K block. The f32 stage is released
-          # as soon as it is split. (Splitting block s + 1 while block s's products
-          # ran, with two piece buffers, was no faster on the H100: 64.0 vs 61.7
-          # TFLOP/s at 4096^3, and wrong, so it is not done.)
-          split_tiles, split_products = split_ops
-
+        if split is not None:
+          # FP32 from bf16 pieces. Each K block's piece products (smallest first) go
+          # into a zeroed accumulator, which is then added to the running f32 sum
+          # `total`, carried in registers, with IEEE adds: the tensor core's truncating
+          # accumulation never runs longer than one K block.
           def _k(kk, total):
             step = first + kk - k0
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(produced.at[slot])
-            a_ops = split_tiles(a_smem.at[slot], b_smem.at[slot], wg, b_pieces.at[wg], a_pieces)
-            plgpu.barrier_arrive(consumed.at[slot])
 
             def block_sum(blk_ref):
-              split_products(blk_ref, a_ops, b_pieces.at[wg])
-              return blk_ref[...]  # waits: the pieces may be overwritten after
+              for i, j in split.products:
+                wgmma(blk_ref, a_smem.at[slot, i], b_smem.at[slot, j], wg)
+              return blk_ref[...]  # waits for the products
 
-            return total + pl.run_scoped(block_sum, plgpu.ACC(total.shape, jnp.float32))
+            total = total + pl.run_scoped(block_sum, plgpu.ACC(total.shape, jnp.float32))
+            plgpu.barrier_arrive(consumed.at[slot])
+            return total
 
           finish(lax.fori_loop(k0, k1, _k, jnp.zeros((cfg.wg_block_m, cfg.wg_block_n),
                                                       jnp.float32)))
@@ -1220,17 +1186,24 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     raise ValueError(f"c.shape={c.shape}, expected {(batch, m, n)}")
 
   # Operand layouts. 16-bit wgmma reads either major order from smem; 32-bit
-  # (TF32) needs both operands K-major, so copy the one that is not. The FP32 split
-  # also wants both K-major: its f32 tiles are split in registers in wgmma's layout,
-  # which takes 64-row tiles, and (block_n, 32) is one where (32, block_n) is not.
+  # (TF32) needs both operands K-major, so copy the one that is not. The FP32
+  # emulation's pieces are made K-major too, in the same XLA pass that splits them:
+  # its 32-wide K blocks (64-byte bf16 rows) then match the swizzle of both tiles.
   split = _precision.split_of(precision, dtype)
   a_k_major = not transpose_a
   b_k_major = transpose_b
+  b_shared = b.shape[0] == 1 and batch > 1
   if dtype.itemsize == 4:
     if not a_k_major:
       a, a_k_major = jnp.swapaxes(a, 1, 2), True
     if not b_k_major:
       b, b_k_major = jnp.swapaxes(b, 1, 2), True
+  tile_dtype = dtype
+  if split is not None:
+    # One XLA pass splits each f32 operand into its bf16 pieces, stacked per batch
+    # entry, and the kernel loads every piece tile by TMA (see the module docstring).
+    a, b = (_pieces(x, split.pieces) for x in (a, b))
+    tile_dtype = jnp.dtype(jnp.bfloat16)
 
   if c is not None:
     if not jnp.issubdtype(c.dtype, jnp.floating) or c.dtype.itemsize > 4:
@@ -1243,16 +1216,15 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     # re-pick it knowing both, instead of failing a call that gave no config.
     config = default_config(m, n, k, dtype, out_dtype=out_dtype,
                             c_dtype=c_dtype, precision=precision)
-  if split is None:
-    check_layout(config, dtype, a_k_major=a_k_major, b_k_major=b_k_major)
-  else:
+  check_layout(config, tile_dtype, a_k_major=a_k_major, b_k_major=b_k_major)
+  if split is not None:
     check_split(config, split)
   check_smem_budget(config, dtype, out_dtype, c_dtype, k, split)
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   a_minor, b_minor = (bk if a_k_major else bm), (bk if b_k_major else bn)
-  a = _pad_for_tma(a, _tma_tile(a_minor, dtype), a_minor)
-  b = _pad_for_tma(b, _tma_tile(b_minor, dtype), b_minor)
+  a = _pad_for_tma(a, _tma_tile(a_minor, tile_dtype), a_minor)
+  b = _pad_for_tma(b, _tma_tile(b_minor, tile_dtype), b_minor)
   if c is not None:
     c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype), bn)
   m_out, n_out = _tma_padded_shape(
@@ -1267,7 +1239,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   stream_k = stream_k_schedule(config, tiles, -(-k // bk), num_ctas, interpret)
   kernel_body = functools.partial(
       _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
-      b_k_major=b_k_major, b_shared=b.shape[0] == 1 and batch > 1,
+      b_k_major=b_k_major, b_shared=b_shared,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
       activation=activation, num_ctas=num_ctas, stream_k=stream_k, split=split,
       interpret=interpret, c_gate=c_gate)
@@ -1311,6 +1283,12 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if (m_out, n_out) != (m, n):
     out = _unpad(out, m, n, interpret)
   return out
+
+
+def _pieces(x: jax.Array, pieces: int) -> jax.Array:
+  """(batch, rows, cols) float32 -> (batch * pieces, rows, cols) bf16: entry i's pieces
+  (`precision.split`, largest first) at i * pieces, ...; one fused XLA pass."""
+  return jnp.stack(_precision.split(x, pieces), axis=1).reshape(-1, *x.shape[1:])
 
 
 def _approx_epilogue(activation, c_gate, out_dtype) -> bool:

@@ -13,9 +13,8 @@ A gemm precision is one of
 The emulations split each float32 operand into bf16 pieces, x = p0 + p1 + p2 (+ tiny),
 with |p1| <= 2^-8 |x| and |p2| <= 2^-16 |x| (round-to-nearest splits, each piece 8
 significant bits), and sum the piece products p_i q_j that matter (`Split.products`).
-The Mosaic GPU kernel makes the pieces in registers from the float32 tiles that TMA
-brought into shared memory (`split`, the same jnp code on the CPU interpreter), so
-the operands are read from HBM once, as float32.
+One fused XLA pass writes the pieces (`split`), and the Mosaic GPU kernel loads them
+by TMA (see `mosaic` for why the split is no longer made inside the kernel).
 
 Error model (relative to sum_k |a_ik b_kj|, per output element):
   * dropped products: X3 drops p1 q1 and smaller, <= 2^-16 per product (~2^-18
@@ -44,6 +43,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 FLOAT32_ACCURATE = "float32_accurate"
@@ -154,7 +154,7 @@ def split_of(precision, dtype) -> Split | None:
 def split(x: jax.Array, pieces: int) -> list[jax.Array]:
   """x (float32) as `pieces` bf16 arrays, largest first (round-to-nearest splits).
 
-  Runs inside the kernel (on registers) and on the CPU alike. Every piece but the last
+  Runs as one XLA pass before the kernel (`mosaic._pieces`). Every piece but the last
   is rounded from its remainder clamped to bf16's largest finite value: the first so
   that it never overflows where x is finite, the others so that an infinite x leaves
   infinite remainders (inf - max = inf) rather than inf - inf = NaN. The remainders
@@ -164,10 +164,13 @@ def split(x: jax.Array, pieces: int) -> list[jax.Array]:
   rest = x
   for i in range(pieces):
     src = jnp.clip(rest, -_BF16_MAX, _BF16_MAX) if i + 1 < pieces else rest
-    piece = src.astype(jnp.bfloat16)
-    out.append(piece)
+    # Rounded to bf16 by reduce_precision, not by a bf16 round trip: XLA:GPU (which
+    # allows excess precision) drops f32 -> bf16 -> f32 as a no-op, which made every
+    # remainder 0 and the product a bf16 one (H100, session 11).
+    piece = lax.reduce_precision(src, exponent_bits=8, mantissa_bits=7)
+    out.append(piece.astype(jnp.bfloat16))
     if i + 1 < pieces:
-      rest = rest - piece.astype(jnp.float32)
+      rest = rest - piece
   return out
 
 

@@ -84,8 +84,11 @@ def test_auto_with_epilogue(fake_gpu, shape, dtype, epilogue, batch, expected):
     ("float32_accurate", (4096, 4096, 4096), "mosaic"),
     ("float32_accurate", (256, 256, 256), "xla"),    # small: IEEE SGEMM meets the contract
     (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9, (64, 64, 64), "mosaic"),  # XLA's X9 errs 2.9e-4
-    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, (4096, 4096, 4096), "xla"),
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, (4096, 4096, 4096), "mosaic"),
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6, (256, 256, 256), "xla"),
     (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, (4096, 4096, 4096), "xla"),
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3, (4097, 4097, 4097), "mosaic"),  # bf16 rows
+    (jax.lax.DotAlgorithmPreset.BF16_BF16_F32, (4097, 4097, 4097), "mosaic"),     # misaligned
     (jax.lax.DotAlgorithmPreset.TF32_TF32_F32, (4097, 4097, 4097), "xla"),  # rounds, wgmma truncates
 ])
 def test_auto_precisions(fake_gpu, precision, shape, expected):
