@@ -29,8 +29,8 @@ Error model (relative to sum_k |a_ik b_kj|, per output element):
     block's truncations, and the block sums round like SGEMM's partial sums.
   * range: pieces are not rescaled. For |x| >= 2^-102 every remainder is 0 or a
     normal float32 and every piece a normal bf16, so the pieces sum to x within
-    2^-24 |x|. Below that the last remainder can be subnormal and is flushed to
-    zero (XLA's CPU and GPU backends flush subnormals): the split keeps 16 bits
+    2^-24 |x|. Below that the last remainder can be subnormal, and a backend that
+    flushes subnormals (XLA's CPU backend does) makes it 0: the split keeps 16 bits
     there, and a subnormal x (below 2^-126) becomes 0, an absolute error under
     2^-126 |b| per product. The pieces before the last are rounded from their
     remainder clamped to bf16's largest finite value, so no piece overflows where x
