@@ -65,6 +65,24 @@ def _gemm(precision, config=None):
                                                config=config))
 
 
+def split_config(n: int, spec: str):
+  """A mosaic config for the FP32 split from BMxBNxBK/STAGES[/cm2][/cn2][/wgm|/wgn][/epiN]:
+  the default's other fields, one consumer warpgroup per 64 rows (or 128 columns) of the
+  split dimension, at most two. Raises ValueError for a config the kernel cannot run."""
+  tile, stages, *opts = spec.split("/")
+  bm, bn, bk = (int(x) for x in tile.split("x"))
+  cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE)
+  wg_split = "n" if "wgn" in opts else "m" if "wgm" in opts else cfg.wg_split
+  wgs = min(2, bm // 64) if wg_split == "m" else min(2, bn // 128)
+  epi = [int(o[3:]) for o in opts if o.startswith("epi")]
+  cfg = cfg.replace(block_m=bm, block_n=bn, block_k=bk, stages=int(stages),
+                    num_compute_wgs=max(1, wgs), wg_split=wg_split,
+                    cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1,
+                    epi_block_n=epi[0] if epi else cfg.epi_block_n)
+  mosaic.check_fits(cfg, jnp.float32, jnp.float32, None, n, P.FLOAT32_ACCURATE)
+  return cfg
+
+
 def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[dict]:
   timer = Timer()
   rows = []
@@ -115,19 +133,16 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
           row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
           print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
                 " preset", flush=True)
-    for spec in split_configs:  # BMxBNxBK/STAGES[/cm2][/cn2][/wgm|/wgn][/epiN]
-      tile, stages, *opts = spec.split("/")
-      bm, bn, bk = (int(x) for x in tile.split("x"))
-      cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE)
-      cfg = cfg.replace(
-          block_m=bm, block_n=bn, block_k=bk, stages=int(stages),
-          cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1,
-          wg_split="n" if "wgn" in opts else "m" if "wgm" in opts else cfg.wg_split)
-      for o in opts:
-        if o.startswith("epi"):
-          cfg = cfg.replace(epi_block_n=int(o[3:]))
-      measure(f"mosaic float32_accurate {spec}", "gemm", P.FLOAT32_ACCURATE,
-              _gemm(P.FLOAT32_ACCURATE, cfg), sgemm)
+    for spec in split_configs:
+      label = f"mosaic float32_accurate {spec}"
+      try:
+        cfg = split_config(n, spec)
+      except ValueError as e:
+        print(f"{n:6d} {label:34s} invalid: {str(e)[:150]}", flush=True)
+        rows.append(dict(n=n, label=label, impl="gemm", precision=P.FLOAT32_ACCURATE,
+                         error=f"ValueError: {e}"))
+        continue
+      measure(label, "gemm", P.FLOAT32_ACCURATE, _gemm(P.FLOAT32_ACCURATE, cfg), sgemm)
   return rows
 
 
@@ -166,7 +181,7 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true", help="small shapes (a CPU can run them)")
   p.add_argument("--shapes", help="comma-separated square sizes (default 4096,8192,4097)")
   p.add_argument("--split-configs", default="",
-                 help="extra mosaic split tiles, e.g. 64x128x64/3,128x128x64/2/cm2")
+                 help="extra mosaic split tiles, e.g. 128x128x32/4/epi32,64x256x32/3/wgn/epi32")
   p.add_argument("--precisions", help="comma-separated subset of: "
                  + ", ".join(_name(x) for x in PRECISIONS))
   p.add_argument("--iterations", type=int, default=20)

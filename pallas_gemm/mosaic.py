@@ -52,14 +52,16 @@ Shapes, edges and layouts (costs in parentheses):
     transpose_b=False (or transpose_a=True) that operand is copied once with
     ``jnp.swapaxes`` (one extra read+write of it, ~8% of a 4096^3 TF32 GEMM).
   * float32 from bf16 pieces (``precision="float32_accurate"`` and the BF16_BF16_F32_X*
-    presets, `precision.Split`): one fused XLA pass writes each operand's bf16 pieces
-    (1.5x the f32 bytes for 3 pieces, K-major), every pipeline stage loads all piece
-    tiles by TMA, and each K block's piece products go into a zeroed accumulator that
-    is added to an f32 register sum. The pieces used to be made inside the kernel from
-    f32 tiles (no extra HBM pass): the split, its shared-memory stores and the wait
-    before the products held that kernel at 1.35x SGEMM (H100, session 8). The pass
-    costs ~9% of the GEMM at 4096^3, and the kernel's six bf16 products run at cuBLAS's
-    bf16 rate at 8192^3: 2.1-2.2x SGEMM (H100 and H200, session 11).
+    presets, `precision.Split`): XLA writes each operand's bf16 pieces before the
+    kernel (1.5x the f32 bytes for 3 pieces, K-major; one pass over the operand where
+    XLA fuses the transpose and the TMA padding with the split), every pipeline stage
+    loads all piece tiles by TMA, and each K block's piece products go into a zeroed
+    accumulator that is added to an f32 register sum. The pieces used to be made
+    inside the kernel from f32 tiles (no extra HBM pass): the split, its shared-memory
+    stores and the wait before the products held that kernel at 1.35x SGEMM (H100,
+    session 8). The pass costs ~9% of the GEMM at 4096^3, and the kernel's six bf16
+    products run at cuBLAS's bf16 rate at 8192^3: 2.1-2.2x SGEMM (H100 and H200,
+    session 11).
 """
 
 from __future__ import annotations
@@ -115,7 +117,8 @@ class Config:
     of (block_m / num_compute_wgs, block_n) or (block_m, block_n /
     num_compute_wgs) f32 values.
   block_k: K per pipeline step. block_k * itemsize must be a multiple of 32
-    bytes (swizzle); 64 (16-bit) or 32 (f32) gives the 128-byte swizzle.
+    bytes (swizzle); 64 (16-bit) or 32 (f32) gives the 128-byte swizzle. With an
+    FP32 split the tiles are bf16 pieces: a multiple of 16 (32 gives 64-byte rows).
   stages: depth of the TMA ring (``max_concurrent_steps``).
   num_compute_wgs: consumer warpgroups (1 or 2); one producer warpgroup is added.
   wg_split: "m" or "n", the dimension of the CTA tile split among warpgroups.
@@ -355,6 +358,16 @@ def check_smem_budget(config: Config, dtype, out_dtype, c_dtype=None,
         " the block tile or the epi_block.")
 
 
+def check_fits(config: Config, dtype, out_dtype, c_dtype=None, k: int | None = None,
+               precision=None) -> None:
+  """Raises ValueError if the config cannot run a call with these dtypes and precision
+  (shared memory; with an FP32 split, `check_split` too). For tuned and candidate configs."""
+  split = _precision.split_of(precision, dtype)
+  if split is not None:
+    check_split(config, split)
+  check_smem_budget(config, dtype, out_dtype, c_dtype, k, split)
+
+
 def check_split(config: Config, split: _precision.Split) -> None:
   """Raises ValueError if the config cannot run the FP32 emulation (see `_warp_producer_kernel`)."""
   if config.producer != "warp":
@@ -381,9 +394,9 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
   split = _precision.split_of(precision, dtype)
   if split is not None:
     # Two f32 accumulators per warpgroup (the running sum and the K block's) cap its
-    # tile at 64x128. A 128x128 CTA tile (two warpgroups of 64 rows) loads as many
-    # bytes per product as the 256x128 bf16 tiles do per K step; with 3 pieces of each
-    # operand, 32-wide K blocks leave room for 3 stages and the epilogue. CTA pairs
+    # tile at 64x128. A 128x128 CTA tile (two warpgroups of 64 rows) with 3 pieces of
+    # each operand and 32-wide K blocks loads 48 KB per K step, as the 256x128 bf16
+    # tiles do, for six products; that leaves room for 3 stages and the epilogue. CTA pairs
     # sharing A (multicast): 4097^3 89.6 vs 85.0 TFLOP/s, 8192^3 112.6 vs 111.1, 4096^3
     # even (H100, session 11); 64x256 tiles split by columns ran 7-15% slower.
     big = m > 64 and n > 128
@@ -907,11 +920,11 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
                                     num_barriers=stages)
   else:
     consumed = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
-  pieces = () if split is None else (split.pieces,)
+  ring_pieces = () if split is None else (split.pieces,)  # the split's bf16 pieces
   loads = 2 * (1 if split is None else split.pieces)  # TMA loads per step
   scoped = dict(
-      a_smem=plgpu.SMEM((stages, *pieces, *a_block), dtype, transforms=a_transforms),
-      b_smem=plgpu.SMEM((stages, *pieces, *b_block), dtype, transforms=b_transforms),
+      a_smem=plgpu.SMEM((stages, *ring_pieces, *a_block), dtype, transforms=a_transforms),
+      b_smem=plgpu.SMEM((stages, *ring_pieces, *b_block), dtype, transforms=b_transforms),
       produced=plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
       consumed=consumed,
       **epilogue_allocs,
@@ -972,7 +985,7 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def load_piece(g, k0, k1, first, cut):
             del cut  # the loads do not depend on it
             bi, mi, ni = coords(g)
-            srcs = [(a_window(bi, mi, i), b_window(bi, ni, i), (i,) if pieces else ())
+            srcs = [(a_window(bi, mi, i), b_window(bi, ni, i), (i,) if ring_pieces else ())
                     for i in range(split.pieces if split else 1)]
 
             @pl.loop(k0, k1)
@@ -1288,7 +1301,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
 def _pieces(x: jax.Array, pieces: int) -> jax.Array:
   """(batch, rows, cols) float32 -> (batch * pieces, rows, cols) bf16: entry i's pieces
-  (`precision.split`, largest first) at i * pieces, ...; one fused XLA pass."""
+  (`precision.split`, largest first) at i * pieces, ...; elementwise, so XLA fuses it
+  with a transpose before it and the TMA padding after it where it can."""
   return jnp.stack(_precision.split(x, pieces), axis=1).reshape(-1, *x.shape[1:])
 
 

@@ -155,7 +155,7 @@ def split_of(precision, dtype) -> Split | None:
 def split(x: jax.Array, pieces: int) -> list[jax.Array]:
   """x (float32) as `pieces` bf16 arrays, largest first (round-to-nearest splits).
 
-  Runs as one XLA pass before the kernel (`mosaic._pieces`). Every piece but the last
+  Runs in XLA before the kernel (`mosaic._pieces`). Every piece but the last
   is rounded from its remainder clamped to bf16's largest finite value: the first so
   that it never overflows where x is finite, the others so that an infinite x leaves
   infinite remainders (inf - max = inf) rather than inf - inf = NaN. The remainders

@@ -321,15 +321,19 @@ def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=Non
   module = importlib.import_module(f"pallas_gemm.{backend_name}")
   dtype = np.dtype(dtype)
   tuned = lookup_config(backend_name, module.Config, m, n, k, dtype, precision, device_kind)
-  fits = getattr(module, "check_smem_budget", None)
+  fits = getattr(module, "check_fits", None)
   if tuned is not None and fits is not None:
     try:
-      fits(tuned, dtype, np.dtype(out_dtype or dtype), c_dtype, k)
+      fits(tuned, dtype, np.dtype(out_dtype or dtype), c_dtype, k, precision)
     except ValueError:
       tuned = None
   if tuned is not None:
     return tuned
-  if backend_name == "mosaic":  # its tiles depend on the epilogue and the FP32 split
+  return _default_config(module, m, n, k, dtype, precision, out_dtype, c_dtype)
+
+
+def _default_config(module, m, n, k, dtype, precision, out_dtype=None, c_dtype=None):
+  if module.NAME == "mosaic":  # its tiles depend on the epilogue and the FP32 split
     return module.default_config(m, n, k, dtype, out_dtype=out_dtype, c_dtype=c_dtype,
                                  precision=precision)
   return module.default_config(m, n, k, dtype)
@@ -443,6 +447,12 @@ _GRIDS: dict[str, dict[str, dict]] = {
                     (128, 256, "n"), (256, 128, "m"), (128, 128, "n")),
                 "block_k": (32,), "stages": (3, 4), "grid_tile_width": (4, 16),
                 "wgmma_wait": (0, 1)},
+        # float32 from bf16 pieces: warpgroup tiles of at most 64x128 (two f32
+        # accumulators), the ring holds every piece (mosaic.default_config's split case).
+        "split": {("block_m", "block_n", "wg_split"): (
+                      (128, 128, "m"), (128, 128, "n"), (64, 256, "n")),
+                  "block_k": (32,), "stages": (3, 4), "epi_block_n": (32, 64),
+                  ("cluster_m", "cluster_n"): ((1, 1), (1, 2), (2, 1))},
     },
     "cuda": {  # the template instances compiled into cuda_sgemm.cu (cuda.compiled_configs())
         "f32": {("block_m", "block_n"): ((256, 128), (128, 128), (128, 64))},
@@ -450,22 +460,27 @@ _GRIDS: dict[str, dict[str, dict]] = {
 }
 
 
-def default_candidates(backend: str, dtype) -> list[dict]:
-  """The candidate field dicts for (backend, dtype); may include invalid ones (filtered later)."""
-  grid = _GRIDS.get(backend, {}).get("f32" if np.dtype(dtype) == np.float32 else "16bit", {})
+def default_candidates(backend: str, dtype, precision=None) -> list[dict]:
+  """The candidate field dicts for (backend, dtype, precision); may include invalid ones
+  (filtered later)."""
+  grids = _GRIDS.get(backend, {})
+  if precisions.split_of(precision, dtype) is not None and "split" in grids:
+    grid = grids["split"]
+  else:
+    grid = grids.get("f32" if np.dtype(dtype) == np.float32 else "16bit", {})
   axes = [[dict(zip(key, v)) if isinstance(key, tuple) else {key: v} for v in values]
           for key, values in grid.items()]
   return [{k: v for part in combo for k, v in part.items()}
           for combo in itertools.product(*axes)]
 
 
-def _build_candidates(module, candidates, m, n, k, dtype) -> list:
+def _build_candidates(module, candidates, m, n, k, dtype, precision=None) -> list:
   """Valid, de-duplicated Config objects; the heuristic default always competes (first)."""
   fields = {f.name for f in dataclasses.fields(module.Config)}
-  # A backend may offer a resource check beyond Config validation (mosaic: shared memory);
-  # running it here skips a candidate without paying for a failed compile.
-  check = getattr(module, "check_smem_budget", None)
-  out = [module.default_config(m, n, k, dtype)]
+  # A backend may offer a resource check beyond Config validation (mosaic: shared memory,
+  # the FP32 split); running it here skips a candidate without paying for a failed compile.
+  check = getattr(module, "check_fits", None)
+  out = [_default_config(module, m, n, k, dtype, precision)]
   seen = {repr(out[0])}
   for cand in candidates:
     if not isinstance(cand, dict):
@@ -476,7 +491,7 @@ def _build_candidates(module, candidates, m, n, k, dtype) -> list:
     try:
       cfg = module.Config(**_decode(module.Config, cand))
       if check is not None:
-        check(cfg, dtype, dtype, k=k)
+        check(cfg, dtype, dtype, k=k, precision=precision)
     except (TypeError, ValueError, KeyError):
       continue
     if repr(cfg) not in seen:
@@ -508,7 +523,8 @@ def autotune(m: int, n: int, k: int, dtype, *, backend: str, precision=None, bat
              iterations: int = 10, verbose: bool = False):
   """Times candidate configs on this GPU, stores the fastest correct one in the cache, returns it.
 
-  candidates: Config objects or field dicts; default `default_candidates(backend, dtype)`.
+  candidates: Config objects or field dicts; default
+    `default_candidates(backend, dtype, precision)`.
   The backend's `default_config` always competes, so the result is never slower than it
   (up to timing noise). A candidate that fails to compile or fails the correctness check
   is skipped. Raises RuntimeError on CPU, inside a trace, or when nothing valid remains.
@@ -520,8 +536,8 @@ def autotune(m: int, n: int, k: int, dtype, *, backend: str, precision=None, bat
   if reason:
     raise RuntimeError(f"backend {backend!r} cannot run {dtype} here: {reason}")
   if candidates is None:
-    candidates = default_candidates(backend, dtype)
-  configs = _build_candidates(module, candidates, m, n, k, dtype)
+    candidates = default_candidates(backend, dtype, precision)
+  configs = _build_candidates(module, candidates, m, n, k, dtype, precision)
 
   shape_a = (batch, k, m) if transpose_a else (batch, m, k)
   shape_b = (batch, n, k) if transpose_b else (batch, k, n)

@@ -1,7 +1,7 @@
 """precision=: DotAlgorithmPreset and "float32_accurate" (float32 from bf16 pieces).
 
-The split arithmetic is checked on the CPU (`precision.split` is the code the kernel
-runs on its registers; the mosaic kernel runs in interpret mode); tests marked `gpu`
+The split arithmetic is checked on the CPU (`precision.split` is the pass that makes the
+kernel's bf16 pieces; the mosaic kernel runs in interpret mode); tests marked `gpu`
 compare the kernel's error with jnp.dot's on the same inputs on the device.
 """
 

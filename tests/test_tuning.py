@@ -165,10 +165,34 @@ def test_default_candidates_validate_against_backend_configs():
     except ImportError:
       continue  # backend not built here
     for width in grids:
-      dtype = F32 if width == "f32" else BF16
-      configs = tuning._build_candidates(module, tuning.default_candidates(backend, dtype),
-                                         4096, 4096, 4096, dtype)
+      dtype = BF16 if width == "16bit" else F32
+      precision = "float32_accurate" if width == "split" else None
+      configs = tuning._build_candidates(
+          module, tuning.default_candidates(backend, dtype, precision), 4096, 4096, 4096,
+          dtype, precision)
       assert len(configs) > 1, (backend, width)  # more than just the default survives
+
+
+def test_split_candidates_and_tuned_entries_fit_the_split(monkeypatch):
+  """float32 from bf16 pieces: the default split config competes, every candidate fits
+  the pieces' ring and two accumulators, and a cached config that does not (e.g. tuned
+  for an earlier kernel) falls back to the default instead of failing the call."""
+  from pallas_gemm import mosaic  # noqa: PLC0415
+  fa = "float32_accurate"
+  split = tuning.precisions.split_of(fa, F32)
+  configs = tuning._build_candidates(
+      mosaic, tuning.default_candidates("mosaic", F32, fa), 4096, 4096, 4096, F32, fa)
+  assert configs[0] == mosaic.default_config(4096, 4096, 4096, F32, precision=fa)
+  assert len(configs) > 4
+  for cfg in configs:
+    mosaic.check_split(cfg, split)
+    mosaic.check_smem_budget(cfg, F32, F32, None, 4096, split)
+  stale = mosaic.default_config(4096, 4096, 4096, F32, precision=fa).replace(
+      block_m=64, block_n=256, wg_split="n", cluster_n=1, stages=3)  # session 8's tile
+  with pytest.raises(ValueError):
+    mosaic.check_fits(stale, F32, F32, None, 4096, fa)
+  monkeypatch.setattr(tuning, "lookup_config", lambda *args, **kwargs: stale)
+  assert tuning.resolve_config("mosaic", 4096, 4096, 4096, F32, fa) == configs[0]
 
 
 # ----------------------------------------------------------------------------- autotune
