@@ -119,12 +119,15 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
     # BF16 (f32 inputs): XLA where cuBLAS gets 16-byte-aligned bf16 rows (X3 172 / 212
     # vs 158 / 202), mosaic where not (4097^3: X3 137 vs 51, BF16 243 vs 120). Small
     # products (below 512^3, unmeasured, launch-bound) stay on XLA (float32_accurate
-    # there: IEEE SGEMM).
+    # there: IEEE SGEMM), and so do skinny ones (min(M, N) < 128, unmeasured): they are
+    # bound by reading the wide operand, which the pieces pass reads, writes 1.5x of and
+    # the kernel reads again.
     split = _precisions.split_of(precision, dtype)
     bf16_misaligned = any(d * 2 % 16 for d in leading_dims)
+    large = m * n * k >= 512**3 and min(m, n) >= 128
     if split is not None and status["mosaic"] is None and (
         precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9
-        or (m * n * k >= 512**3 and (len(split.products) >= 6 or bf16_misaligned))):
+        or (large and (len(split.products) >= 6 or bf16_misaligned))):
       return "mosaic"
     return "xla"
   # Small square-ish 16-bit products: the Triton kernel's single short launch beats cuBLAS
