@@ -636,8 +636,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
             m: int, n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
             b_shared: bool, alpha: float, beta: float, c_separate: bool,
             activation: str | None, num_ctas: int, stream_k: StreamK | None,
-            split: _precision.Split | None = None, interpret: bool = False,
-            c_gate: str | None = None):
+            split: _precision.Split | None = None, c_gate: str | None = None):
   """One persistent CTA (of num_ctas, or of num_ctas clusters).
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
@@ -1231,9 +1230,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     config = default_config(m, n, k, dtype, out_dtype=out_dtype,
                             c_dtype=c_dtype, precision=precision)
   check_layout(config, tile_dtype, a_k_major=a_k_major, b_k_major=b_k_major)
-  if split is not None:
-    check_split(config, split)
-  check_smem_budget(config, dtype, out_dtype, c_dtype, k, split)
+  check_fits(config, dtype, out_dtype, c_dtype, k, precision)
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   a_minor, b_minor = (bk if a_k_major else bm), (bk if b_k_major else bn)
@@ -1256,7 +1253,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       b_k_major=b_k_major, b_shared=b_shared,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
       activation=activation, num_ctas=num_ctas, stream_k=stream_k, split=split,
-      interpret=interpret, c_gate=c_gate)
+      c_gate=c_gate)
   out_type = jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype)
   if stream_k is not None:  # + the partial accumulators handed between CTAs
     out_type = (out_type, jax.ShapeDtypeStruct(

@@ -13,7 +13,7 @@ A gemm precision is one of
 The emulations split each float32 operand into bf16 pieces, x = p0 + p1 + p2 (+ tiny),
 with |p1| <= 2^-8 |x| and |p2| <= 2^-16 |x| (round-to-nearest splits, each piece 8
 significant bits), and sum the piece products p_i q_j that matter (`Split.products`).
-One fused XLA pass writes the pieces (`split`), and the Mosaic GPU kernel loads them
+An XLA pass writes the pieces (`split`), and the Mosaic GPU kernel loads them
 by TMA (see `mosaic` for why the split is no longer made inside the kernel).
 
 Error model (relative to sum_k |a_ik b_kj|, per output element):
