@@ -5,9 +5,10 @@
 1. value_and_grad of a two-layer MLP (x 8192x4096, W1 4096x16384, W2 16384x4096, bias +
    GELU (tanh), mean squared error), bf16 and f32 HIGHEST, written several ways in the same run:
    jnp.dot + jax.nn.gelu (XLA's fusions), `dot_general` passed where a Flax layer would take
-   it (no fused layers), `pallas_gemm.dense` with the fused bias + GELU (backend auto,
-   mosaic and xla), and "gated": GELU as the second layer's `input_activation`, so its
-   derivative is the epilogue of the backward GEMM for the hidden gradient.
+   it (no fused layers), `pallas_gemm.dense` with the fused bias + GELU (backend auto
+   and xla), "gated": GELU as the second layer's `input_activation`, so its derivative
+   is the epilogue of the backward GEMM for the hidden gradient, and `pallas_gemm.mlp`:
+   gated, with GELU stored beside z by the hidden layer's epilogue (auto and mosaic).
 2. `gemm(a, b, c, alpha=0.5, beta=2.0)` vs the jnp.dot expression `0.5 * (a @ b) + 2 * c`,
    bf16 2048^3, 4096^3, 8192^3 (`--parts epilogue` runs this part alone).
 
@@ -56,6 +57,12 @@ def variants(precision):
                                backend=backend)
     return f
 
+  def both(backend):  # pallas_gemm.mlp: GELU stored beside z by the hidden layer's epilogue
+    def f(params, x, y):
+      return pallas_gemm.mlp(x, params["w1"], params["b1"], params["w2"], params["b2"], "gelu",
+                             precision=precision, backend=backend)
+    return f
+
   def gated(backend):  # GELU as the second layer's input: its derivative in a GEMM epilogue
     def f(params, x, y):
       z = pallas_gemm.dense(x, params["w1"], params["b1"], precision=precision, backend=backend)
@@ -64,8 +71,8 @@ def variants(precision):
     return f
 
   return {"jnp.dot (XLA)": xla, "dot_general auto": with_dot_general("auto"),
-          "dense auto": fused("auto"), "dense mosaic": fused("mosaic"),
-          "dense xla": fused("xla"), "gated auto": gated("auto"), "gated mosaic": gated("mosaic")}
+          "dense auto": fused("auto"), "dense xla": fused("xla"),
+          "gated mosaic": gated("mosaic"), "mlp auto": both("auto"), "mlp mosaic": both("mosaic")}
 
 
 def problem(dtype, m: int = 8192, d: int = 4096, hidden: int = 16384):

@@ -4,14 +4,17 @@
     python examples/flax_mlp.py --full          # GPU: x 8192x4096, hidden 16384, bf16
     python examples/flax_mlp.py --out DIR       # + losses.json and loss curves (losses.png)
 
-Four models with the same parameters and data, trained with the same Adam steps:
+Five models with the same parameters and data, trained with the same Adam steps:
   stock      nn.Dense layers (XLA's dot, bias and GELU fusions);
   dot_general  the same nn.Dense layers with `dot_general=pallas_gemm.dot_general`;
   fused      `FusedDense`, which calls `pallas_gemm.dense(x, w, bias, "gelu")`: bias and
              activation in the GEMM's epilogue where the backend fuses them;
   gated      GELU moved into the second layer's input (`input_activation="gelu"`): the
              same function, with GELU's derivative in the epilogue of the backward GEMM
-             that computes the hidden gradient.
+             that computes the hidden gradient;
+  mlp        both layers as one `pallas_gemm.mlp(x, w1, b1, w2, b2, "gelu")`: the hidden
+             layer's epilogue stores z and GELU(z) (cuBLASLt's GELU_AUX), so neither GELU
+             nor its derivative runs as a pass of its own.
 The task: regress a fixed random "teacher" MLP from Gaussian inputs (mean squared error).
 Prints the step time of each model (median of the timed steps, wall clock of the whole
 jitted step; the models step in turns) and checks that the loss curves agree within the dtype's tolerance.
@@ -60,17 +63,33 @@ class FusedDense(nn.Module):
                              input_activation=self.input_activation)
 
 
+class DenseParams(nn.Module):
+  """nn.Dense's parameters alone, (kernel (in, out), bias (out,)), for `pallas_gemm.mlp`."""
+
+  features: int
+
+  @nn.compact
+  def __call__(self, d_in: int):
+    return (self.param("kernel", nn.initializers.lecun_normal(), (d_in, self.features)),
+            self.param("bias", nn.initializers.zeros_init(), (self.features,)))
+
+
 class MLP(nn.Module):
   hidden: int
   d_out: int
   dtype: jnp.dtype
-  variant: str  # "stock" | "dot_general" | "fused" | "gated"
+  variant: str  # "stock" | "dot_general" | "fused" | "gated" | "mlp"
 
   @nn.compact
   def __call__(self, x):
     if self.variant == "fused":
       h = FusedDense(self.hidden, "gelu", self.dtype, name="Dense_0")(x)
       return FusedDense(self.d_out, None, self.dtype, name="Dense_1")(h)
+    if self.variant == "mlp":
+      w1, b1 = DenseParams(self.hidden, name="Dense_0")(x.shape[-1])
+      w2, b2 = DenseParams(self.d_out, name="Dense_1")(self.hidden)
+      cast = lambda *v: [t.astype(self.dtype) for t in v]  # noqa: E731
+      return pallas_gemm.mlp(*cast(x, w1, b1, w2, b2), "gelu")
     if self.variant == "gated":
       z = FusedDense(self.hidden, None, self.dtype, name="Dense_0")(x)
       return FusedDense(self.d_out, None, self.dtype, "gelu", name="Dense_1")(z)
@@ -126,7 +145,7 @@ def main(argv=None) -> int:
   if args.steps:
     cfg["steps"] = args.steps
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg}", flush=True)
-  variants = ("stock", "dot_general", "fused", "gated")
+  variants = ("stock", "dot_general", "fused", "gated", "mlp")
   steps = {variant: trainer(variant, cfg) for variant in variants}
   # The models take their steps in turns, so a drift of the GPU's clock during the run
   # reaches all of them alike; step 0 compiles and is not timed.
@@ -163,7 +182,8 @@ def main(argv=None) -> int:
       fig, ax = plt.subplots(figsize=(6, 4))
       for variant, r in results.items():
         ax.plot(r["losses"], label=f"{variant} ({r['step_ms']:.2f} ms/step)",
-                linestyle={"stock": "-", "dot_general": "--", "fused": ":", "gated": "-."}[variant])
+                linestyle={"stock": "-", "dot_general": "--", "fused": ":", "gated": "-.",
+                                   "mlp": (0, (5, 1, 1, 1))}[variant])
       ax.set_yscale("log")
       ax.set_xlabel("step")
       ax.set_ylabel("MSE loss")

@@ -6,16 +6,17 @@
     pallas_gemm.dense(x, w, bias, "gelu")           # a layer with the fused epilogue
     pallas_gemm.dense(z, w, bias, input_activation="gelu")  # the layer after GELU: gelu'
                                                     # fused into its backward GEMM
+    pallas_gemm.mlp(x, w1, b1, w2, b2, "gelu")      # both: GELU and GELU' in epilogues
 
 Backends, one module each: `xla` (jnp.dot; reference and CPU path), `triton` (Pallas,
 Triton lowering; Ampere and newer), `mosaic` (Pallas Mosaic GPU: TMA + wgmma; Hopper),
 `cuda` (hand-written register-tiled SGEMM as an XLA FFI custom call).
 """
 
-from pallas_gemm.api import BACKENDS, BackendUnavailableError, backends, dense, gemm
+from pallas_gemm.api import BACKENDS, BackendUnavailableError, backends, dense, gemm, mlp
 from pallas_gemm.lax_dot import dot_general
 from pallas_gemm.tuning import autotune
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "dense", "dot_general",
-           "gemm"]
+           "gemm", "mlp"]
 __version__ = "0.1.0"

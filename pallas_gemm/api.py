@@ -229,8 +229,19 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       ``gemm(gelu(z), w)``, but its gradient in z is one GEMM whose epilogue multiplies
       by gelu'(z) (fused in mosaic's, an XLA pass after the others), where the unfused
       pair spends a pass over the hidden gradient on it. act(a) itself is an XLA pass
-      before the kernel, as jnp writes it.
+      before the kernel, as jnp writes it (`mlp` computes it in the previous layer's
+      epilogue instead).
   """
+  return _gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
+               transpose_b=transpose_b, precision=precision, out_dtype=out_dtype,
+               backend=backend, config=config, interpret=interpret, bias=bias,
+               activation=activation, a_activation=a_activation)
+
+
+def _gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype, backend,
+          config, interpret, bias, activation, a_activation, keep_pre=False, a_given=None):
+  """`gemm`, and for `mlp`: keep_pre returns (act(z), z), z the pre-activation; a_given is
+  act(a), computed by the keep_pre call that computed a (the product reads it)."""
   a_dtype, b_dtype = _dtype_of(a, "a"), _dtype_of(b, "b")
   dtype = np.dtype(jnp.promote_types(a_dtype, b_dtype))
   for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
@@ -302,10 +313,13 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
           f"backend={backend!r}: an operand is sharded over Explicit mesh axes "
           "(jax.sharding.AxisType.Explicit), where gemm runs XLA's dot (backend 'auto' or "
           "'xla', no config); the Pallas and CUDA kernels are partitioned in Auto mode")
-    return _explicit_mode_gemm(a, b, c, alpha=alpha, beta=beta, transpose_a=transpose_a,
-                               transpose_b=transpose_b, precision=precision,
-                               out_dtype=out_dtype, bias=bias, activation=activation,
-                               a_activation=a_activation)
+    given = a_given is not None
+    z = _explicit_mode_gemm(a_given if given else a, b, c, alpha=alpha, beta=beta,
+                            transpose_a=transpose_a, transpose_b=transpose_b,
+                            precision=precision, out_dtype=out_dtype, bias=bias,
+                            activation=None if keep_pre else activation,
+                            a_activation=None if given else a_activation)
+    return _with_activation(z, activation) if keep_pre else z
 
   # Choose the backend and its config.
   if backend == "auto" and config is not None:  # a config names its backend
@@ -332,8 +346,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
   # Zero-size products never reach a kernel: the sum over an empty K is 0.
   if 0 in out_shape or k == 0:
     c_full = None if c is None or 0 in out_shape else jnp.broadcast_to(c, out_shape)
-    return epilogue.apply(jnp.zeros(out_shape, jnp.float32), c_full, bias, beta=beta,
-                          activation=activation, out_dtype=out_dtype)
+    z = epilogue.apply(jnp.zeros(out_shape, jnp.float32), c_full, bias, beta=beta,
+                       activation=None if keep_pre else activation, out_dtype=out_dtype)
+    return _with_activation(z, activation) if keep_pre else z
 
   c_dtype = None if c is None or beta == 0.0 else np.dtype(c.dtype)
   config = _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype)
@@ -345,8 +360,18 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
     c3 = jnp.broadcast_to(c, out_shape).reshape((batch, m, n))
   plan = op.Plan(backend, config, alpha, beta if c3 is not None else 0.0, transpose_a,
                  transpose_b, precision, out_dtype, bool(interpret), bias=bias is not None,
-                 activation=activation, a_activation=a_activation)
-  return op.bind(plan, a3, b3, c3, bias).reshape(out_shape)
+                 activation=activation, a_activation=a_activation, keep_pre=keep_pre,
+                 a_given=a_given is not None)
+  aux = None if a_given is None else jnp.asarray(a_given, dtype).reshape(a3.shape)
+  out = op.bind(plan, a3, b3, c3, bias, aux)
+  if keep_pre:
+    return tuple(x.reshape(out_shape) for x in out)
+  return out.reshape(out_shape)
+
+
+def _with_activation(z, activation):
+  """(act(z), z): a keep_pre result computed outside the primitive."""
+  return epilogue.activate(z.astype(jnp.float32), activation).astype(z.dtype), z
 
 
 def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=None,
@@ -364,4 +389,38 @@ def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=
   x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
   out = gemm(x2, w, bias=bias, activation=activation, precision=precision,
              out_dtype=out_dtype, backend=backend, config=config, a_activation=input_activation)
+  return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+
+def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
+        backend="auto"):
+  """Two dense layers with an activation between them, ``dense(dense(x, w1, b1,
+  activation), w2, b2)``, wired for training: x (..., D), w1 (D, H), b1 None or (H,),
+  w2 (H, N), b2 None or (N,). The hidden activations have x's and w1's promoted dtype;
+  out_dtype is the output's. Differentiable in every array like `gemm`.
+
+  The hidden layer's kernel stores both z = x @ w1 + b1 and act(z) (cuBLASLt's
+  GELU_AUX), the second layer reads act(z), and the gradient in z is one GEMM whose
+  epilogue multiplies by act'(z) (as ``dense(..., input_activation=)``). On the mosaic
+  backend neither the activation nor its derivative costs a pass over the hidden
+  activations, where jnp spends one on each (other backends compute them in XLA,
+  around the kernels). Without a gradient, ``dense(dense(x, w1, b1, activation), w2,
+  b2)`` writes half the hidden bytes (no z).
+  """
+  x = jnp.asarray(x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have rank >= 1 (..., D); got shape {x.shape}")
+  if activation is None:
+    return dense(dense(x, w1, b1, precision=precision, backend=backend), w2, b2,
+                 precision=precision, out_dtype=out_dtype, backend=backend)
+  if activation not in epilogue.ACTIVATIONS:
+    raise ValueError(f"activation must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
+                     f"got {activation!r}")
+  x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
+  common = dict(c=None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+                precision=precision, config=None, interpret=None, backend=backend)
+  h, z = _gemm(x2, w1, **common, out_dtype=None, bias=b1, activation=activation,
+               a_activation=None, keep_pre=True)
+  out = _gemm(z, w2, **common, out_dtype=out_dtype, bias=b2, activation=None,
+              a_activation=activation, a_given=h)
   return out.reshape(x.shape[:-1] + out.shape[-1:])

@@ -89,6 +89,8 @@ FUSED_ACTIVATIONS = (None, "relu", "gelu", "silu")
 # c_gate: the epilogue multiplies by act'(C) in place of adding beta * C (op.py's gated
 # backward GEMM); the same functions as above, and erf's derivative needs erf.
 FUSED_GATES = ("relu", "gelu", "silu")
+# keep_pre: the epilogue also stores the pre-activation z beside act(z) (op.Plan.keep_pre).
+KEEPS_PRE = True
 
 # Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BYTES_PER_BLOCK = 232448
@@ -632,7 +634,8 @@ def _swizzle_transforms(minor_elems: int, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, config: Config,
+def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem, *,
+            config: Config,
             m: int, n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
             b_shared: bool, alpha: float, beta: float, c_separate: bool,
             activation: str | None, num_ctas: int, stream_k: StreamK | None,
@@ -642,6 +645,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
   b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
   c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N.
+  pre_gmem: None, or like out_gmem: the pre-activation (keep_pre), stored beside it.
   bias_gmem: (N',) f32 or None, added to every row before the activation.
   c_gate: None, or an activation whose derivative at C multiplies the product (C is
     then not added).
@@ -738,22 +742,55 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
     # Wait until this warpgroup's previous tile stores no longer read smem.
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     sub_tiles = _sub_tiles(cfg)
+    # Each sub-tile stores out (and pre) through the ring of out_slots buffers: store j
+    # uses slot j % out_slots, after the store out_slots - 1 before it has read it.
+    outs = [out_gmem] + ([] if pre_gmem is None else [pre_gmem])
+
+    def window(ref, i):  # sub-tile i of the tile, in a (batch, rows, cols) array
+      es_m, es_n = sub_tiles[i]
+      return ref.at[bi, pl.ds(row0 + es_m.start, epi_m), pl.ds(col0 + es_n.start, epi_n)]
 
     def load_partial(i):  # the f32 sum of the tile's other K range, sub-tile i
       # optimized=False: Mosaic GPU vectorizes only shared-memory transfers.
       return plgpu.load(partial.at[sub_tiles[i]], layout=plgpu.Layout.WGMMA,
                         optimized=False)
 
+    # C is staged in the slot its sub-tile's output will use. With one output and two
+    # slots, sub-tile i + 1's C is loaded (into the other slot, on its own barrier)
+    # while sub-tile i is computed and stored: the epilogue then waits on one C load
+    # per tile instead of one per sub-tile.
+    prefetch_c = (c_gmem is not None and not c_separate and len(outs) == 1
+                  and cfg.out_slots == 2)
+
+    def load_c(i):
+      slot = i % 2 if prefetch_c else (i * len(outs)) % cfg.out_slots
+      dst = c_smem.at[wg] if c_separate else out_smem.at[wg, slot]
+      barrier = c_barrier.at[wg * 2 + slot if prefetch_c else wg]
+      plgpu.copy_gmem_to_smem(window(c_gmem, i), dst, barrier)
+      return dst, barrier
+
     # Each sub-tile's partial is loaded one sub-tile ahead: the loads (from L2) wait
     # behind the previous sub-tile's stores instead of in front of its adds (on the
     # H200 the adds waiting for them were a tenth of a 2048^3 stream-K kernel).
     next_partial = None if partial is None else load_partial(0)
+    next_c = load_c(0) if prefetch_c else None
     for step, (es_m, es_n) in enumerate(sub_tiles):
-      slot = step % cfg.out_slots
-      out_window = out_gmem.at[bi, pl.ds(row0 + es_m.start, epi_m),
-                               pl.ds(col0 + es_n.start, epi_n)]
-      # The slot's store from two sub-tiles ago must have read it.
-      plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
+      c_val = None
+      if not prefetch_c:
+        # The first store's slot: its store from out_slots - 1 stores ago must have read
+        # it (before C is staged there).
+        plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
+      if c_gmem is not None:
+        if prefetch_c:
+          c_dst, c_bar = next_c
+        else:
+          c_dst, c_bar = load_c(step)
+        plgpu.barrier_wait(c_bar)
+        c_val = c_dst[...].astype(jnp.float32)
+        if prefetch_c and step + 1 < len(sub_tiles):
+          # The other slot is free once the previous sub-tile's store has read it.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          next_c = load_c(step + 1)
       val = acc[es_m, es_n]
       if partial is not None:
         this_partial = next_partial
@@ -762,13 +799,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         val = val + this_partial
       if alpha != 1.0:
         val = val * jnp.float32(alpha)
-      if c_gmem is not None:
-        c_window = c_gmem.at[bi, pl.ds(row0 + es_m.start, epi_m),
-                             pl.ds(col0 + es_n.start, epi_n)]
-        c_dst = c_smem.at[wg] if c_separate else out_smem.at[wg, slot]
-        plgpu.copy_gmem_to_smem(c_window, c_dst, c_barrier.at[wg])
-        plgpu.barrier_wait(c_barrier.at[wg])
-        c_val = c_dst[...].astype(jnp.float32)
+      if c_val is not None:
         if c_gate is not None:
           val = val * derivative(c_val, c_gate)
         else:
@@ -779,10 +810,14 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
         bias = plgpu.load(bias_gmem.at[pl.ds(col0 + es_n.start, epi_n)],
                           layout=plgpu.Layout.WGMMA.reduce(0), optimized=False)
         val = val + lax.broadcast_in_dim(bias, (epi_m, epi_n), [1])
-      val = activate(val, activation)
-      out_smem[wg, slot] = val.astype(out_dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_window)
+      values = [activate(val, activation)] + ([val] if pre_gmem is not None else [])
+      for o, (ref, value) in enumerate(zip(outs, values)):
+        slot = (step * len(outs) + o) % cfg.out_slots
+        if o:  # (the first store's slot was waited for above, or before C's prefetch)
+          plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
+        out_smem[wg, slot] = value.astype(out_dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], window(ref, step))
 
   def tile_coords(bi, lin):  # (batch entry, m tile, n tile) of tile lin of entry bi
     mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters),
@@ -814,7 +849,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, partials_gmem, *, confi
   epilogue_allocs = dict(out_smem=plgpu.SMEM(
       (num_wgs, cfg.out_slots, epi_m, epi_n), out_dtype, transforms=out_transforms))
   if c_gmem is not None:
-    epilogue_allocs["c_barrier"] = plgpu.Barrier(num_barriers=num_wgs)
+    # Two per warpgroup: its sub-tiles' C loads alternate between them (prefetch_c).
+    epilogue_allocs["c_barrier"] = plgpu.Barrier(num_barriers=2 * num_wgs)
     if c_separate:
       epilogue_allocs["c_smem"] = plgpu.SMEM(
           (num_wgs, epi_m, epi_n), c_gmem.dtype,
@@ -1162,9 +1198,10 @@ def _num_sms(config: Config, interpret: bool) -> int:
 def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
          transpose_b: bool, precision, out_dtype, config: Config,
          interpret: bool, bias=None, activation: str | None = None,
-         c_gate: str | None = None) -> jax.Array:
+         c_gate: str | None = None, keep_pre: bool = False):
   """act(alpha * op(a) @ op(b) + beta * c + bias) on Hopper (see the backend contract),
-  or with c_gate: act'(c) * alpha * op(a) @ op(b) (C read as for beta * c).
+  or with c_gate: act'(c) * alpha * op(a) @ op(b) (C read as for beta * c). keep_pre:
+  returns (act(z), z), z the pre-activation, both stored by the epilogue.
 
   a: (batch, M, K), or (batch, K, M) if transpose_a
   b: (batch_b, K, N), or (batch_b, N, K) if transpose_b; batch_b in {1, batch}
@@ -1193,6 +1230,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
                              or activation is not None):
     raise ValueError(f"c_gate={c_gate!r} needs a c, no bias or activation, and one of "
                      f"{FUSED_GATES}")
+  if keep_pre and (activation is None or c_gate is not None):
+    raise ValueError("keep_pre needs an activation and no c_gate")
   if beta == 0.0 and c_gate is None:
     c = None  # BLAS semantics: C is not read when beta == 0.
   if c is not None and c.shape != (batch, m, n):
@@ -1254,18 +1293,20 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
       activation=activation, num_ctas=num_ctas, stream_k=stream_k, split=split,
       c_gate=c_gate)
-  out_type = jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype)
+  out_type = (jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),) * (1 + keep_pre)
   if stream_k is not None:  # + the partial accumulators handed between CTAs
-    out_type = (out_type, jax.ShapeDtypeStruct(
+    out_type += (jax.ShapeDtypeStruct(
         (num_ctas * config.cluster_size * config.num_compute_wgs, config.wg_block_m,
-         config.wg_block_n), jnp.float32))
+         config.wg_block_n), jnp.float32),)
 
-  def body(*refs):  # a, b[, c][, bias], out[, partials]
+  def body(*refs):  # a, b[, c][, bias], out[, pre][, partials]
     a_gmem, b_gmem, *rest = refs
     c_gmem = rest.pop(0) if c is not None else None
     bias_gmem = rest.pop(0) if bias is not None else None
-    kernel_body(a_gmem, b_gmem, c_gmem, bias_gmem, *rest,
-                *([None] if stream_k is None else []))
+    out_gmem = rest.pop(0)
+    pre_gmem = rest.pop(0) if keep_pre else None
+    kernel_body(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem,
+                rest.pop(0) if stream_k is not None else None)
 
   body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
   operands = tuple(x for x in (a, b, c, bias) if x is not None)
@@ -1286,14 +1327,13 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   )
   if interpret:
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-      out = call(*operands)
+      outs = call(*operands)
   else:
-    out = call(*operands)
-  if stream_k is not None:
-    out = out[0]
+    outs = call(*operands)
+  outs = outs[:1 + keep_pre]  # without the partials
   if (m_out, n_out) != (m, n):
-    out = _unpad(out, m, n, interpret)
-  return out
+    outs = tuple(_unpad(out, m, n, interpret) for out in outs)
+  return tuple(outs) if keep_pre else outs[0]
 
 
 def _pieces(x: jax.Array, pieces: int) -> jax.Array:

@@ -70,6 +70,13 @@ class Plan:
   # c is not added but multiplies: act'(c) * alpha * op(a) @ op(b) (beta is 1.0, there is
   # no bias and no activation). The transpose of an a_gate plan creates it.
   c_gate: str | None = None
+  # With an activation: the call returns (act(z), z), z the pre-activation (cuBLASLt's
+  # GELU_AUX): a hidden layer whose output the next layer reads and whose z that
+  # layer's gate needs (api.mlp).
+  keep_pre: bool = False
+  # With a_activation: operand aux holds act(a), the activation of a computed with a by
+  # a keep_pre call, so the product reads it instead of recomputing act(a) (api.mlp).
+  a_given: bool = False
 
 
 def _args(a, b, c=None, bias=None, aux=None) -> list:
@@ -80,22 +87,30 @@ def _args(a, b, c=None, bias=None, aux=None) -> list:
 def bind(plan: Plan, a, b, c=None, bias=None, aux=None):
   """act(alpha * op(a) @ op(b) [+ beta * c] [+ bias]) on normalised operands (see
   `_contract.md`); c is present exactly when plan.beta != 0, bias when plan.bias, aux
-  when plan.a_gate."""
-  return gemm_p.bind(*_args(a, b, c, bias, aux), plan=plan)
+  when plan.a_gate or plan.a_given. A keep_pre plan returns (act(z), z)."""
+  outs = gemm_p.bind(*_args(a, b, c, bias, aux), plan=plan)
+  return tuple(outs) if plan.keep_pre else outs[0]
+
+
+def _has_aux(plan: Plan) -> bool:
+  return plan.a_gate is not None or plan.a_given
 
 
 def _operands(plan: Plan, args):
   """(a, b, c, bias, aux), each absent one None, from the primitive's operand list."""
   a, b, *rest = args
-  aux = rest.pop(0) if plan.a_gate is not None else None
+  aux = rest.pop(0) if _has_aux(plan) else None
   c = rest.pop(0) if plan.beta != 0.0 else None
   bias = rest.pop(0) if plan.bias else None
   return a, b, c, bias, aux
 
 
 def _prologue(plan: Plan, a, aux):
-  """a as the product reads it: act(a) or act'(aux) * a, in f32, rounded back to a's dtype
-  (as XLA rounds an activation's output before the next dot)."""
+  """a as the product reads it: act(a) (aux itself when a_given) or act'(aux) * a, in
+  f32, rounded back to a's dtype (as XLA rounds an activation's output before the next
+  dot)."""
+  if plan.a_given:
+    return aux.astype(a.dtype)
   a32 = a.astype(F32)
   if plan.a_activation is not None:
     a32 = epilogue.activate(a32, plan.a_activation)
@@ -123,7 +138,7 @@ def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
 
 
 def _kernel(plan: Plan, *args):
-  """The backend call on (local) operands."""
+  """The backend call on (local) operands: its result, or (act(z), z) for keep_pre."""
   a, b, c, bias, aux = _operands(plan, args)
   if plan.a_activation is not None or plan.a_gate is not None:
     a = _prologue(plan, a, aux)  # elementwise: the same on a as on op(a)
@@ -144,17 +159,28 @@ def _kernel(plan: Plan, *args):
   fused = getattr(module, "FUSED_ACTIVATIONS", None)
   kernel_act = plan.activation if fused is not None and plan.activation in fused else None
   kernel_bias = bias if fused is not None else None
-  if kernel_act == plan.activation and kernel_bias is bias:
-    return call(c, beta=plan.beta, out_dtype=plan.out_dtype, bias=bias, activation=kernel_act)
+  if kernel_act == plan.activation and kernel_bias is bias and (
+      not plan.keep_pre or getattr(module, "KEEPS_PRE", False)):
+    return call(c, beta=plan.beta, out_dtype=plan.out_dtype, bias=bias, activation=kernel_act,
+                **({"keep_pre": True} if plan.keep_pre else {}))
+  if plan.keep_pre:  # z from the kernel, act(z) in XLA (as the JVP of an activation does)
+    z = _kernel(dataclasses.replace(plan, activation=None, keep_pre=False), *args)
+    return _activated(z, plan), z
   acc = call(c, beta=plan.beta, out_dtype=F32,
              **({} if fused is None else dict(bias=kernel_bias, activation=None)))
   return epilogue.apply(acc, None, None if kernel_bias is bias else bias, beta=0.0,
                         activation=plan.activation, out_dtype=plan.out_dtype)
 
 
+def _activated(z, plan: Plan):
+  """act(z) in f32, cast to the output dtype."""
+  return epilogue.activate(z.astype(F32), plan.activation).astype(plan.out_dtype)
+
+
 # ----------------------------------------------------------------------------- primitive
 
 gemm_p = core.Primitive("pallas_gemm")
+gemm_p.multiple_results = True  # [out], or [act(z), z] for a keep_pre plan
 gemm_p.def_impl(functools.partial(dispatch.apply_primitive, gemm_p))
 dispatch.prim_requires_devices_during_lowering.add(gemm_p)
 
@@ -171,7 +197,7 @@ def _abstract_eval(a, b, *rest, plan):
         "invariant operand, or pass check_vma=False to shard_map")
   # a's aval carries the mesh context (shard_map's manual axes) the result lives in.
   out = a.update(shape=(a.shape[0], m, n), dtype=np.dtype(plan.out_dtype), weak_type=False)
-  return out, _effects(plan, *(core.ShapedArray(x.shape, x.dtype) for x in (a, b, *rest)))
+  return [out] * (1 + plan.keep_pre), _effects(plan, *(core.ShapedArray(x.shape, x.dtype) for x in (a, b, *rest)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -190,16 +216,30 @@ def _zero(t) -> bool:
   return t is None or type(t) is ad.Zero
 
 
-def _jvp(primals, tangents, *, plan):
+def _jvp_rule(primals, tangents, *, plan):
+  out, tangent = _jvp(primals, tangents, plan=plan)
+  return (list(out), list(tangent)) if plan.keep_pre else ([out], [tangent])
+
+
+def _jvp(primals, tangents, *, plan, primal_out=None):
+  """(out, tangent), both pairs for a keep_pre plan; primal_out: out already computed."""
   if plan.activation is not None:
     # act(z): z (bias included) from the kernel without the activation, rounded to the
-    # output dtype as XLA rounds its GEMM output; act and act' in f32 around it.
-    z, dz = _jvp(primals, tangents, plan=dataclasses.replace(plan, activation=None))
-    z32 = z.astype(F32)
-    out = epilogue.activate(z32, plan.activation).astype(plan.out_dtype)
+    # output dtype as XLA rounds its GEMM output; act and act' in f32 around it. A
+    # keep_pre plan computes act(z) and z in one kernel, and only the tangent here.
+    linear = dataclasses.replace(plan, activation=None, keep_pre=False)
+    if plan.keep_pre:
+      out, z = bind(plan, *_operands(plan, primals))
+      _, dz = _jvp(primals, tangents, plan=linear, primal_out=z)
+    else:
+      z, dz = _jvp(primals, tangents, plan=linear)
+      out = _activated(z, plan)
     if type(dz) is ad.Zero:
-      return out, ad.Zero.from_primal_value(out)
-    return out, (epilogue.derivative(z32, plan.activation) * dz.astype(F32)).astype(plan.out_dtype)
+      dout = ad.Zero.from_primal_value(out)
+    else:
+      dout = (epilogue.derivative(z.astype(F32), plan.activation)
+              * dz.astype(F32)).astype(plan.out_dtype)
+    return ((out, z), (dout, dz)) if plan.keep_pre else (out, dout)
   if plan.c_gate is not None:
     return _jvp_c_gate(primals, tangents, plan)
   a, b, c, bias, aux = _operands(plan, primals)
@@ -217,12 +257,14 @@ def _jvp(primals, tangents, *, plan):
   if plan.a_activation is not None:
     # a enters as h = act(a): d(h @ b) = (act'(a) * da) @ b + h @ db. The first term is an
     # a_gate plan with a as its aux, so reverse mode transposes it into one gated GEMM.
-    h, act = _prologue(plan, a, None), plan.a_activation
-    plan = dataclasses.replace(plan, a_activation=None)
-    out = bind(plan, h, b, c, bias)
+    # A given h (a_given) is act(a) by construction: its tangent is act'(a) * da, which
+    # the first term carries, so the tangent of aux is not used.
+    h, act = _prologue(plan, a, aux if plan.a_given else None), plan.a_activation
+    plan = dataclasses.replace(plan, a_activation=None, a_given=False)
+    out = bind(plan, h, b, c, bias) if primal_out is None else primal_out
     terms = [(da, b, {"a_gate": act}, a), (h, db, {}, None)]
   else:
-    out = bind(plan, a, b, c, bias)
+    out = bind(plan, a, b, c, bias) if primal_out is None else primal_out
     terms = [(da, b, {}, None), (a, db, {}, None)]
   # The tangent through the kernels' C and bias inputs (summed in their f32 epilogue):
   # beta*dc + dbias, then + each product. Each partial is rounded to the output dtype, as
@@ -262,17 +304,18 @@ def _jvp_c_gate(primals, tangents, plan):
   return out, tangent
 
 
-ad.primitive_jvps[gemm_p] = _jvp
+ad.primitive_jvps[gemm_p] = _jvp_rule
 
 
 # ----------------------------------------------------------------------------- transpose
 
 
-def _transpose(g, *args, plan):
+def _transpose(cts, *args, plan):
   """Cotangents of the linear operands (a or b, and c, bias) of
   alpha*op(a)@op(b) + beta*c + bias (the JVP never leaves an activation to transpose),
   with a's gate act'(aux) * a or the output's gate act'(c) * (...)."""
   assert plan.activation is None and plan.a_activation is None, "not linear"
+  g, = cts
   a, b, c, bias, aux = _operands(plan, args)
   a_lin, b_lin = ad.is_undefined_primal(a), ad.is_undefined_primal(b)
   assert not (a_lin and b_lin), "gemm is bilinear: a and b cannot both be linear"
@@ -356,8 +399,9 @@ def _batch(args, dims, *, plan):
     x = jnp.broadcast_to(x, (size, batch) + x.shape[2:])
     return x.reshape((size * batch,) + x.shape[2:])
 
+  outs = 1 + plan.keep_pre
   if size * batch == 0:  # an empty vmapped axis: nothing for a kernel to do
-    return jnp.zeros((size, batch, m, n), plan.out_dtype), 0
+    return [jnp.zeros((size, batch, m, n), plan.out_dtype)] * outs, [0] * outs
   a, b, c, bias, aux = _operands(plan, moved)
   _, _, c_mapped, bias_mapped, aux_mapped = _operands(plan, mapped)
   if bias is not None and bias_mapped:
@@ -368,8 +412,8 @@ def _batch(args, dims, *, plan):
   folded = [fold(a, mapped[0]), fold(b, mapped[1], keep_shared=b.shape[0] == 1),
             None if c is None else fold(c, c_mapped), bias,
             None if aux is None else fold(aux, aux_mapped)]
-  out = bind(plan, *folded)
-  return out.reshape((size, batch, m, n)), 0
+  out = gemm_p.bind(*_args(*folded), plan=plan)
+  return [x.reshape((size, batch, m, n)) for x in out], [0] * outs
 
 
 batching.primitive_batchers[gemm_p] = _batch
@@ -444,6 +488,8 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
 
 
 def _partition(plan: Plan, mesh, arg_shapes, result_shape):
+  if plan.keep_pre:  # (act(z), z): both laid out alike
+    result_shape = result_shape[0]
   f = _plan_sharding(plan, mesh, arg_shapes, result_shape)
   bt, m, n, k = f["batch"], f["m"], f["n"], f["k"]
   shared_b = _shared_b(arg_shapes[0].shape, arg_shapes[1].shape)
@@ -452,7 +498,7 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
   out_spec = (bt, m + k if f["scatter"] else m, n)
   named = lambda spec: NamedSharding(mesh, PartitionSpec(*map(_entry, spec)))  # noqa: E731
-  arg_shardings = [named(a_spec), named(b_spec)] + [named(a_spec)] * (plan.a_gate is not None)
+  arg_shardings = [named(a_spec), named(b_spec)] + [named(a_spec)] * _has_aux(plan)
   arg_shardings += [named(out_spec)] * (plan.beta != 0.0) + [named((n,))] * plan.bias
 
   def local(*args):
@@ -463,9 +509,12 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
     # prologue is elementwise: each device applies it to its own K shard.
     a, b, c, bias, aux = _operands(plan, args)
     partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32, bias=False,
-                                          activation=None, c_gate=None), *_args(a, b, aux=aux))
+                                          activation=None, c_gate=None, keep_pre=False),
+                      *_args(a, b, aux=aux))
     finish = functools.partial(epilogue.apply, beta=plan.beta, activation=plan.activation,
                                out_dtype=plan.out_dtype, c_gate=plan.c_gate)
+    if plan.keep_pre:
+      finish = functools.partial(_finish_pair, plan)
     if f["scatter"]:
       acc = jax.lax.psum_scatter(partial, k, scatter_dimension=1, tiled=True)
     elif f["gather"]:
@@ -476,12 +525,22 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
       if c is not None:
         rows = acc.shape[1]
         c = jax.lax.dynamic_slice_in_dim(c, jax.lax.axis_index(k) * rows, rows, axis=1)
-      return jax.lax.all_gather(finish(acc, c, bias), k, axis=1, tiled=True)
+      return jax.tree.map(lambda x: jax.lax.all_gather(x, k, axis=1, tiled=True),
+                          finish(acc, c, bias))
     else:
       acc = jax.lax.psum(partial, k)
     return finish(acc, c, bias)
 
-  return mesh, local, named(out_spec), tuple(arg_shardings)
+  out_sharding = named(out_spec)
+  if plan.keep_pre:
+    out_sharding = (out_sharding, out_sharding)
+  return mesh, local, out_sharding, tuple(arg_shardings)
+
+
+def _finish_pair(plan: Plan, acc, c, bias):
+  """(act(z), z) from a K-split's summed f32 product (keep_pre)."""
+  z = epilogue.apply(acc, c, bias, beta=plan.beta, activation=None, out_dtype=plan.out_dtype)
+  return _activated(z, plan), z
 
 
 def _sharding_rule(plan: Plan, mesh, value_types, result_types):
@@ -492,9 +551,10 @@ def _sharding_rule(plan: Plan, mesh, value_types, result_types):
   shared_b = _shared_b(shapes[0], shapes[1])
   a = "b k m" if plan.transpose_a else "b m k"
   b = ("s" if shared_b else "b") + (" n k" if plan.transpose_b else " k n")
-  operands = [a, b] + [a] * (plan.a_gate is not None) + ["b m n"] * (plan.beta != 0.0)
+  operands = [a, b] + [a] * _has_aux(plan) + ["b m n"] * (plan.beta != 0.0)
   operands += ["n"] * plan.bias
-  return f"{', '.join(operands)} -> b m n", {"reduction_factors": ("k",)}
+  results = ", ".join(["b m n"] * (1 + plan.keep_pre))
+  return f"{', '.join(operands)} -> {results}", {"reduction_factors": ("k",)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -517,7 +577,8 @@ def partitioned(plan: Plan) -> bool:
 
 
 def _lowering(*args, plan):
-  return _partitioned(plan)(*args) if partitioned(plan) else _kernel(plan, *args)
+  out = _partitioned(plan)(*args) if partitioned(plan) else _kernel(plan, *args)
+  return list(out) if plan.keep_pre else [out]
 
 
 def _lower(ctx, *args, plan):
@@ -530,7 +591,7 @@ def _lower(ctx, *args, plan):
   # The kernel is the local computation of one shard: jax.shard_map's varying-axes check
   # (applied to the result above) has nothing to check inside it.
   with config._check_vma(False):
-    out = mlir.lower_fun(_lowering, multiple_results=False)(inner, *args, plan=plan)
+    out = mlir.lower_fun(_lowering, multiple_results=True)(inner, *args, plan=plan)
   if inner.tokens_out is not None:  # Mosaic GPU's interpreter: ordered effects
     ctx.set_tokens_out(inner.tokens_out)
   return out

@@ -271,6 +271,46 @@ def test_a_activation(backend, a_activation, transpose_a, rng):
   assert [(p.backend, p.c_gate) for p in plans if p.c_gate] == [(backend, a_activation)], plans
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_mlp(backend, activation, rng):
+  """mlp is dense(dense(x, w1, b1, act), w2, b2) in value, grad, jvp, vmap and hessian, and
+  its GEMMs run on the backend: the hidden layer stores act(z) and z (keep_pre), the
+  second layer reads act(z) (a_given), and the hidden gradient is one gated GEMM."""
+  precision = _f32_precision(backend)
+  x, w1, b1 = (random(rng, s, np.float32) for s in ((2, 5, 8), (8, 12), (12,)))
+  w2, b2, cot = (random(rng, s, np.float32) for s in ((12, 6), (6,), (2, 5, 6)))
+  args = (x, w1, b1, w2, b2)
+  f = lambda x, w1, b1, w2, b2: pallas_gemm.mlp(x, w1, b1, w2, b2, activation,
+                                                 precision=precision, backend=backend)
+  act64 = reference_activations[activation]
+  f64 = lambda x, w1, b1, w2, b2: jnp.matmul(act64(jnp.matmul(x, w1, precision=HIGHEST) + b1),
+                                             w2, precision=HIGHEST) + b2
+  loss = lambda f: lambda *args: jnp.sum(f(*args) * cot)
+  with jax.enable_x64(True):
+    args64 = [np.asarray(v, np.float64) for v in args]
+    value_ref = np.asarray(f64(*args64))
+    want = jax.grad(loss(f64), argnums=tuple(range(5)))(*args64)
+    tangent_ref = np.asarray(jax.jvp(f64, args64, args64)[1])
+    cube = lambda f: lambda x: jnp.sum(f(x, *args64[1:]) ** 3)
+    hessian_ref = np.asarray(jax.hessian(cube(f64))(args64[0][0]))
+  tol = 4 * tolerance(np.float32, precision, 12)  # two GEMMs, each with an activation's
+  assert relative_error(jax.jit(f)(*args), value_ref) <= tol
+  for got, ref in zip(jax.jit(jax.grad(loss(f), argnums=tuple(range(5))))(*args), want):
+    assert relative_error(got, np.asarray(ref)) <= tol
+  assert relative_error(jax.jvp(f, args, args)[1], tangent_ref) <= tol
+  per_row = jax.vmap(f, in_axes=(1, None, None, None, None), out_axes=1)(*args)
+  assert relative_error(per_row, value_ref) <= tol
+  cube32 = lambda x: jnp.sum(f(x, *args[1:]) ** 3)
+  assert relative_error(jax.hessian(cube32)(x[0]), hessian_ref) <= 8 * tol
+  plans = [e.params["plan"] for e in jax.make_jaxpr(jax.grad(loss(f), argnums=(0, 1, 3)))(*args).eqns
+           if e.primitive is op.gemm_p]
+  assert {p.backend for p in plans} == {backend} and len(plans) == 6, plans
+  assert sum(p.keep_pre for p in plans) == 1, plans
+  assert [p.c_gate for p in plans if p.c_gate] == [activation], plans
+  forward = [e.params["plan"] for e in jax.make_jaxpr(f)(*args).eqns if e.primitive is op.gemm_p]
+  assert [(p.keep_pre, p.a_given) for p in forward] == [(True, False), (False, True)], forward
+
+
 def test_forward_mode_and_higher_order(backend, rng):
   """jvp, linearize, jacfwd and hessian (forward over reverse) agree with jnp.dot's, and the
   tangent/cotangent GEMMs run on the backend (one gemm primitive per product, no dot)."""
@@ -397,6 +437,27 @@ def test_gpu_gated_gradient_ragged(backend, a_activation, rng):
   want = gated_gradient(a, b, cot, a_activation)
   # Doubled: the gate is evaluated in f32 on top of the GEMM (xla rounds the product first).
   assert relative_error(got, want) <= 2 * tolerance(dtype, None, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu"])
+def test_gpu_mlp_ragged(backend, activation, rng):
+  """mlp on ragged multi-tile shapes: the value, and the gradients in x and w1 (through
+  the stored z and the gated hidden gradient), against float64."""
+  dtype = preferred_dtype(backend)
+  m, d, hidden, n = 1031, 777, 1300, 517
+  poison_allocator(4 * 2 * m * hidden)
+  x, w1, b1 = random(rng, (m, d), dtype), random(rng, (d, hidden), dtype), random(rng, (hidden,), dtype)
+  w2, b2, cot = random(rng, (hidden, n), dtype), random(rng, (n,), dtype), random(rng, (m, n), dtype)
+  f = lambda x, w1: pallas_gemm.mlp(x, w1, b1, w2, b2, activation, backend=backend)
+  h_ref = reference(x, w1, bias=b1, activation=activation)
+  assert relative_error(f(x, w1), reference(h_ref, w2, bias=b2)) <= 2 * tolerance(dtype, None, hidden)
+  loss = lambda x, w1: jnp.sum(f(x, w1).astype(np.float32) * cot.astype(np.float32))
+  dx, dw1 = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w1)
+  z = reference(x, w1, bias=b1)
+  dz = gated_gradient(z, np.asarray(w2, np.float64), cot, activation)
+  assert relative_error(dx, dz @ np.asarray(w1, np.float64).T) <= 4 * tolerance(dtype, None, hidden)
+  assert relative_error(dw1, np.asarray(x, np.float64).T @ dz) <= 4 * tolerance(dtype, None, m)
 
 
 @pytest.mark.gpu

@@ -418,6 +418,41 @@ def test_f32_as_tf32(transpose_a, transpose_b):
          transpose_b=transpose_b)
 
 
+def _check_keep_pre(batch, m, n, k, *, config=None, interpret=True, activation="gelu"):
+  """keep_pre: act(z) and z = a @ b + bias, both stored by the epilogue (two stores per
+  sub-tile through the slot ring), against float64, through a NaN-poisoned allocator on
+  the GPU."""
+  rng = np.random.default_rng(1)
+  a, b = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((batch, m, k), (1, k, n)))
+  bias = jnp.asarray(rng.standard_normal(n), jnp.float32)
+  config = config or mosaic.default_config(m, n, k, jnp.bfloat16).replace(num_sms=3)
+  if not interpret:
+    jnp.full((2 * batch * m * n // 2 + 1,), jnp.nan, jnp.float32).block_until_ready().delete()
+  out, pre = mosaic.gemm(a, b, None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
+                         precision=None, out_dtype=np.dtype(jnp.bfloat16), config=config,
+                         interpret=interpret, bias=bias, activation=activation, keep_pre=True)
+  f32 = lambda x: np.asarray(x.astype(jnp.float32))
+  tol = tolerance(jnp.bfloat16, None, k)
+  assert relative_error(f32(pre), reference(f32(a), f32(b), bias=f32(bias))) <= tol
+  want = reference(f32(a), f32(b), bias=f32(bias), activation=activation)
+  assert relative_error(f32(out), want) <= 2 * tol  # act in f32 on top of the GEMM
+
+
+def test_keep_pre_stores_the_pre_activation_too():
+  _check_keep_pre(2, 130, 200, 72)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [
+    None,  # the shape's default
+    dict(block_m=128, block_n=128, num_sms=8),  # stream-K: cut tiles finish in the epilogue
+    dict(block_m=128, block_n=256, epi_block_n=32, num_sms=5, stream_k=False),
+])
+def test_keep_pre_on_the_gpu(config):
+  config = None if config is None else Config(**config)
+  _check_keep_pre(1, 1031, 2051, 4111, config=config, interpret=False)
+
+
 def test_misaligned_rows_are_padded():
   # bf16 rows of 67 and 97 elements are not 16-byte aligned (TMA rule).
   _check(1, 65, 67, 97, transpose_a=True)
