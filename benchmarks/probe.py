@@ -30,6 +30,8 @@
                                            expression vs gemm on xla and mosaic
   python3 benchmarks/probe.py step_kernels  the kernels of one bf16 MLP step (`--mlp`'s variants),
                                            by name, CUPTI time summed over 5 steps
+  python3 benchmarks/probe.py step_tiles    the mlp step's five mosaic GEMMs as it runs them, with
+                                           config variants, beside the jnp.dot expression
   python3 benchmarks/probe.py gate          the step's gated GEMM dz = g @ W2^T: mosaic plain / + C /
                                            * relu'(C) / * gelu'(C) vs cuBLAS (+ XLA's gate), CUPTI
   python3 benchmarks/probe.py ksplit [N]    2+ GPUs, bf16 N^3 with K sharded: jnp.dot vs local mosaic
@@ -612,6 +614,62 @@ def probe_gate(m: int = 8192, d: int = 4096, hidden: int = 16384):
     print(f"  {label:26s} {ms:7.3f} ms  {base / ms:6.3f}x jnp.dot", flush=True)
 
 
+def probe_step_tiles(m: int = 8192, d: int = 4096, hidden: int = 16384):
+  """The five mosaic GEMMs of `pallas_gemm.mlp`'s bf16 step as the step runs them (layout,
+  bias, keep_pre GELU, gelu'(C) gate), each with the shape's default config and variants of
+  tile order, clusters, tiles and stream-K, beside the jnp.dot expression (CUPTI ms)."""
+  bf16 = jnp.bfloat16
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: mlp step GEMMs, x {m}x{d}, "
+        f"hidden {hidden}, bf16, CUPTI ms, median of 20, rotating inputs")
+  key = iter(jax.random.split(jax.random.key(3), 8))
+  b1 = jax.random.normal(next(key), (hidden,), jnp.float32)
+  b2 = jax.random.normal(next(key), (d,), jnp.float32)
+  z = jax.random.normal(next(key), (m, hidden), bf16)
+  # (label, a shape, b shape, transpose_a, transpose_b, kwargs of mosaic.gemm, jnp expression)
+  cases = [
+      ("fwd1 x@W1+b1 gelu,z", (m, d), (d, hidden), False, False,
+       dict(bias=b1, activation="gelu", keep_pre=True),
+       lambda a, b: (lambda y: (jax.nn.gelu(y), y))(a @ b + b1.astype(bf16))),
+      ("fwd2 h@W2+b2", (m, hidden), (hidden, d), False, False, dict(bias=b2),
+       lambda a, b: a @ b + b2.astype(bf16)),
+      ("dW2 h^T@g", (m, hidden), (m, d), True, False, {}, lambda a, b: a.T @ b),
+      ("dh g@W2^T * gelu'(z)", (m, d), (hidden, d), False, True,
+       dict(c=z[None], beta=1.0, c_gate="gelu"),
+       lambda a, b: epilogue.apply((a @ b.T).astype(jnp.float32), z, None, beta=0.0,
+                                   activation=None, out_dtype=bf16, c_gate="gelu")),
+      ("dW1 x^T@dz", (m, d), (m, hidden), True, False, {}, lambda a, b: a.T @ b)]
+  for label, sa, sb, ta, tb, kw, expr in cases:
+    sets = _inputs(sa, sb, bf16)
+    mm, nn = (sa[1] if ta else sa[0]), (sb[0] if tb else sb[1])
+    kk = sa[0] if ta else sa[1]
+    base = tuning.resolve_config("mosaic", mm, nn, kk, jnp.dtype(bf16), None,
+                                 c_dtype=jnp.dtype(bf16) if "c" in kw else None)
+    variants = {"default": base, "width 4": base.replace(grid_tile_width=4),
+                "width 16": base.replace(grid_tile_width=16),
+                "minor m": base.replace(grid_minor_dim="m"),
+                "no cluster": base.replace(cluster_n=1, cluster_m=1),
+                "cluster_m 2": base.replace(cluster_n=1, cluster_m=2),
+                "stream_k off": base.replace(stream_k=False),
+                "128x256 n cl_n2": base.replace(block_m=128, block_n=256, wg_split="n"),
+                "128x256 n cl_m2": base.replace(block_m=128, block_n=256, wg_split="n",
+                                                cluster_n=1, cluster_m=2)}
+    ref = _ms(expr, sets)
+    print(f"{label:24s} {mm}x{nn}x{kk}  jnp.dot expression {ref:.3f} ms; default {base}",
+          flush=True)
+    for name, cfg in variants.items():
+      kwargs = {"c": None, "alpha": 1.0, "beta": 0.0} | kw
+
+      def fn(a, b, cfg=cfg, kwargs=kwargs):
+        return mosaic.gemm(a[None], b[None], transpose_a=ta, transpose_b=tb, precision=None,
+                           out_dtype=bf16, config=cfg, interpret=False, **kwargs)
+      try:
+        ms = _ms(fn, sets)
+      except Exception as e:  # noqa: BLE001 - an invalid variant is reported, not fatal
+        print(f"   {name:18s} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        continue
+      print(f"   {name:18s} {ms:7.3f} ms  {ref / ms:6.3f}x", flush=True)
+
+
 def probe_step_kernels(top: int = 14):
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
   from benchmarks import mlp  # noqa: PLC0415
@@ -720,6 +778,7 @@ if __name__ == "__main__":
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
             "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense,
             "step_gemms": probe_step_gemms, "step_kernels": probe_step_kernels,
+            "step_tiles": probe_step_tiles,
             "ksplit": probe_ksplit, "gate": probe_gate}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
