@@ -410,6 +410,13 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   x = jnp.asarray(x)
   if x.ndim < 1:
     raise ValueError(f"x must have rank >= 1 (..., D); got shape {x.shape}")
+  # Checked here so that the errors name mlp's arguments, not the layers' a and b.
+  hidden = _check_weight("w1", w1, x.shape[-1], "D = x.shape[-1]")
+  n = _check_weight("w2", w2, hidden, "H = w1.shape[1]")
+  for name, bias, size in (("b1", b1, hidden), ("b2", b2, n)):
+    if bias is not None and tuple(getattr(bias, "shape", ())) != (size,):
+      raise ValueError(f"{name} must be None or have shape ({size},); got "
+                       f"{getattr(bias, 'shape', type(bias).__name__)}")
   if activation is None:
     return dense(dense(x, w1, b1, precision=precision, backend=backend), w2, b2,
                  precision=precision, out_dtype=out_dtype, backend=backend)
@@ -424,3 +431,12 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   out = _gemm(z, w2, **common, out_dtype=out_dtype, bias=b2, activation=None,
               a_activation=activation, a_given=h)
   return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+
+def _check_weight(name: str, w, rows: int, what: str) -> int:
+  """The columns of a 2-D weight whose rows must equal `rows` (`what`)."""
+  shape = tuple(getattr(w, "shape", ()))
+  if len(shape) != 2 or shape[0] != rows:
+    raise ValueError(f"{name} must have shape ({rows}, ...) ({what}); got "
+                     f"{shape if hasattr(w, 'shape') else type(w).__name__}")
+  return shape[1]

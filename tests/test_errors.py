@@ -56,6 +56,26 @@ def test_bad_input(kwargs, error, match):
     gemm(a, b, **args)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(w1=jnp.ones((7, 6))), r"w1 must have shape \(8, \.\.\.\) \(D = x.shape\[-1\]\); got \(7, 6\)"),
+    (dict(w1=jnp.ones((2, 8, 6))), r"w1 must have shape \(8, \.\.\.\).*\(2, 8, 6\)"),
+    (dict(w2=jnp.ones((5, 3))), r"w2 must have shape \(6, \.\.\.\) \(H = w1.shape\[1\]\)"),
+    (dict(b1=jnp.ones((5,))), r"b1 must be None or have shape \(6,\); got \(5,\)"),
+    (dict(b2=jnp.ones((6,))), r"b2 must be None or have shape \(3,\)"),
+    (dict(activation="tanh"), r"activation must be None or one of .*'tanh'"),
+    (dict(x=jnp.float32(1.0)), r"x must have rank >= 1"),
+])
+def test_mlp_bad_input(kwargs, match):
+  args = dict(x=jnp.ones((4, 8)), w1=jnp.ones((8, 6)), b1=jnp.ones((6,)), w2=jnp.ones((6, 3)),
+              b2=None, activation="relu")
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    pallas_gemm.mlp(**args)
+  args.update(dict(x=jnp.ones((4, 8)), w1=jnp.ones((8, 6)), b1=None, w2=jnp.ones((6, 3)),
+                   b2=None, activation="relu"))  # the control: a valid call
+  np.testing.assert_allclose(pallas_gemm.mlp(**args), 48.0)
+
+
 def test_config_that_does_not_fit():
   with pytest.raises(ValueError, match="block_m"):
     pallas_gemm.triton.Config(block_m=48, block_n=64, block_k=32)
