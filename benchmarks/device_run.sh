@@ -2,7 +2,7 @@
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
 #   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [precision] [example] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
-#   [dense] [step_kernels] [step_gemms] [step_tiles] [gate] [ksplit]
+#   [dense] [step_kernels] [step_gemms] [step_tiles] [split_kernels] [gate] [ksplit]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
 set -uo pipefail
 OUT=${OUT:-/tmp/pallas_gemm_out}
@@ -76,6 +76,11 @@ fi
 if has step_tiles; then
   log "the mlp step's mosaic GEMMs with config variants (CUPTI)"
   probe 500 step_tiles
+fi
+
+if has split_kernels; then
+  log "float32_accurate: its kernels and the fusions of the split pass (CUPTI, HLO)"
+  probe 200 split_kernels
 fi
 
 if has gate; then

@@ -32,6 +32,8 @@
                                            by name, CUPTI time summed over 5 steps
   python3 benchmarks/probe.py step_tiles    the mlp step's five mosaic GEMMs as it runs them, with
                                            config variants, beside the jnp.dot expression
+  python3 benchmarks/probe.py split_kernels [N ...]  float32_accurate's kernels (CUPTI) and the
+                                           fusions of its optimized HLO (the split pass)
   python3 benchmarks/probe.py gate          the step's gated GEMM dz = g @ W2^T: mosaic plain / + C /
                                            * relu'(C) / * gelu'(C) vs cuBLAS (+ XLA's gate), CUPTI
   python3 benchmarks/probe.py ksplit [N]    2+ GPUs, bf16 N^3 with K sharded: jnp.dot vs local mosaic
@@ -670,6 +672,33 @@ def probe_step_tiles(m: int = 8192, d: int = 4096, hidden: int = 16384):
       print(f"   {name:18s} {ms:7.3f} ms  {ref / ms:6.3f}x", flush=True)
 
 
+def probe_split_kernels(*sizes):
+  """float32_accurate (mosaic, bf16 pieces split by an XLA pass): the kernels of one call at
+  each n^3 (CUPTI, by name) and the fusions of the optimized HLO, to see whether XLA makes
+  the split, the operand's transpose and the TMA padding one pass."""
+  from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
+  ext = mosaic_gpu_lib._mosaic_gpu_ext
+  print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: float32_accurate kernels")
+  for n in sizes or (4096, 4097):
+    (a, b), = _inputs((n, n), (n, n), jnp.float32)[:1]
+    f = jax.jit(lambda a, b: gemm(a, b, precision="float32_accurate", backend="mosaic"))
+    compiled = f.lower(a, b).compile()
+    fusions = [f"{name} {shape}" for name, shape in re.findall(
+        r"^\s*(%\S+) = (\S+) fusion\(", compiled.as_text(), re.M)]
+    jax.block_until_ready(f(a, b))
+    ext._cupti_init()
+    try:
+      jax.block_until_ready([f(a, b) for _ in range(5)])
+    finally:
+      timings = ext._cupti_get_timings(True)
+    by_name = {}
+    for kernel, ms in timings:
+      by_name[kernel] = by_name.get(kernel, 0.0) + ms / 5
+    print(f"-- {n}^3: {sum(by_name.values()):.3f} ms per call; fusions in the HLO: {fusions}")
+    for kernel, ms in sorted(by_name.items(), key=lambda kv: -kv[1]):
+      print(f"   {ms:7.3f} ms  {kernel[:110]}", flush=True)
+
+
 def probe_step_kernels(top: int = 14):
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
   from benchmarks import mlp  # noqa: PLC0415
@@ -778,7 +807,7 @@ if __name__ == "__main__":
             "ab": probe_ab, "power": probe_power, "triton": probe_triton,
             "cuda_sk": probe_cuda_sk, "mosaic_sk": probe_mosaic_sk, "dense": probe_dense,
             "step_gemms": probe_step_gemms, "step_kernels": probe_step_kernels,
-            "step_tiles": probe_step_tiles,
+            "step_tiles": probe_step_tiles, "split_kernels": probe_split_kernels,
             "ksplit": probe_ksplit, "gate": probe_gate}
   if what == "cuda_ab":
     probe_cuda_ab(*rest)
