@@ -386,7 +386,7 @@ def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=
   x = jnp.asarray(x)
   if x.ndim < 1:
     raise ValueError(f"x must have rank >= 1 (..., K); got shape {x.shape}")
-  x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
+  x2 = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if x.ndim != 2 else x
   out = gemm(x2, w, bias=bias, activation=activation, precision=precision,
              out_dtype=out_dtype, backend=backend, config=config, a_activation=input_activation)
   return out.reshape(x.shape[:-1] + out.shape[-1:])
@@ -423,7 +423,7 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   if activation not in epilogue.ACTIVATIONS:
     raise ValueError(f"activation must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
                      f"got {activation!r}")
-  x2 = x.reshape((-1, x.shape[-1])) if x.ndim != 2 else x
+  x2 = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if x.ndim != 2 else x
   common = dict(c=None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
                 precision=precision, config=None, interpret=None, backend=backend)
   h, z = _gemm(x2, w1, **common, out_dtype=None, bias=b1, activation=activation,

@@ -299,7 +299,7 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
       out_dtype).itemsize
   c = 0 if not _c_separate(c_dtype, out_dtype) else (
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
-  barriers = 8 * (2 * stages + config.num_compute_wgs)
+  barriers = 8 * (2 * stages + 2 * config.num_compute_wgs)  # ring; C loads (2 per wg)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
   return (sum(_round_up(x, 1024) for x in (ring, out, c) if x)
           + barriers + _RESERVED_SMEM_BYTES)

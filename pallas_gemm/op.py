@@ -78,6 +78,12 @@ class Plan:
   # a keep_pre call, so the product reads it instead of recomputing act(a) (api.mlp).
   a_given: bool = False
 
+  def __post_init__(self):
+    if self.keep_pre and self.activation is None:
+      raise ValueError("Plan.keep_pre returns (act(z), z): it needs an activation")
+    if self.a_given and (self.a_activation is None or self.a_gate is not None):
+      raise ValueError("Plan.a_given is act(a) for a_activation: it needs one, and no a_gate")
+
 
 def _args(a, b, c=None, bias=None, aux=None) -> list:
   """The primitive's operand list: a, b, then those present of aux, c, bias."""
@@ -216,6 +222,11 @@ def _zero(t) -> bool:
   return t is None or type(t) is ad.Zero
 
 
+def _zero_like(out):
+  """The symbolic zero tangent of out (jax 0.11 has no ad.Zero.from_primal_value)."""
+  return ad.Zero(core.typeof(out).to_tangent_aval())
+
+
 def _jvp_rule(primals, tangents, *, plan):
   out, tangent = _jvp(primals, tangents, plan=plan)
   return (list(out), list(tangent)) if plan.keep_pre else ([out], [tangent])
@@ -235,7 +246,7 @@ def _jvp(primals, tangents, *, plan, primal_out=None):
       z, dz = _jvp(primals, tangents, plan=linear)
       out = _activated(z, plan)
     if type(dz) is ad.Zero:
-      dout = ad.Zero.from_primal_value(out)
+      dout = _zero_like(out)
     else:
       dout = (epilogue.derivative(z.astype(F32), plan.activation)
               * dz.astype(F32)).astype(plan.out_dtype)
@@ -280,7 +291,7 @@ def _jvp(primals, tangents, *, plan, primal_out=None):
                **changes)
     acc, acc_beta, acc_bias = bind(p, x, y, acc, acc_bias, x_aux), 1.0, None
   if acc is None and acc_bias is None:
-    return out, ad.Zero.from_primal_value(out)
+    return out, _zero_like(out)
   if not terms:  # only c and/or the bias moved
     t = jnp.zeros(out.shape, F32) if acc is None else plan.beta * acc.astype(F32)
     acc = (t if acc_bias is None else t + acc_bias.astype(F32)).astype(plan.out_dtype)
@@ -299,7 +310,7 @@ def _jvp_c_gate(primals, tangents, plan):
                                      activation=None, out_dtype=plan.out_dtype,
                                      c_gate=plan.c_gate)
   if _zero(dc) and _zero(dp):
-    return out, ad.Zero.from_primal_value(out)
+    return out, _zero_like(out)
   _, tangent = jax.jvp(gate, (p, c), tuple(map(ad.instantiate_zeros, (dp, dc))))
   return out, tangent
 

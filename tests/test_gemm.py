@@ -293,6 +293,10 @@ def test_mlp(backend, activation, rng):
     tangent_ref = np.asarray(jax.jvp(f64, args64, args64)[1])
     cube = lambda f: lambda x: jnp.sum(f(x, *args64[1:]) ** 3)
     hessian_ref = np.asarray(jax.hessian(cube(f64))(args64[0][0]))
+    # Linear in the output: the second derivative runs through act'' alone, and the
+    # tangents of c and of the product are symbolically zero in places.
+    linear = lambda f: lambda x: jnp.sum(f(x, *args64[1:]) * cot[0])
+    linear_ref = np.asarray(jax.hessian(linear(f64))(args64[0][0]))
   tol = 4 * tolerance(np.float32, precision, 12)  # two GEMMs, each with an activation's
   assert relative_error(jax.jit(f)(*args), value_ref) <= tol
   for got, ref in zip(jax.jit(jax.grad(loss(f), argnums=tuple(range(5))))(*args), want):
@@ -302,6 +306,14 @@ def test_mlp(backend, activation, rng):
   assert relative_error(per_row, value_ref) <= tol
   cube32 = lambda x: jnp.sum(f(x, *args[1:]) ** 3)
   assert relative_error(jax.hessian(cube32)(x[0]), hessian_ref) <= 8 * tol
+  linear32 = lambda x: jnp.sum(f(x, *args[1:]) * cot[0])
+  assert relative_error(jax.hessian(linear32)(x[0]), linear_ref) <= 8 * tol
+  # Reverse over reverse: act'' in f32 cancels, so the bound is jnp's own f32 error here.
+  jac2 = lambda f, *args: jax.jacrev(jax.jacrev(lambda x: f(x, *args[1:])))(args[0][0, 0])
+  with jax.enable_x64(True):
+    jac2_ref = np.asarray(jac2(f64, *args64))
+  jnp_error = relative_error(jac2(f64, *args), jac2_ref)  # f64's code on f32 arrays
+  assert relative_error(jac2(f, *args), jac2_ref) <= 2 * jnp_error + tol
   plans = [e.params["plan"] for e in jax.make_jaxpr(jax.grad(loss(f), argnums=(0, 1, 3)))(*args).eqns
            if e.primitive is op.gemm_p]
   assert {p.backend for p in plans} == {backend} and len(plans) == 6, plans
