@@ -53,15 +53,16 @@ Shapes, edges and layouts (costs in parentheses):
     ``jnp.swapaxes`` (one extra read+write of it, ~8% of a 4096^3 TF32 GEMM).
   * float32 from bf16 pieces (``precision="float32_accurate"`` and the BF16_BF16_F32_X*
     presets, `precision.Split`): XLA writes each operand's bf16 pieces before the
-    kernel (1.5x the f32 bytes for 3 pieces, K-major; one pass over the operand where
-    XLA fuses the transpose and the TMA padding with the split), every pipeline stage
+    kernel (1.5x the f32 bytes for 3 pieces, K-major), every pipeline stage
     loads all piece tiles by TMA, and each K block's piece products go into a zeroed
     accumulator that is added to an f32 register sum. The pieces used to be made
     inside the kernel from f32 tiles (no extra HBM pass): the split, its shared-memory
     stores and the wait before the products held that kernel at 1.35x SGEMM (H100,
-    session 8). The pass costs ~9% of the GEMM at 4096^3, and the kernel's six bf16
-    products run at cuBLAS's bf16 rate at 8192^3: 2.1-2.2x SGEMM (H100 and H200,
-    session 11).
+    session 8). The kernel's six bf16 products run at cuBLAS's bf16 rate at 8192^3:
+    2.1-2.2x SGEMM (H100 and H200, session 11). XLA does not make the split one pass:
+    it first writes f32 transposed copies of the operands (even of a K-major A: a
+    layout-only copy), then the pieces (and the TMA padding): 20-25% of a call at
+    4096^3 / 4097^3 (H200, session 12, `probe.py split_kernels`).
 """
 
 from __future__ import annotations
