@@ -62,7 +62,10 @@ Shapes, edges and layouts (costs in parentheses):
     2.1-2.2x SGEMM (H100 and H200, session 11). XLA does not make the split one pass:
     it first writes f32 transposed copies of the operands (even of a K-major A: a
     layout-only copy), then the pieces (and the TMA padding): 20-25% of a call at
-    4096^3 / 4097^3 (H200, session 12, `probe.py split_kernels`).
+    4096^3 / 4097^3 (H200, session 12, `probe.py split_kernels`). Stacked into one
+    array the pieces cost a second pass: as three arrays XLA writes them in one
+    (0.041 vs 0.081 ms for a 4096^2 operand), so the kernel should take them as three
+    operands (not yet measured in a GEMM).
 """
 
 from __future__ import annotations
