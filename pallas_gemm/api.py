@@ -319,7 +319,7 @@ def _gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtyp
                             precision=precision, out_dtype=out_dtype, bias=bias,
                             activation=None if keep_pre else activation,
                             a_activation=None if given else a_activation)
-    return _with_activation(z, activation) if keep_pre else z
+    return (epilogue.activated(z, activation), z) if keep_pre else z
 
   # Choose the backend and its config.
   if backend == "auto" and config is not None:  # a config names its backend
@@ -348,7 +348,7 @@ def _gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtyp
     c_full = None if c is None or 0 in out_shape else jnp.broadcast_to(c, out_shape)
     z = epilogue.apply(jnp.zeros(out_shape, jnp.float32), c_full, bias, beta=beta,
                        activation=None if keep_pre else activation, out_dtype=out_dtype)
-    return _with_activation(z, activation) if keep_pre else z
+    return (epilogue.activated(z, activation), z) if keep_pre else z
 
   c_dtype = None if c is None or beta == 0.0 else np.dtype(c.dtype)
   config = _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype)
@@ -369,11 +369,6 @@ def _gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtyp
   return out.reshape(out_shape)
 
 
-def _with_activation(z, activation):
-  """(act(z), z): a keep_pre result computed outside the primitive."""
-  return epilogue.activate(z.astype(jnp.float32), activation).astype(z.dtype), z
-
-
 def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=None,
           out_dtype=None, backend="auto", config=None):
   """A dense layer, ``act(x @ w + bias)``, with the epilogue fused where the backend can:
@@ -383,10 +378,7 @@ def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=
   An MLP written ``dense(dense(x, w1, b1), w2, b2, input_activation="gelu")`` is
   ``dense(dense(x, w1, b1, "gelu"), w2, b2)`` with GELU's derivative fused into the
   backward GEMM that computes the hidden gradient."""
-  x = jnp.asarray(x)
-  if x.ndim < 1:
-    raise ValueError(f"x must have rank >= 1 (..., K); got shape {x.shape}")
-  x2 = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if x.ndim != 2 else x
+  x, x2 = _rows(x, "K")
   out = gemm(x2, w, bias=bias, activation=activation, precision=precision,
              out_dtype=out_dtype, backend=backend, config=config, a_activation=input_activation)
   return out.reshape(x.shape[:-1] + out.shape[-1:])
@@ -407,9 +399,7 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   around the kernels). Without a gradient, ``dense(dense(x, w1, b1, activation), w2,
   b2)`` writes half the hidden bytes (no z).
   """
-  x = jnp.asarray(x)
-  if x.ndim < 1:
-    raise ValueError(f"x must have rank >= 1 (..., D); got shape {x.shape}")
+  x, x2 = _rows(x, "D")
   # Checked here so that the errors name mlp's arguments, not the layers' a and b.
   hidden = _check_weight("w1", w1, x.shape[-1], "D = x.shape[-1]")
   n = _check_weight("w2", w2, hidden, "H = w1.shape[1]")
@@ -423,7 +413,6 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   if activation not in epilogue.ACTIVATIONS:
     raise ValueError(f"activation must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
                      f"got {activation!r}")
-  x2 = x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if x.ndim != 2 else x
   common = dict(c=None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
                 precision=precision, config=None, interpret=None, backend=backend)
   h, z = _gemm(x2, w1, **common, out_dtype=None, bias=b1, activation=activation,
@@ -431,6 +420,14 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   out = _gemm(z, w2, **common, out_dtype=out_dtype, bias=b2, activation=None,
               a_activation=activation, a_given=h)
   return out.reshape(x.shape[:-1] + out.shape[-1:])
+
+
+def _rows(x, features: str):
+  """x as an array, and as the 2-D (rows, features) operand of a layer's GEMM."""
+  x = jnp.asarray(x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have rank >= 1 (..., {features}); got shape {x.shape}")
+  return x, x.reshape((math.prod(x.shape[:-1]), x.shape[-1])) if x.ndim != 2 else x
 
 
 def _check_weight(name: str, w, rows: int, what: str) -> int:

@@ -58,6 +58,12 @@ def activate(x, activation: str | None):
   return x if activation is None else ACTIVATIONS[activation][0](x)
 
 
+def activated(z, activation: str):
+  """act(z) in f32, rounded back to z's dtype: the activation of a GEMM's rounded output,
+  as XLA computes ``act(jnp.dot(...))``."""
+  return activate(z.astype(jnp.float32), activation).astype(z.dtype)
+
+
 def derivative(x, activation: str):
   return ACTIVATIONS[activation][1](x)
 

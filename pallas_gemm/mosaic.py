@@ -767,7 +767,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
                   and cfg.out_slots == 2)
 
     def load_c(i):
-      slot = i % 2 if prefetch_c else (i * len(outs)) % cfg.out_slots
+      slot = (i * len(outs)) % cfg.out_slots  # (i % 2 with prefetch_c)
       dst = c_smem.at[wg] if c_separate else out_smem.at[wg, slot]
       barrier = c_barrier.at[wg * 2 + slot if prefetch_c else wg]
       plgpu.copy_gmem_to_smem(window(c_gmem, i), dst, barrier)

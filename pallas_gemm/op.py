@@ -171,16 +171,11 @@ def _kernel(plan: Plan, *args):
                 **({"keep_pre": True} if plan.keep_pre else {}))
   if plan.keep_pre:  # z from the kernel, act(z) in XLA (as the JVP of an activation does)
     z = _kernel(dataclasses.replace(plan, activation=None, keep_pre=False), *args)
-    return _activated(z, plan), z
+    return epilogue.activated(z, plan.activation), z
   acc = call(c, beta=plan.beta, out_dtype=F32,
              **({} if fused is None else dict(bias=kernel_bias, activation=None)))
   return epilogue.apply(acc, None, None if kernel_bias is bias else bias, beta=0.0,
                         activation=plan.activation, out_dtype=plan.out_dtype)
-
-
-def _activated(z, plan: Plan):
-  """act(z) in f32, cast to the output dtype."""
-  return epilogue.activate(z.astype(F32), plan.activation).astype(plan.out_dtype)
 
 
 # ----------------------------------------------------------------------------- primitive
@@ -203,7 +198,8 @@ def _abstract_eval(a, b, *rest, plan):
         "invariant operand, or pass check_vma=False to shard_map")
   # a's aval carries the mesh context (shard_map's manual axes) the result lives in.
   out = a.update(shape=(a.shape[0], m, n), dtype=np.dtype(plan.out_dtype), weak_type=False)
-  return [out] * (1 + plan.keep_pre), _effects(plan, *(core.ShapedArray(x.shape, x.dtype) for x in (a, b, *rest)))
+  avals = (core.ShapedArray(x.shape, x.dtype) for x in (a, b, *rest))
+  return [out] * (1 + plan.keep_pre), _effects(plan, *avals)
 
 
 @functools.lru_cache(maxsize=256)
@@ -244,7 +240,7 @@ def _jvp(primals, tangents, *, plan, primal_out=None):
       _, dz = _jvp(primals, tangents, plan=linear, primal_out=z)
     else:
       z, dz = _jvp(primals, tangents, plan=linear)
-      out = _activated(z, plan)
+      out = epilogue.activated(z, plan.activation)
     if type(dz) is ad.Zero:
       dout = _zero_like(out)
     else:
@@ -551,7 +547,7 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
 def _finish_pair(plan: Plan, acc, c, bias):
   """(act(z), z) from a K-split's summed f32 product (keep_pre)."""
   z = epilogue.apply(acc, c, bias, beta=plan.beta, activation=None, out_dtype=plan.out_dtype)
-  return _activated(z, plan), z
+  return epilogue.activated(z, plan.activation), z
 
 
 def _sharding_rule(plan: Plan, mesh, value_types, result_types):
