@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
+from pallas_gemm import op
 from pallas_gemm.reference import relative_error, tolerance
 from benchmarks.timing import pipelined_ms
 
@@ -62,7 +63,8 @@ def _one_device_mesh():
 
 
 def _collectives(f, a, b) -> str:
-  found = COLLECTIVES.findall(f.lower(a, b).compile().as_text())
+  compiled = f if isinstance(f, jax.stages.Compiled) else f.lower(a, b).compile()
+  found = COLLECTIVES.findall(compiled.as_text())
   return ", ".join(f"{found.count(c)} {c}" for c in sorted(set(found))) or "none"
 
 
@@ -74,7 +76,7 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
     return []
   mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
   rows = []
-  header = (f"{'case':28s} {'layout':6s} {'backend':8s} {'TFLOP/s':>8s} {'x 1 dev':>8s} "
+  header = (f"{'case':28s} {'layout':6s} {'backend':11s} {'TFLOP/s':>8s} {'x 1 dev':>8s} "
             f"{'x dot':>6s} {'err':>8s}  collectives")
   print(header, flush=True)
   for label, dtype, precision, (m, n, k), backends in cases:
@@ -90,7 +92,16 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
     for layout in layouts:
       a, b = _inputs(layout, dtype, m, n, k, mesh)
       dot_ms = None
-      for name, f in fns.items():
+      variants = dict(fns)
+      if layout == "K" and "mosaic" in fns and len(devices) == 2:
+        # The same call with NCCL's collectives in place of the pair kernels' exchange.
+        op.PAIR_KERNELS = False
+        try:
+          variants["mosaic/nccl"] = jax.jit(lambda a, b, p=precision: pallas_gemm.gemm(
+              a, b, precision=p, backend="mosaic")).lower(a, b).compile()
+        finally:
+          op.PAIR_KERNELS = True
+      for name, f in variants.items():
         ms = pipelined_ms(f, a, b, calls=CALLS, reps=REPS)
         dot_ms = dot_ms or ms
         out = f(a, b)
@@ -98,12 +109,13 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
         # would dominate the run): within the sum of both products' bounds.
         ref_l = fns["jnp.dot"](a, b)
         err = relative_error(out.astype(jnp.float32), ref_l.astype(jnp.float32))
+        one = single[name.split("/")[0]]
         row = dict(case=label, layout=layout, backend=name, ms=ms, tflops=flops / ms / 1e9,
-                   vs_one_device=single[name] / ms, vs_dot=dot_ms / ms, rel_err_vs_dot=err,
+                   vs_one_device=one / ms, vs_dot=dot_ms / ms, rel_err_vs_dot=err,
                    err_ok=err <= 2 * tolerance(dtype, precision, k), collectives=_collectives(f, a, b),
-                   out_sharding=str(out.sharding.spec), one_device_ms=single[name])
+                   out_sharding=str(out.sharding.spec), one_device_ms=one)
         rows.append(row)
-        print(f"{label:28s} {layout:6s} {name:8s} {row['tflops']:8.1f} {row['vs_one_device']:8.2f} "
+        print(f"{label:28s} {layout:6s} {name:11s} {row['tflops']:8.1f} {row['vs_one_device']:8.2f} "
               f"{row['vs_dot']:6.3f} {err:8.1e}{'' if row['err_ok'] else '!'}  {row['collectives']}",
               flush=True)
         del out, ref_l

@@ -638,12 +638,37 @@ def _swizzle_transforms(minor_elems: int, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
+@dataclasses.dataclass(frozen=True)
+class Peer:
+  """One of the two kernels of a K split over the two devices of mesh axis ``axis``
+  (`pair_gemm`): each device holds a K half of a and b, and owns one half of the rows.
+
+  send=True: the device computes the *other* device's rows of its partial product and
+  the kernel stores them, f32, into the other device's output (over NVLink, TMA
+  stores to a peer address) instead of its own. send=False: the device computes its
+  own rows, adds what the other device sent (C, f32) and runs the epilogue; with
+  gather, it stores the finished rows into both devices' (M, N) outputs, so both end
+  with the whole result and no collective runs. A kernel that stores to the peer
+  ends with a handshake: every warpgroup waits for its stores, signals its twin on
+  the other device and waits for the twin's signal, so a finished kernel means
+  the peer's stores into this device are complete (the next kernel may read them).
+  """
+  axis: str
+  send: bool
+  gather: bool = False
+
+  @property
+  def stores_remote(self) -> bool:
+    return self.send or self.gather
+
+
 def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem, *,
             config: Config,
             m: int, n: int, k: int, batch: int, a_k_major: bool, b_k_major: bool,
             b_shared: bool, alpha: float, beta: float, c_separate: bool,
             activation: str | None, num_ctas: int, stream_k: StreamK | None,
-            split: _precision.Split | None = None, c_gate: str | None = None):
+            split: _precision.Split | None = None, c_gate: str | None = None,
+            peer: Peer | None = None):
   """One persistent CTA (of num_ctas, or of num_ctas clusters).
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
@@ -661,6 +686,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
   split: float32 operands computed from bf16 pieces (see `_warp_producer_kernel`), or None.
     a_gmem and b_gmem then hold split.pieces bf16 pieces per batch entry (entry
     bi's piece i at bi * split.pieces + i).
+  peer: None, or one kernel of a K split over two devices (`Peer`): the tile space is
+    then m rows of a's 2 * m, the half at a_row0.
   """
   cfg = config
   dtype = a_gmem.dtype
@@ -699,6 +726,20 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
   a_transforms = _swizzle_transforms(a_block[1], dtype)
   b_transforms = _swizzle_transforms(b_block[1], dtype)
   out_transforms = _swizzle_transforms(epi_n, out_dtype)
+  # A K split over two devices (`Peer`): which half of a's rows this kernel computes,
+  # and where each output sub-tile goes: [(ref, row offset)].
+  a_row0, destinations = 0, lambda ref: [(ref, 0)]
+  if peer is not None:
+    me = lax.axis_index(peer.axis)
+    other = {peer.axis: 1 - me}
+    a_row0 = (1 - me if peer.send else me) * m
+
+    def destinations(ref):
+      if peer.send:
+        return [(plgpu.remote_ref(ref, other), 0)]
+      if peer.gather:
+        return [(ref, a_row0), (plgpu.remote_ref(ref, other), a_row0)]
+      return [(ref, 0)]
 
   def get_pipeline(body, compute_context, pipeline_state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -730,7 +771,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
     )
 
   def a_window(bi, mi, piece=0):  # rows [mi*bm, +bm) of batch bi (its piece), all K
-    ms = pl.ds(mi * bm, bm)
+    ms = pl.ds(a_row0 + mi * bm, bm)
     if split is not None:
       bi = bi * split.pieces + piece
     return a_gmem.at[bi, ms, :] if a_k_major else a_gmem.at[bi, :, ms]
@@ -750,9 +791,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
     # uses slot j % out_slots, after the store out_slots - 1 before it has read it.
     outs = [out_gmem] + ([] if pre_gmem is None else [pre_gmem])
 
-    def window(ref, i):  # sub-tile i of the tile, in a (batch, rows, cols) array
+    def window(ref, i, row_offset=0):  # sub-tile i of the tile, in a (batch, rows, cols)
       es_m, es_n = sub_tiles[i]
-      return ref.at[bi, pl.ds(row0 + es_m.start, epi_m), pl.ds(col0 + es_n.start, epi_n)]
+      rows = pl.ds(row_offset + row0 + es_m.start, epi_m)
+      return ref.at[bi, rows, pl.ds(col0 + es_n.start, epi_n)]
 
     def load_partial(i):  # the f32 sum of the tile's other K range, sub-tile i
       # optimized=False: Mosaic GPU vectorizes only shared-memory transfers.
@@ -821,7 +863,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
           plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
         out_smem[wg, slot] = value.astype(out_dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], window(ref, step))
+        dests = destinations(ref)
+        for d, (dst, row_offset) in enumerate(dests):
+          # One bulk group per slot (the ring's waits count groups), however many stores.
+          plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], window(dst, step, row_offset),
+                                  commit_group=d == len(dests) - 1)
 
   def tile_coords(bi, lin):  # (batch entry, m tile, n tile) of tile lin of entry bi
     mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters),
@@ -1202,10 +1248,11 @@ def _num_sms(config: Config, interpret: bool) -> int:
 def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
          transpose_b: bool, precision, out_dtype, config: Config,
          interpret: bool, bias=None, activation: str | None = None,
-         c_gate: str | None = None, keep_pre: bool = False):
+         c_gate: str | None = None, keep_pre: bool = False, peer: Peer | None = None):
   """act(alpha * op(a) @ op(b) + beta * c + bias) on Hopper (see the backend contract),
   or with c_gate: act'(c) * alpha * op(a) @ op(b) (C read as for beta * c). keep_pre:
-  returns (act(z), z), z the pre-activation, both stored by the epilogue.
+  returns (act(z), z), z the pre-activation, both stored by the epilogue. peer: one
+  kernel of `pair_gemm` (inside a shard_map / partitioned call over ``peer.axis``).
 
   a: (batch, M, K), or (batch, K, M) if transpose_a
   b: (batch_b, K, N), or (batch_b, N, K) if transpose_b; batch_b in {1, batch}
@@ -1238,8 +1285,18 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     raise ValueError("keep_pre needs an activation and no c_gate")
   if beta == 0.0 and c_gate is None:
     c = None  # BLAS semantics: C is not read when beta == 0.
-  if c is not None and c.shape != (batch, m, n):
-    raise ValueError(f"c.shape={c.shape}, expected {(batch, m, n)}")
+  rows = m  # the rows this kernel computes
+  if peer is not None:
+    if (why := pair_reason(m, n, k, dtype, out_dtype, interpret, config.num_sms)) is not None:
+      raise ValueError(f"peer={peer}: {why}")
+    if peer.send and (c is not None or bias is not None or activation is not None
+                      or keep_pre or out_dtype != jnp.float32):
+      raise ValueError("peer.send computes a bare f32 partial product")
+    if c_gate is not None or precision_split(precision, dtype):
+      raise ValueError("peer: no c_gate or FP32 split")
+    rows = m // 2
+  if c is not None and c.shape != (batch, rows, n):
+    raise ValueError(f"c.shape={c.shape}, expected {(batch, rows, n)}")
 
   # Operand layouts. 16-bit wgmma reads either major order from smem; 32-bit
   # (TF32) needs both operands K-major, so copy the one that is not. The FP32
@@ -1289,14 +1346,17 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
   # One CTA (or cluster of CTAs) per SM (or SM pair).
   num_ctas = _num_sms(config, interpret) // config.cluster_size
-  tiles = batch * -(-m // (bm * config.cluster_m)) * -(-n // (bn * config.cluster_n))
-  stream_k = stream_k_schedule(config, tiles, -(-k // bk), num_ctas, interpret)
+  tiles = batch * -(-rows // (bm * config.cluster_m)) * -(-n // (bn * config.cluster_n))
+  stream_k = None if peer else stream_k_schedule(config, tiles, -(-k // bk), num_ctas,
+                                                 interpret)
   kernel_body = functools.partial(
-      _kernel, config=config, m=m, n=n, k=k, batch=batch, a_k_major=a_k_major,
+      _kernel, config=config, m=rows, n=n, k=k, batch=batch, a_k_major=a_k_major,
       b_k_major=b_k_major, b_shared=b_shared,
       alpha=float(alpha), beta=float(beta), c_separate=c_separate,
       activation=activation, num_ctas=num_ctas, stream_k=stream_k, split=split,
-      c_gate=c_gate)
+      c_gate=c_gate, peer=peer)
+  if peer is not None and not peer.gather:
+    m_out = m = rows  # (pair_reason: no padding)
   out_type = (jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),) * (1 + keep_pre)
   if stream_k is not None:  # + the partial accumulators handed between CTAs
     out_type += (jax.ShapeDtypeStruct(
@@ -1311,6 +1371,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     pre_gmem = rest.pop(0) if keep_pre else None
     kernel_body(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem,
                 rest.pop(0) if stream_k is not None else None)
+    if peer is not None and peer.stores_remote:
+      _handshake(peer, config, num_ctas)
 
   body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
   operands = tuple(x for x in (a, b, c, bias) if x is not None)
@@ -1338,6 +1400,77 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if (m_out, n_out) != (m, n):
     outs = tuple(_unpad(out, m, n, interpret) for out in outs)
   return tuple(outs) if keep_pre else outs[0]
+
+
+def _handshake(peer: Peer, config: Config, num_ctas: int) -> None:
+  """The end of a kernel that stores into the other device (see `Peer`): each warpgroup
+  waits until its stores are written, adds 1 to its twin's semaphore on the other
+  device (one per CTA of the grid) and waits to take 1 from its own. A CTA's twins
+  signal as many times as it waits, so the semaphores end every call at 0."""
+  plgpu.wait_smem_to_gmem(0, wait_read_only=False)
+  cta = lax.axis_index("sm")
+  if config.cluster_size > 1:
+    cta = cta * config.cluster_size + lax.axis_index("cluster")
+  sems = pl.get_global(plgpu.SemaphoreType.REGULAR((num_ctas * config.cluster_size,)))
+  me = lax.axis_index(peer.axis)
+  plgpu.semaphore_signal(sems.at[cta], 1, device_id={peer.axis: 1 - me})
+  plgpu.semaphore_wait(sems.at[cta], 1)
+
+
+def precision_split(precision, dtype) -> bool:
+  return _precision.split_of(precision, jnp.dtype(dtype)) is not None
+
+
+def _pair_configs(m: int, n: int, k: int, dtype, out_dtype, num_sms) -> tuple[Config, Config]:
+  """The configs of `pair_gemm`'s two kernels: the shape defaults for one device's half
+  of the rows, with an f32 output (send) and an f32 C (finish)."""
+  send = default_config(m // 2, n, k, dtype, out_dtype=jnp.float32)
+  finish = default_config(m // 2, n, k, dtype, out_dtype=out_dtype, c_dtype=jnp.float32)
+  return send.replace(num_sms=num_sms), finish.replace(num_sms=num_sms)
+
+
+def pair_reason(m: int, n: int, k: int, dtype, out_dtype, interpret: bool,
+                num_sms: int | None = None) -> str | None:
+  """Why `pair_gemm` cannot run this local problem, or None. Kept to what needs no
+  padding and no stream-K: 16-bit operands, M, N, K multiples of 128, each device's
+  half of the rows a whole number of cluster tiles."""
+  if interpret:
+    return "the interpreter has no peer memory or global semaphores"
+  if jnp.dtype(dtype).itemsize != 2:
+    return f"needs 16-bit operands, got {jnp.dtype(dtype)}"
+  if m % 256 or n % 128 or k % 128:
+    return f"needs M a multiple of 256, N and K of 128, got {(m, n, k)}"
+  for cfg in _pair_configs(m, n, k, dtype, out_dtype, num_sms):
+    if (m // 2) % (cfg.block_m * cfg.cluster_m) or n < cfg.block_n:
+      return f"M/2={m // 2} rows are not whole tiles of {cfg}"
+  return None
+
+
+def pair_gemm(a, b, *, axis: str, gather: bool, alpha: float, transpose_a: bool,
+              transpose_b: bool, out_dtype, num_sms: int | None = None, bias=None,
+              activation: str | None = None, keep_pre: bool = False):
+  """act(alpha * op(a) @ op(b) + bias) with K split over the two devices of mesh axis
+  ``axis``, called on each device's K halves (inside shard_map or a partitioned call).
+
+  Two kernels, no collective: the first computes the other device's rows of this
+  device's partial product and stores them (f32) straight into the other device's
+  memory; the second computes this device's rows, adds the f32 partial it received
+  and finishes them (bias, activation, cast). The sum is f32, cast once, as for one
+  GEMM. gather: both devices end with all (batch, M, N) rows (the second kernel stores
+  each finished sub-tile into both outputs); else each has its (batch, M / 2, N) rows.
+  The stores to the peer overlap the kernels' main loops (TMA, no SMs of their own),
+  where NCCL's reduce-scatter and all-gather run after the GEMM.
+  """
+  m, k = (a.shape[2], a.shape[1]) if transpose_a else (a.shape[1], a.shape[2])
+  n = b.shape[1] if transpose_b else b.shape[2]
+  send, finish = _pair_configs(m, n, k, a.dtype, out_dtype, num_sms)
+  common = dict(alpha=alpha, transpose_a=transpose_a, transpose_b=transpose_b,
+                precision=None, interpret=False)
+  received = gemm(a, b, None, beta=0.0, out_dtype=jnp.float32, config=send,
+                  peer=Peer(axis, send=True), **common)
+  return gemm(a, b, received, beta=1.0, out_dtype=out_dtype, config=finish, bias=bias,
+              activation=activation, keep_pre=keep_pre,
+              peer=Peer(axis, send=False, gather=gather), **common)
 
 
 def _pieces(x: jax.Array, pieces: int) -> jax.Array:

@@ -46,6 +46,10 @@ from jax._src import config, core, dispatch
 from pallas_gemm import epilogue
 
 F32 = np.dtype(np.float32)
+# Whether a K split over two GPUs runs mosaic's pair kernels (`_pair_axis`). False: the
+# NCCL collectives of `_partition` instead (the benchmark times both). Read when a call is
+# partitioned, i.e. compiled.
+PAIR_KERNELS = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,9 +512,13 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   arg_shardings = [named(a_spec), named(b_spec)] + [named(a_spec)] * _has_aux(plan)
   arg_shardings += [named(out_spec)] * (plan.beta != 0.0) + [named((n,))] * plan.bias
 
+  pair = _pair_axis(plan, mesh, f, arg_shapes)
+
   def local(*args):
     if not k:
       return _kernel(plan, *args)
+    if pair is not None:
+      return _pair_kernel(plan, pair, not f["scatter"], *args)
     # K split over devices: f32 partial sums, cast only after the sum (as one GEMM
     # would), then beta*C (or the gate), the bias and the activation once. a's
     # prologue is elementwise: each device applies it to its own K shard.
@@ -542,6 +550,43 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   if plan.keep_pre:
     out_sharding = (out_sharding, out_sharding)
   return mesh, local, out_sharding, tuple(arg_shardings)
+
+
+def _pair_axis(plan: Plan, mesh, f: dict, arg_shapes) -> str | None:
+  """The mesh axis of a K split that mosaic's `pair_gemm` sums with no collective (two
+  devices exchange f32 partial rows over NVLink inside its kernels), or None for the
+  collectives of `_partition`. It needs: mosaic on a GPU, K split over one axis of two
+  devices, rows that the two devices split (reduce-scatter or gathered result), no C
+  (its C operand carries the received partial), and mosaic's own device numbering
+  (mesh device ids 0..n-1 in order)."""
+  from pallas_gemm import mosaic  # noqa: PLC0415 - imports Mosaic GPU only when used
+
+  k = f["k"]
+  if (not PAIR_KERNELS or plan.backend != "mosaic" or plan.interpret or len(k) != 1 or mesh.shape[k[0]] != 2
+      or plan.beta != 0.0 or plan.c_gate is not None
+      or not (f["scatter"] or f["gather"] or np.dtype(plan.out_dtype) == F32)
+      or not np.array_equal(np.ravel(mesh.device_ids), np.arange(mesh.size))):
+    return None
+  a, b = arg_shapes[0].shape, arg_shapes[1].shape
+  m, n, kk = _mnk(plan, a, b)
+  local = lambda size, axes: size // _size(mesh, axes)  # noqa: E731
+  why = mosaic.pair_reason(local(m, f["m"]), local(n, f["n"]), local(kk, k),
+                           arg_shapes[0].dtype, plan.out_dtype, plan.interpret,
+                           plan.config.num_sms)
+  return None if why else k[0]
+
+
+def _pair_kernel(plan: Plan, axis: str, gather: bool, *args):
+  """`_kernel` of a K split over the two devices of `axis`, by mosaic.pair_gemm."""
+  from pallas_gemm import mosaic  # noqa: PLC0415
+
+  a, b, _, bias, aux = _operands(plan, args)
+  if plan.a_activation is not None or plan.a_gate is not None:
+    a = _prologue(plan, a, aux)
+  return mosaic.pair_gemm(
+      a, b, axis=axis, gather=gather, alpha=plan.alpha, transpose_a=plan.transpose_a,
+      transpose_b=plan.transpose_b, out_dtype=plan.out_dtype, num_sms=plan.config.num_sms,
+      bias=bias, activation=plan.activation, keep_pre=plan.keep_pre)
 
 
 def _finish_pair(plan: Plan, acc, c, bias):

@@ -333,3 +333,32 @@ def test_sharded_mlp(layout, rng):
     assert relative_error(got, np.asarray(ref)) <= tol
   hlo = _hlo(jax.grad(loss, argnums=(0, 1, 2, 3)), *args)
   assert not GATHERS.search(hlo), GATHERS.search(hlo).group(0)
+
+
+@pytest.mark.parametrize("out_spec", [P(), P("x")])
+def test_gpu_k_split_over_two_gpus_exchanges_partials_in_the_kernels(out_spec, rng):
+  """mosaic's pair_gemm (a K split over two GPUs): each device stores the other's rows of
+  its f32 partial product into the other's memory from the kernel, so the compiled
+  program has no collective at all, replicated (P()) or by rows (P("x")). Three calls
+  with fresh inputs: a partial left over from an earlier call, or one read before the
+  peer wrote it, would show in the values."""
+  if not ON_GPU or len(jax.devices()) < 2:
+    pytest.skip(f"needs 2 GPUs; this process has {jax.devices()}")
+  if skip_reason("mosaic", jnp.bfloat16):
+    pytest.skip(skip_reason("mosaic", jnp.bfloat16))
+  mesh = _mesh()
+  m, n, k = 512, 384, 2048
+  f = jax.jit(lambda a, b, bias: gemm(a, b, bias=bias, activation="gelu", backend="mosaic"),
+              out_shardings=NamedSharding(mesh, out_spec))
+  for _ in range(3):
+    a, b = random(rng, (m, k), jnp.bfloat16), random(rng, (k, n), jnp.bfloat16)
+    bias = random(rng, (n,), np.float32)
+    args = (_put(a, mesh, P(None, "x")), _put(b, mesh, P("x", None)), _put(bias, mesh, P()))
+    out = f(*args)
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, out_spec), 2)
+    expected = reference(a, b, bias=bias, activation="gelu")
+    assert relative_error(out, expected) <= tolerance(jnp.bfloat16, None, k)
+  hlo = _hlo(f, *args)
+  found = [x.group(0) for x in (*GATHERS.finditer(hlo), *REDUCES.finditer(hlo))]
+  assert not found, found
+  assert hlo.count('custom_call_target="mosaic_gpu') == 2
