@@ -697,6 +697,41 @@ def probe_split_kernels(*sizes):
     print(f"-- {n}^3: {sum(by_name.values()):.3f} ms per call; fusions in the HLO: {fusions}")
     for kernel, ms in sorted(by_name.items(), key=lambda kv: -kv[1]):
       print(f"   {ms:7.3f} ms  {kernel[:110]}", flush=True)
+    if os.environ.get("OUT"):
+      pathlib.Path(os.environ["OUT"], f"split_{n}.hlo.txt").write_text(compiled.as_text())
+  _split_formulations()
+
+
+def _split_formulations(n: int = 4096):
+  """Ways to write the pieces pass alone (XLA, no kernel), for a K-major operand and for
+  one transposed on the way: how many fusions XLA makes of each, and their CUPTI time."""
+  from pallas_gemm import precision as precisions  # noqa: PLC0415
+
+  def stacked(x, axis):
+    return jnp.stack(precisions.split(x, 3), axis=axis).reshape(-1, *x.shape[1:])
+
+  def selected(x):  # one elementwise expression over (batch, pieces, rows, cols)
+    parts = precisions.split(x, 3)
+    which = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 3) + x.shape[1:], 1)
+    out = jnp.broadcast_to(parts[2][:, None], which.shape)
+    for i in (1, 0):
+      out = jnp.where(which == i, parts[i][:, None], out)
+    return out.reshape(-1, *x.shape[1:])
+
+  def per_piece(x):  # three outputs, no stacking: a kernel could take three operands
+    return tuple(precisions.split(x, 3))
+
+  forms = {"stack axis 1 (now)": lambda x: stacked(x, 1), "stack axis 0": lambda x: stacked(x, 0),
+           "select": selected, "three arrays": per_piece}
+  x = jax.random.normal(jax.random.key(5), (1, n, n), jnp.float32)
+  print(f"-- the pieces pass alone, f32 (1, {n}, {n}) -> 3 bf16 pieces (64 MB in, 96 MB out)")
+  for label, form in forms.items():
+    for layout, fn in (("K-major", form), ("transposed", lambda x, form=form: form(
+        jnp.swapaxes(x, 1, 2)))):
+      compiled = jax.jit(fn).lower(x).compile()
+      fusions = re.findall(r"^\s*%\S+ = \S+ fusion\(", compiled.as_text(), re.M)
+      ms = _ms(fn, [(x,)])
+      print(f"   {label:20s} {layout:10s} {len(fusions)} fusions  {ms:7.3f} ms", flush=True)
 
 
 def probe_step_kernels(top: int = 14):

@@ -656,11 +656,11 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
     wg_block_m, wg_block_n) f32: per warpgroup, the sum it hands over for a tile that
     another CTA finishes.
   split: float32 operands computed from bf16 pieces (see `_warp_producer_kernel`), or None.
-    a_gmem and b_gmem then hold split.pieces bf16 pieces per batch entry (entry
-    bi's piece i at bi * split.pieces + i).
+    a_gmem and b_gmem are then tuples of split.pieces bf16 arrays, the operand's pieces
+    (largest first), each shaped as above.
   """
   cfg = config
-  dtype = a_gmem.dtype
+  dtype = (a_gmem if split is None else a_gmem[0]).dtype
   out_dtype = out_gmem.dtype
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
@@ -728,16 +728,14 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
 
   def a_window(bi, mi, piece=0):  # rows [mi*bm, +bm) of batch bi (its piece), all K
     ms = pl.ds(mi * bm, bm)
-    if split is not None:
-      bi = bi * split.pieces + piece
-    return a_gmem.at[bi, ms, :] if a_k_major else a_gmem.at[bi, :, ms]
+    a = a_gmem if split is None else a_gmem[piece]
+    return a.at[bi, ms, :] if a_k_major else a.at[bi, :, ms]
 
   def b_window(bi, ni, piece=0):  # columns [ni*bn, +bn) of batch bi (its piece), all K
     bb = 0 if b_shared else bi
-    if split is not None:
-      bb = bb * split.pieces + piece
+    b = b_gmem if split is None else b_gmem[piece]
     ns = pl.ds(ni * bn, bn)
-    return b_gmem.at[bb, ns, :] if b_k_major else b_gmem.at[bb, :, ns]
+    return b.at[bb, ns, :] if b_k_major else b.at[bb, :, ns]
 
   def _epilogue(acc, bi, row0, col0, wg, out_smem, c_smem, c_barrier, partial=None):
     # Wait until this warpgroup's previous tile stores no longer read smem.
@@ -1255,7 +1253,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if split is not None:
     # One XLA pass splits each f32 operand into its bf16 pieces, stacked per batch
     # entry, and the kernel loads every piece tile by TMA (see the module docstring).
-    a, b = (_pieces(x, split.pieces) for x in (a, b))
+    a, b = (_precision.split(x, split.pieces) for x in (a, b))
     tile_dtype = jnp.dtype(jnp.bfloat16)
 
   if c is not None:
@@ -1274,8 +1272,11 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   a_minor, b_minor = (bk if a_k_major else bm), (bk if b_k_major else bn)
-  a = _pad_for_tma(a, _tma_tile(a_minor, tile_dtype), a_minor)
-  b = _pad_for_tma(b, _tma_tile(b_minor, tile_dtype), b_minor)
+  pad = lambda x, tile, minor: (  # noqa: E731 - the operand, or each of its pieces
+      _pad_for_tma(x, tile, minor) if split is None
+      else [_pad_for_tma(p, tile, minor) for p in x])
+  a = pad(a, _tma_tile(a_minor, tile_dtype), a_minor)
+  b = pad(b, _tma_tile(b_minor, tile_dtype), b_minor)
   if c is not None:
     c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype), bn)
   m_out, n_out = _tma_padded_shape(
@@ -1300,8 +1301,12 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
         (num_ctas * config.cluster_size * config.num_compute_wgs, config.wg_block_m,
          config.wg_block_n), jnp.float32),)
 
-  def body(*refs):  # a, b[, c][, bias], out[, pre][, partials]
-    a_gmem, b_gmem, *rest = refs
+  def body(*refs):  # a, b (or their pieces)[, c][, bias], out[, pre][, partials]
+    if split is None:
+      a_gmem, b_gmem, *rest = refs
+    else:
+      a_gmem, b_gmem = refs[:split.pieces], refs[split.pieces:2 * split.pieces]
+      rest = list(refs[2 * split.pieces:])
     c_gmem = rest.pop(0) if c is not None else None
     bias_gmem = rest.pop(0) if bias is not None else None
     out_gmem = rest.pop(0)
@@ -1310,7 +1315,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
                 rest.pop(0) if stream_k is not None else None)
 
   body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
-  operands = tuple(x for x in (a, b, c, bias) if x is not None)
+  ab = (a, b) if split is None else (*a, *b)
+  operands = tuple(x for x in (*ab, c, bias) if x is not None)
 
   cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
              if config.cluster_size > 1 else {})
@@ -1335,13 +1341,6 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if (m_out, n_out) != (m, n):
     outs = tuple(_unpad(out, m, n, interpret) for out in outs)
   return tuple(outs) if keep_pre else outs[0]
-
-
-def _pieces(x: jax.Array, pieces: int) -> jax.Array:
-  """(batch, rows, cols) float32 -> (batch * pieces, rows, cols) bf16: entry i's pieces
-  (`precision.split`, largest first) at i * pieces, ...; elementwise, so XLA fuses it
-  with a transpose before it and the TMA padding after it where it can."""
-  return jnp.stack(_precision.split(x, pieces), axis=1).reshape(-1, *x.shape[1:])
 
 
 def _approx_epilogue(activation, c_gate, out_dtype) -> bool:
