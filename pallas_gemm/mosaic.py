@@ -684,13 +684,13 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
     wg_block_m, wg_block_n) f32: per warpgroup, the sum it hands over for a tile that
     another CTA finishes.
   split: float32 operands computed from bf16 pieces (see `_warp_producer_kernel`), or None.
-    a_gmem and b_gmem then hold split.pieces bf16 pieces per batch entry (entry
-    bi's piece i at bi * split.pieces + i).
+    a_gmem and b_gmem are then tuples of split.pieces bf16 arrays, the operand's pieces
+    (largest first), each shaped as above.
   peer: None, or one kernel of a K split over two devices (`Peer`): the tile space is
     then m rows of a's 2 * m, the half at a_row0.
   """
   cfg = config
-  dtype = a_gmem.dtype
+  dtype = (a_gmem if split is None else a_gmem[0]).dtype
   out_dtype = out_gmem.dtype
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
@@ -728,7 +728,7 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
   out_transforms = _swizzle_transforms(epi_n, out_dtype)
   # A K split over two devices (`Peer`): which half of a's rows this kernel computes,
   # and where each output sub-tile goes: [(ref, row offset)].
-  a_row0, destinations = 0, lambda ref: [(ref, 0)]
+  a_row0, destinations = 0, lambda ref: [(ref, None)]
   if peer is not None:
     me = lax.axis_index(peer.axis)
     other = {peer.axis: 1 - me}
@@ -736,10 +736,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
 
     def destinations(ref):
       if peer.send:
-        return [(plgpu.remote_ref(ref, other), 0)]
+        return [(plgpu.remote_ref(ref, other), None)]
       if peer.gather:
         return [(ref, a_row0), (plgpu.remote_ref(ref, other), a_row0)]
-      return [(ref, 0)]
+      return [(ref, None)]
 
   def get_pipeline(body, compute_context, pipeline_state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -771,17 +771,15 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
     )
 
   def a_window(bi, mi, piece=0):  # rows [mi*bm, +bm) of batch bi (its piece), all K
-    ms = pl.ds(a_row0 + mi * bm, bm)
-    if split is not None:
-      bi = bi * split.pieces + piece
-    return a_gmem.at[bi, ms, :] if a_k_major else a_gmem.at[bi, :, ms]
+    ms = pl.ds(mi * bm if peer is None else a_row0 + mi * bm, bm)
+    a = a_gmem if split is None else a_gmem[piece]
+    return a.at[bi, ms, :] if a_k_major else a.at[bi, :, ms]
 
   def b_window(bi, ni, piece=0):  # columns [ni*bn, +bn) of batch bi (its piece), all K
     bb = 0 if b_shared else bi
-    if split is not None:
-      bb = bb * split.pieces + piece
+    b = b_gmem if split is None else b_gmem[piece]
     ns = pl.ds(ni * bn, bn)
-    return b_gmem.at[bb, ns, :] if b_k_major else b_gmem.at[bb, :, ns]
+    return b.at[bb, ns, :] if b_k_major else b.at[bb, :, ns]
 
   def _epilogue(acc, bi, row0, col0, wg, out_smem, c_smem, c_barrier, partial=None):
     # Wait until this warpgroup's previous tile stores no longer read smem.
@@ -791,9 +789,10 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
     # uses slot j % out_slots, after the store out_slots - 1 before it has read it.
     outs = [out_gmem] + ([] if pre_gmem is None else [pre_gmem])
 
-    def window(ref, i, row_offset=0):  # sub-tile i of the tile, in a (batch, rows, cols)
+    def window(ref, i, row_offset=None):  # sub-tile i of the tile, in a (batch, rows, cols)
       es_m, es_n = sub_tiles[i]
-      rows = pl.ds(row_offset + row0 + es_m.start, epi_m)
+      start = row0 + es_m.start
+      rows = pl.ds(start if row_offset is None else row_offset + start, epi_m)
       return ref.at[bi, rows, pl.ds(col0 + es_n.start, epi_n)]
 
     def load_partial(i):  # the f32 sum of the tile's other K range, sub-tile i
@@ -1315,7 +1314,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if split is not None:
     # One XLA pass splits each f32 operand into its bf16 pieces, stacked per batch
     # entry, and the kernel loads every piece tile by TMA (see the module docstring).
-    a, b = (_pieces(x, split.pieces) for x in (a, b))
+    a, b = (_precision.split(x, split.pieces) for x in (a, b))
     tile_dtype = jnp.dtype(jnp.bfloat16)
 
   if c is not None:
@@ -1334,8 +1333,11 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   a_minor, b_minor = (bk if a_k_major else bm), (bk if b_k_major else bn)
-  a = _pad_for_tma(a, _tma_tile(a_minor, tile_dtype), a_minor)
-  b = _pad_for_tma(b, _tma_tile(b_minor, tile_dtype), b_minor)
+  pad = lambda x, tile, minor: (  # noqa: E731 - the operand, or each of its pieces
+      _pad_for_tma(x, tile, minor) if split is None
+      else [_pad_for_tma(p, tile, minor) for p in x])
+  a = pad(a, _tma_tile(a_minor, tile_dtype), a_minor)
+  b = pad(b, _tma_tile(b_minor, tile_dtype), b_minor)
   if c is not None:
     c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype), bn)
   m_out, n_out = _tma_padded_shape(
@@ -1363,8 +1365,12 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
         (num_ctas * config.cluster_size * config.num_compute_wgs, config.wg_block_m,
          config.wg_block_n), jnp.float32),)
 
-  def body(*refs):  # a, b[, c][, bias], out[, pre][, partials]
-    a_gmem, b_gmem, *rest = refs
+  def body(*refs):  # a, b (or their pieces)[, c][, bias], out[, pre][, partials]
+    if split is None:
+      a_gmem, b_gmem, *rest = refs
+    else:
+      a_gmem, b_gmem = refs[:split.pieces], refs[split.pieces:2 * split.pieces]
+      rest = list(refs[2 * split.pieces:])
     c_gmem = rest.pop(0) if c is not None else None
     bias_gmem = rest.pop(0) if bias is not None else None
     out_gmem = rest.pop(0)
@@ -1375,7 +1381,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       _handshake(peer, config, num_ctas)
 
   body.__name__ = "pallas_gemm_mosaic"  # kernel name in profiles
-  operands = tuple(x for x in (a, b, c, bias) if x is not None)
+  ab = (a, b) if split is None else (*a, *b)
+  operands = tuple(x for x in (*ab, c, bias) if x is not None)
 
   cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
              if config.cluster_size > 1 else {})
@@ -1471,13 +1478,6 @@ def pair_gemm(a, b, *, axis: str, gather: bool, alpha: float, transpose_a: bool,
   return gemm(a, b, received, beta=1.0, out_dtype=out_dtype, config=finish, bias=bias,
               activation=activation, keep_pre=keep_pre,
               peer=Peer(axis, send=False, gather=gather), **common)
-
-
-def _pieces(x: jax.Array, pieces: int) -> jax.Array:
-  """(batch, rows, cols) float32 -> (batch * pieces, rows, cols) bf16: entry i's pieces
-  (`precision.split`, largest first) at i * pieces, ...; elementwise, so XLA fuses it
-  with a transpose before it and the TMA padding after it where it can."""
-  return jnp.stack(_precision.split(x, pieces), axis=1).reshape(-1, *x.shape[1:])
 
 
 def _approx_epilogue(activation, c_gate, out_dtype) -> bool:

@@ -155,7 +155,8 @@ def split_of(precision, dtype) -> Split | None:
 def split(x: jax.Array, pieces: int) -> list[jax.Array]:
   """x (float32) as `pieces` bf16 arrays, largest first (round-to-nearest splits).
 
-  Runs in XLA before the kernel (`mosaic._pieces`). Every piece but the last
+  Runs in XLA before the kernel (`mosaic.gemm`: one fusion with three outputs, the
+  kernel's operands; stacked into one array they took a second pass). Every piece but the last
   is rounded from its remainder clamped to bf16's largest finite value: the first so
   that it never overflows where x is finite, the others so that an infinite x leaves
   infinite remainders (inf - max = inf) rather than inf - inf = NaN. The remainders
