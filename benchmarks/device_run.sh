@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [sharded] [mlp] [precision] [example] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
+#   bash benchmarks/device_run.sh [build] [test] [sanitize] [pair] [sharded] [mlp] [precision] [example] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
 #                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
 #   [dense] [step_kernels] [step_gemms] [step_tiles] [split_kernels] [gate] [ksplit]
 # (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
@@ -42,9 +42,15 @@ if has sanitize; then
   done
 fi
 
+if has pair; then
+  log "K split over 2 GPUs: the pair kernels' tests (mosaic.pair_gemm, and the NCCL path's)"
+  timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --timeout 240 tests/test_sharding.py \
+      -k "exchanges or k_sharded" 2>&1 | tee "$OUT/pair_tests.log" | tail -15
+fi
+
 if has sharded; then
   log "gemm vs jnp.dot under jit shardings over $(nvidia-smi -L | wc -l) GPUs"
-  timeout 500 python3 -m benchmarks --sharded --out "$OUT/sharded" 2>&1 | tee "$OUT/sharded.log"
+  timeout 500 python3 -m benchmarks --sharded --out "$OUT/sharded" ${SHARDED_ARGS:-} 2>&1 | tee "$OUT/sharded.log"
 fi
 
 if has mlp; then
