@@ -4,7 +4,7 @@
                                            the seeds' textbook kernel, jnp.dot HIGHEST
   python3 benchmarks/probe.py ragged [N]   where the time of a ragged (N+1)^3 bf16 mosaic GEMM
                                            goes: the padding copies vs the kernel
-  python3 benchmarks/probe.py mosaic [N..]  mosaic configs (tiles, clusters, tile order) vs
+  python3 benchmarks/probe.py mosaic [N|MxNxK ..]  mosaic configs (tiles, clusters, tile order) vs
                                            jnp.dot and JAX's hopper_matmul_mgpu at its best,
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
   python3 benchmarks/probe.py ab [N..]     mosaic variants (module switches) vs jnp.dot,
@@ -134,7 +134,8 @@ def _hopper_best(n, inputs):
 
 def _mosaic(a, b, config=None, *, transpose_b=False, c=None, c_gate=None):
   """mosaic.gemm itself, without gemm()'s per-plan caches (+ c, or c as a gate)."""
-  config = config or mosaic.default_config(*a.shape, b.shape[0 if transpose_b else 1], a.dtype)
+  m, k = a.shape
+  config = config or mosaic.default_config(m, b.shape[0 if transpose_b else 1], k, a.dtype)
   return mosaic.gemm(a[None], b[None], None if c is None else c[None], alpha=1.0,
                      beta=0.0 if c is None else 1.0, transpose_a=False,
                      transpose_b=transpose_b, precision=None, out_dtype=a.dtype,
@@ -152,8 +153,8 @@ def _cuda(a, b, config, transpose_a=False, transpose_b=False):
 def probe_mosaic(*sizes):
   """Mosaic configs vs jnp.dot (and hopper_matmul_mgpu on aligned shapes).
 
-  sizes: bf16 N^3 problems to run; none: bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3,
-  then the un-padding copies.
+  sizes: bf16 problems to run, N (N^3) or MxNxK; none: bf16 4096^3 / 8192^3, f16 8192^3,
+  bf16 4097^3, then the un-padding copies.
   """
   Cfg = mosaic.Config
   tall = dict(block_m=256, block_n=128, wg_split="m")
@@ -161,32 +162,39 @@ def probe_mosaic(*sizes):
       "default": None,
       "256x128 cluster_n2 wait1": Cfg(**tall, cluster_n=2, wgmma_wait=1),
       "256x128 cluster_n2 warpgroup producer": Cfg(**tall, cluster_n=2, producer="warpgroup"),
+      "256x128 cluster_n2 grid m": Cfg(**tall, cluster_n=2, grid_minor_dim="m"),
+      "256x128 cluster_n2 width 4": Cfg(**tall, cluster_n=2, grid_tile_width=4),
+      "256x128 cluster_n2 width 16": Cfg(**tall, cluster_n=2, grid_tile_width=16),
       "128x256": Cfg(block_m=128, block_n=256, wg_split="n"),
       "128x256 cluster_m2": Cfg(block_m=128, block_n=256, cluster_m=2),
       "256x128": Cfg(**tall),
       "256x192 s3": Cfg(block_m=256, block_n=192, wg_split="m", stages=3),
   }
-  cases = ([(n, jnp.bfloat16) for n in sizes] if sizes else
-           [(4096, jnp.bfloat16), (8192, jnp.bfloat16), (8192, jnp.float16), (4097, jnp.bfloat16)])
-  for r, dtype in cases:
-    inputs = _inputs((r, r), (r, r), dtype)
+  shape = lambda s: tuple(map(int, s.split("x"))) if "x" in str(s) else (int(s),) * 3  # noqa: E731
+  cases = ([(shape(s), jnp.bfloat16) for s in sizes] if sizes else
+           [((n,) * 3, dt) for n, dt in ((4096, jnp.bfloat16), (8192, jnp.bfloat16),
+                                        (8192, jnp.float16), (4097, jnp.bfloat16))])
+  for (m, n, k), dtype in cases:
+    inputs = _inputs((m, k), (k, n), dtype)
     ref = jnp.dot(*inputs[0], preferred_element_type=jnp.float32)
-    tflops = lambda ms: 2 * r**3 / (ms * 1e-3) / 1e12
+    tflops = lambda ms: 2 * m * n * k / (ms * 1e-3) / 1e12  # noqa: E731
     dot = tflops(_ms(jnp.dot, inputs))
-    line = f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {r}^3 {jnp.dtype(dtype).name}: jnp.dot {dot:.1f}"
-    if r % 256 == 0:
-      hop_ms, hop_cfg = _hopper_best(r, inputs)
+    line = (f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {m}x{n}x{k} "
+            f"{jnp.dtype(dtype).name}: jnp.dot {dot:.1f}")
+    if m == n == k and m % 256 == 0:
+      hop_ms, hop_cfg = _hopper_best(m, inputs)
       line += f", hopper_matmul_mgpu best {tflops(hop_ms):.1f} ({hop_cfg})"
     print(line, flush=True)
     for name, cfg in configs.items():
-      fn = lambda a, b, cfg=cfg: _mosaic(a, b, cfg)
+      cfg = cfg or mosaic.default_config(m, n, k, dtype)
+      fn = lambda a, b, cfg=cfg: _mosaic(a, b, cfg)  # noqa: E731
       try:
         err = relative_error(fn(*inputs[0]), ref)
         t = tflops(_ms(fn, inputs))
       except Exception as e:  # noqa: BLE001 - report and go on
-        print(f"  {name:30s} failed: {type(e).__name__} {str(e)[:150]}", flush=True)
+        print(f"  {name:38s} failed: {type(e).__name__} {str(e)[:150]}", flush=True)
         continue
-      print(f"  {name:30s} {t:6.1f} TFLOP/s  {t / dot:.3f}x jnp.dot  relerr {err:.1e}", flush=True)
+      print(f"  {name:38s} {t:6.1f} TFLOP/s  {t / dot:.3f}x jnp.dot  relerr {err:.1e}", flush=True)
   if sizes:
     return
   # Dropping the padding of a misaligned output, (4104, 4160) -> (4097, 4097), which
