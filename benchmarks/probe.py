@@ -858,4 +858,4 @@ if __name__ == "__main__":
   elif what == "once":
     probe_once(rest[0], *(int(x) for x in rest[1:]))
   else:
-    probes[what](*(int(x) for x in rest))
+    probes[what](*(x if "x" in x else int(x) for x in rest))
