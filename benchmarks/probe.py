@@ -7,7 +7,7 @@
   python3 benchmarks/probe.py mosaic [N|MxNxK ..]  mosaic configs (tiles, clusters, tile order) vs
                                            jnp.dot and JAX's hopper_matmul_mgpu at its best,
                                            bf16 4096^3 / 8192^3, f16 8192^3, bf16 4097^3
-  python3 benchmarks/probe.py ab [N..]     mosaic variants (module switches) vs jnp.dot,
+  python3 benchmarks/probe.py ab [N|MxNxK ..]  mosaic variants (module switches) vs jnp.dot,
                                            called in turn (ratios to the adjacent jnp.dot call)
   python3 benchmarks/probe.py power [N]    SM clock and board power while jnp.dot / mosaic /
                                            triton run back to back (bf16 N^3, nvidia-smi)
@@ -216,25 +216,29 @@ def probe_ab(*sizes, iterations: int = 200):
   runs of 20-30 calls disagree by several percent. Here every iteration calls jnp.dot
   and each variant back to back (one CUPTI capture, the order rotated per iteration),
   each variant's time is compared with the jnp.dot call of its iteration, and the median
-  and 10th/90th percentiles of those ratios are reported. sizes: bf16 N^3 (default 4096 8192), then f16 8192^3.
+  and 10th/90th percentiles of those ratios are reported. sizes: bf16 N^3 or MxNxK
+  (default 4096 8192), then f16 8192^3.
   """
   variants = {  # name: fields replaced in the shape's default config
       "default (warp producer)": {},
       "warpgroup producer": {"producer": "warpgroup"},
       "wgmma_wait=1": {"wgmma_wait": 1},
+      "grid_tile_width=4": {"grid_tile_width": 4},
+      "grid_tile_width=16": {"grid_tile_width": 16},
   }
-  cases = [(n, jnp.bfloat16) for n in (sizes or (4096, 8192))] + [(8192, jnp.float16)]
-  for r, dtype in cases:
-    inputs = _inputs((r, r), (r, r), dtype)
+  shape = lambda s: tuple(map(int, s.split("x"))) if "x" in str(s) else (int(s),) * 3  # noqa: E731
+  cases = [(shape(s), jnp.bfloat16) for s in (sizes or (4096, 8192))] + [((8192,) * 3, jnp.float16)]
+  for (m, n, k), dtype in cases:
+    inputs = _inputs((m, k), (k, n), dtype)
     ref = jnp.dot(*(x.astype(jnp.float32) for x in inputs[0]), precision=HIGHEST)
     fns = {"jnp.dot": jax.jit(jnp.dot)}
     for name, fields in variants.items():
-      cfg = mosaic.default_config(r, r, r, dtype).replace(**fields)
+      cfg = mosaic.default_config(m, n, k, dtype).replace(**fields)
       fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
       err = relative_error(fns[name](*inputs[0]), ref)
       print(f"  {name}: relerr {err:.1e} vs float32 HIGHEST", flush=True)
-    _report_ratios(f"{r}^3 {jnp.dtype(dtype).name}, {iterations} interleaved iterations",
-                   _interleaved_ms(fns, inputs, iterations), 2 * r**3)
+    _report_ratios(f"{m}x{n}x{k} {jnp.dtype(dtype).name}, {iterations} interleaved iterations",
+                   _interleaved_ms(fns, inputs, iterations), 2 * m * n * k)
 
 
 def _report_ratios(case: str, ms, flops: float, notes=None):
