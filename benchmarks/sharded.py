@@ -4,10 +4,13 @@
 
 For each case (dtype, shape, backend) and layout (a sharded on M; b on N; a batch of two
 GEMMs sharded on the batch; both on K), it times jnp.dot and gemm with the same inputs,
-the same backend on one device, and lists the collectives in each compiled HLO. Timing is
-wall clock over back-to-back jitted calls (collectives included; CUPTI would time one
-device's kernels only), median of `REPS` runs of `CALLS` calls. On one device it says so
-and exits 0. --quick runs small shapes (what CI and a CPU can do in seconds).
+the same backend on one device, and lists the collectives in each compiled HLO. With K
+split over two devices, mosaic is timed twice: with its pair kernels (the default) and
+with NCCL's collectives ("mosaic/nccl", `op.PAIR_KERNELS = False`). Timing is wall clock
+over back-to-back jitted calls (collectives included; CUPTI would time one device's
+kernels only), median of `REPS` runs of `CALLS` calls, the variants of a layout timed in
+turns (`timing.interleaved_ms`: a drifting clock reaches all alike). On one device it
+says so and exits 0. --quick runs small shapes (what CI and a CPU can do in seconds).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import pallas_gemm
 from pallas_gemm import op
 from pallas_gemm.reference import relative_error, tolerance
-from benchmarks.timing import pipelined_ms
+from benchmarks.timing import interleaved_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
@@ -86,7 +89,7 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
       fns[name] = jax.jit(lambda a, b, p=precision, name=name: pallas_gemm.gemm(
           a, b, precision=p, backend=name))
     a1, b1 = _inputs("one", dtype, m, n, k, mesh)
-    single = {name: pipelined_ms(f, a1, b1, calls=CALLS, reps=REPS) for name, f in fns.items()}
+    single = interleaved_ms(fns, a1, b1, calls=CALLS, reps=REPS)
     ref = fns["jnp.dot"](a1, b1)
     del a1, b1
     for layout in layouts:
@@ -101,8 +104,9 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
               a, b, precision=p, backend="mosaic")).lower(a, b).compile()
         finally:
           op.PAIR_KERNELS = True
+      timed = interleaved_ms(variants, a, b, calls=CALLS, reps=REPS)
       for name, f in variants.items():
-        ms = pipelined_ms(f, a, b, calls=CALLS, reps=REPS)
+        ms = timed[name]
         dot_ms = dot_ms or ms
         out = f(a, b)
         # Against jnp.dot in the same layout (the float64 reference of a 16384^3 product
@@ -124,7 +128,7 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
   if out_dir is not None:
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = dict(device=devices[0].device_kind, devices=len(devices), jax=jax.__version__,
-                timer=f"wall clock, median of {REPS} x {CALLS} pipelined calls")
+                timer=f"wall clock, median of {REPS} x {CALLS} pipelined calls, in turns")
     (out_dir / "sharded.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
   return rows
 
