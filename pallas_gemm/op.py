@@ -21,7 +21,8 @@ Every rule JAX needs lives here, so "what happens under jit with shardings" is o
   (Shardy, jax's default) runs the local GEMM on each device's shard instead of gathering
   the operands onto every device (`_partition` states the plan: batch/M/N-sharded -> no
   collective; K-sharded -> f32 partial sums, one all-reduce (or a reduce-scatter, then
-  beta*C and the cast on each device's rows, then a 16-bit all-gather)).
+  beta*C and the cast on each device's rows, then a 16-bit all-gather); on mosaic with K
+  over two GPUs, no collective: its pair kernels exchange the f32 rows themselves).
   On one device, or inside `shard_map` (all axes manual), it is the plain kernel call.
 """
 
