@@ -1291,7 +1291,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     if peer.send and (c is not None or bias is not None or activation is not None
                       or keep_pre or out_dtype != jnp.float32):
       raise ValueError("peer.send computes a bare f32 partial product")
-    if c_gate is not None or precision_split(precision, dtype):
+    if c_gate is not None or _precision.split_of(precision, dtype) is not None:
       raise ValueError("peer: no c_gate or FP32 split")
     rows = m // 2
   if c is not None and c.shape != (batch, rows, n):
@@ -1422,10 +1422,6 @@ def _handshake(peer: Peer, config: Config, num_ctas: int) -> None:
   me = lax.axis_index(peer.axis)
   plgpu.semaphore_signal(sems.at[cta], 1, device_id={peer.axis: 1 - me})
   plgpu.semaphore_wait(sems.at[cta], 1)
-
-
-def precision_split(precision, dtype) -> bool:
-  return _precision.split_of(precision, jnp.dtype(dtype)) is not None
 
 
 def _pair_configs(m: int, n: int, k: int, dtype, out_dtype, num_sms) -> tuple[Config, Config]:
