@@ -347,6 +347,19 @@ def test_sharded_mlp(layout, rng):
   assert not _gathered_operands(hlo)
 
 
+def _two_gpus():
+  """The mesh of the pair-kernel tests: they need two real GPUs (peer memory)."""
+  if not ON_GPU or len(jax.devices()) < 2:
+    pytest.skip(f"needs 2 GPUs; this process has {jax.devices()}")
+  if skip_reason("mosaic", jnp.bfloat16):
+    pytest.skip(skip_reason("mosaic", jnp.bfloat16))
+  return _mesh()
+
+
+def _collectives(hlo: str) -> list[str]:
+  return [x.group(0) for x in (*GATHERS.finditer(hlo), *REDUCES.finditer(hlo))]
+
+
 @pytest.mark.parametrize("out_spec", [P(), P("x")])
 def test_gpu_k_split_over_two_gpus_exchanges_partials_in_the_kernels(out_spec, rng):
   """mosaic's pair_gemm (a K split over two GPUs): each device stores the other's rows of
@@ -354,11 +367,7 @@ def test_gpu_k_split_over_two_gpus_exchanges_partials_in_the_kernels(out_spec, r
   program has no collective at all, replicated (P()) or by rows (P("x")). Three calls
   with fresh inputs: a partial left over from an earlier call, or one read before the
   peer wrote it, would show in the values."""
-  if not ON_GPU or len(jax.devices()) < 2:
-    pytest.skip(f"needs 2 GPUs; this process has {jax.devices()}")
-  if skip_reason("mosaic", jnp.bfloat16):
-    pytest.skip(skip_reason("mosaic", jnp.bfloat16))
-  mesh = _mesh()
+  mesh = _two_gpus()
   m, n, k = 512, 384, 2048
   f = jax.jit(lambda a, b, bias: gemm(a, b, bias=bias, activation="gelu", backend="mosaic"),
               out_shardings=NamedSharding(mesh, out_spec))
@@ -371,8 +380,7 @@ def test_gpu_k_split_over_two_gpus_exchanges_partials_in_the_kernels(out_spec, r
     expected = reference(a, b, bias=bias, activation="gelu")
     assert relative_error(out, expected) <= tolerance(jnp.bfloat16, None, k)
   hlo = _hlo(f, *args)
-  found = [x.group(0) for x in (*GATHERS.finditer(hlo), *REDUCES.finditer(hlo))]
-  assert not found, found
+  assert not _collectives(hlo), _collectives(hlo)
   assert hlo.count('custom_call_target="mosaic_gpu') == 2
 
 
@@ -380,11 +388,7 @@ def test_gpu_data_parallel_weight_gradient_runs_on_the_pair_kernels(rng):
   """Rows of x sharded over two GPUs: the weight gradient x^T @ g contracts over the
   sharded rows, a K split with a transposed a, summed by the pair kernels; the input
   gradient is local. The whole backward pass compiles to no collective at all."""
-  if not ON_GPU or len(jax.devices()) < 2:
-    pytest.skip(f"needs 2 GPUs; this process has {jax.devices()}")
-  if skip_reason("mosaic", jnp.bfloat16):
-    pytest.skip(skip_reason("mosaic", jnp.bfloat16))
-  mesh = _mesh()
+  mesh = _two_gpus()
   m, k, n = 1024, 512, 384
   x, w, cot = (random(rng, s, jnp.bfloat16) for s in ((m, k), (k, n), (m, n)))
   loss = lambda x, w, cot: jnp.sum(gemm(x, w, backend="mosaic").astype(np.float32)
@@ -396,5 +400,4 @@ def test_gpu_data_parallel_weight_gradient_runs_on_the_pair_kernels(rng):
   assert relative_error(dx, c64 @ w.astype(np.float64).T) <= tolerance(jnp.bfloat16, None, n)
   assert relative_error(dw, x.astype(np.float64).T @ c64) <= tolerance(jnp.bfloat16, None, m)
   hlo = _hlo(jax.grad(loss, argnums=(0, 1)), *args)
-  found = [x.group(0) for x in (*GATHERS.finditer(hlo), *REDUCES.finditer(hlo))]
-  assert not found, found
+  assert not _collectives(hlo), _collectives(hlo)
