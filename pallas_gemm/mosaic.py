@@ -629,6 +629,14 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
 # ----------------------------------------------------------------------------
 
 
+def _swizzle_minor(config: Config, block, k_major: bool, split) -> int:
+  """The minor size that picks a smem tile's swizzle: its last dim, except for an FP32
+  split's MN-major operand. Its bf16 pieces keep the operand's stored layout (no XLA
+  transpose before the split) and its tile takes the K-major tile's swizzle (block_k
+  wide, 64 bytes for block_k=32): wgmma needs the same swizzle on both operands."""
+  return config.block_k if split is not None and not k_major else block[1]
+
+
 def _swizzle_transforms(minor_elems: int, dtype):
   """Tiling + swizzle for a smem tile whose last dim has minor_elems elements."""
   bits = jnp.dtype(dtype).itemsize * 8
@@ -723,8 +731,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
 
   a_block = (bm, bk) if a_k_major else (bk, bm)
   b_block = (bn, bk) if b_k_major else (bk, bn)
-  a_transforms = _swizzle_transforms(a_block[1], dtype)
-  b_transforms = _swizzle_transforms(b_block[1], dtype)
+  a_transforms = _swizzle_transforms(_swizzle_minor(cfg, a_block, a_k_major, split), dtype)
+  b_transforms = _swizzle_transforms(_swizzle_minor(cfg, b_block, b_k_major, split), dtype)
   out_transforms = _swizzle_transforms(epi_n, out_dtype)
   # A K split over two devices (`Peer`): which half of a's rows this kernel computes,
   # and where each output sub-tile goes: [(ref, row offset)].
@@ -1305,7 +1313,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   a_k_major = not transpose_a
   b_k_major = transpose_b
   b_shared = b.shape[0] == 1 and batch > 1
-  if dtype.itemsize == 4:
+  if dtype.itemsize == 4 and split is None:
     if not a_k_major:
       a, a_k_major = jnp.swapaxes(a, 1, 2), True
     if not b_k_major:
@@ -1328,7 +1336,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     # re-pick it knowing both, instead of failing a call that gave no config.
     config = default_config(m, n, k, dtype, out_dtype=out_dtype,
                             c_dtype=c_dtype, precision=precision)
-  check_layout(config, tile_dtype, a_k_major=a_k_major, b_k_major=b_k_major)
+  check_layout(config, tile_dtype, a_k_major=a_k_major or split is not None,
+               b_k_major=b_k_major or split is not None)
   check_fits(config, dtype, out_dtype, c_dtype, k, precision)
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -1336,8 +1345,10 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   pad = lambda x, tile, minor: (  # noqa: E731 - the operand, or each of its pieces
       _pad_for_tma(x, tile, minor) if split is None
       else [_pad_for_tma(p, tile, minor) for p in x])
-  a = pad(a, _tma_tile(a_minor, tile_dtype), a_minor)
-  b = pad(b, _tma_tile(b_minor, tile_dtype), b_minor)
+  a = pad(a, _tma_tile(_swizzle_minor(config, (0, a_minor), a_k_major, split), tile_dtype),
+          a_minor)
+  b = pad(b, _tma_tile(_swizzle_minor(config, (0, b_minor), b_k_major, split), tile_dtype),
+          b_minor)
   if c is not None:
     c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype), bn)
   m_out, n_out = _tma_padded_shape(
