@@ -52,20 +52,20 @@ Shapes, edges and layouts (costs in parentheses):
     transpose_b=False (or transpose_a=True) that operand is copied once with
     ``jnp.swapaxes`` (one extra read+write of it, ~8% of a 4096^3 TF32 GEMM).
   * float32 from bf16 pieces (``precision="float32_accurate"`` and the BF16_BF16_F32_X*
-    presets, `precision.Split`): XLA writes each operand's bf16 pieces before the
-    kernel (1.5x the f32 bytes for 3 pieces, K-major), every pipeline stage
-    loads all piece tiles by TMA, and each K block's piece products go into a zeroed
-    accumulator that is added to an f32 register sum. The pieces used to be made
-    inside the kernel from f32 tiles (no extra HBM pass): the split, its shared-memory
-    stores and the wait before the products held that kernel at 1.35x SGEMM (H100,
-    session 8). The kernel's six bf16 products run at cuBLAS's bf16 rate at 8192^3:
-    2.1-2.2x SGEMM (H100 and H200, session 11). XLA does not make the split one pass:
-    it first writes f32 transposed copies of the operands (even of a K-major A: a
-    layout-only copy), then the pieces (and the TMA padding): 20-25% of a call at
-    4096^3 / 4097^3 (H200, session 12, `probe.py split_kernels`). Stacked into one
-    array the pieces cost a second pass: as three arrays XLA writes them in one
-    (0.041 vs 0.081 ms for a 4096^2 operand), so the kernel should take them as three
-    operands (not yet measured in a GEMM).
+    presets, `precision.Split`): one XLA fusion writes both operands' bf16 pieces
+    before the kernel (1.5x the f32 bytes for 3 pieces), three arrays per operand in
+    its stored layout, passed as three kernel operands; every pipeline stage loads all
+    piece tiles by TMA, and each K block's piece products go into a zeroed accumulator
+    that is added to an f32 register sum. An MN-major operand's piece tiles take the
+    K-major tile's 64-byte swizzle (wgmma wants one swizzle on both operands), so no
+    operand is transposed. The pieces used to be made inside the kernel from f32 tiles
+    (no extra HBM pass): the split, its shared-memory stores and the wait before the
+    products held that kernel at 1.35x SGEMM (H100, session 8). Measured on the H200
+    (`probe.py split_kernels`): with the pieces stacked in one K-major array XLA wrote
+    f32 transposed copies first and a second pass for the stack, 20-25% of a call at
+    4096^3 / 4097^3 (session 12); three arrays in the stored layout take one pass for
+    both operands, 0.083 ms of a 1.106 ms call at 4096^3 (session 13). The kernel's six
+    bf16 products run at cuBLAS's bf16 rate at 8192^3: 2.1-2.2x SGEMM.
 """
 
 from __future__ import annotations
@@ -1307,8 +1307,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
 
   # Operand layouts. 16-bit wgmma reads either major order from smem; 32-bit
   # (TF32) needs both operands K-major, so copy the one that is not. The FP32
-  # emulation's pieces are made K-major too, in the same XLA pass that splits them:
-  # its 32-wide K blocks (64-byte bf16 rows) then match the swizzle of both tiles.
+  # emulation's pieces are bf16: they keep the stored layout (see `_swizzle_minor`).
   split = _precision.split_of(precision, dtype)
   a_k_major = not transpose_a
   b_k_major = transpose_b
