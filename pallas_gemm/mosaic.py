@@ -657,13 +657,19 @@ class Peer:
   own rows, adds what the other device sent (C, f32) and runs the epilogue; with
   gather, it stores the finished rows into both devices' (M, N) outputs, so both end
   with the whole result and no collective runs. A kernel that stores to the peer
-  ends with a handshake: every warpgroup waits for its stores, signals its twin on
-  the other device and waits for the twin's signal, so a finished kernel means
-  the peer's stores into this device are complete (the next kernel may read them).
+  ends with a handshake (`_handshake`): every warpgroup waits for its stores, adds 1
+  to its CTA's semaphore on the other device and takes 1 from its own CTA's. A CTA
+  finishes only once its twin CTA's warpgroups have all signalled, so a finished
+  kernel means the peer's stores into this device are complete (the next kernel may
+  read them). Both devices must run the same grid (the same SM count).
   """
   axis: str
   send: bool
   gather: bool = False
+
+  def __post_init__(self):
+    if self.send and self.gather:
+      raise ValueError("Peer: a send kernel stores its partial rows to the peer only")
 
   @property
   def stores_remote(self) -> bool:
@@ -681,7 +687,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
 
   a_gmem: (batch, M, K) if a_k_major else (batch, K, M)
   b_gmem: (batch_b, N, K) if b_k_major else (batch_b, K, N)
-  c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N.
+  c_gmem: (batch, M, N) or None; out_gmem: (batch, M, N') with N' >= N (2M rows for a
+    gathering `peer`).
   pre_gmem: None, or like out_gmem: the pre-activation (keep_pre), stored beside it.
   bias_gmem: (N',) f32 or None, added to every row before the activation.
   c_gate: None, or an activation whose derivative at C multiplies the product (C is
@@ -1296,6 +1303,10 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if peer is not None:
     if (why := pair_reason(m, n, k, dtype, out_dtype, interpret, config.num_sms)) is not None:
       raise ValueError(f"peer={peer}: {why}")
+    if (m // 2) % (config.block_m * config.cluster_m) or n < config.block_n:
+      raise ValueError(f"peer={peer}: M/2={m // 2} rows are not whole tiles of {config}")
+    if (devices := lax.axis_size(peer.axis)) != 2:
+      raise ValueError(f"peer={peer}: mesh axis {peer.axis!r} has {devices} devices, not 2")
     if peer.send and (c is not None or bias is not None or activation is not None
                       or keep_pre or out_dtype != jnp.float32):
       raise ValueError("peer.send computes a bare f32 partial product")
@@ -1319,8 +1330,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
       b, b_k_major = jnp.swapaxes(b, 1, 2), True
   tile_dtype = dtype
   if split is not None:
-    # One XLA pass splits each f32 operand into its bf16 pieces, stacked per batch
-    # entry, and the kernel loads every piece tile by TMA (see the module docstring).
+    # One XLA pass splits each f32 operand into its bf16 pieces, separate arrays in the
+    # operand's layout, and the kernel loads every piece tile by TMA (module docstring).
     a, b = (_precision.split(x, split.pieces) for x in (a, b))
     tile_dtype = jnp.dtype(jnp.bfloat16)
 
@@ -1445,8 +1456,8 @@ def _pair_configs(m: int, n: int, k: int, dtype, out_dtype, num_sms) -> tuple[Co
 def pair_reason(m: int, n: int, k: int, dtype, out_dtype, interpret: bool,
                 num_sms: int | None = None) -> str | None:
   """Why `pair_gemm` cannot run this local problem, or None. Kept to what needs no
-  padding and no stream-K: 16-bit operands, M, N, K multiples of 128, each device's
-  half of the rows a whole number of cluster tiles."""
+  padding and no stream-K: 16-bit operands, M a multiple of 256, N and K of 128, each
+  device's half of the rows a whole number of cluster tiles."""
   if interpret:
     return "the interpreter has no peer memory or global semaphores"
   if jnp.dtype(dtype).itemsize != 2:

@@ -557,22 +557,27 @@ def _pair_axis(plan: Plan, mesh, f: dict, arg_shapes) -> str | None:
   """The mesh axis of a K split that mosaic's `pair_gemm` sums with no collective (two
   devices exchange f32 partial rows over NVLink inside its kernels), or None for the
   collectives of `_partition`. It needs: mosaic on a GPU, K split over one axis of two
-  devices, rows that the two devices split (reduce-scatter or gathered result), no C
-  (its C operand carries the received partial), and mosaic's own device numbering
-  (mesh device ids 0..n-1 in order)."""
-  from pallas_gemm import mosaic  # noqa: PLC0415 - imports Mosaic GPU only when used
-
+  devices, a result replicated over it or sharded by rows over it (which the pair
+  kernels produce), no C (its C operand carries the received partial), an epilogue the
+  kernel fuses, local shapes of whole tiles (`mosaic.pair_reason`), and mosaic's own
+  device numbering (mesh device ids 0..n-1 in order). The pair kernels use the shape
+  defaults for their halves of the rows, not plan.config (only its num_sms)."""
   k = f["k"]
-  if (not PAIR_KERNELS or plan.backend != "mosaic" or plan.interpret or len(k) != 1 or mesh.shape[k[0]] != 2
-      or plan.beta != 0.0 or plan.c_gate is not None
+  if (not PAIR_KERNELS or plan.backend != "mosaic" or plan.interpret or len(k) != 1
+      or mesh.shape[k[0]] != 2 or plan.beta != 0.0 or plan.c_gate is not None
       or not (f["scatter"] or f["gather"] or np.dtype(plan.out_dtype) == F32)
       or not np.array_equal(np.ravel(mesh.device_ids), np.arange(mesh.size))):
     return None
-  a, b = arg_shapes[0].shape, arg_shapes[1].shape
-  m, n, kk = _mnk(plan, a, b)
-  local = lambda size, axes: size // _size(mesh, axes)  # noqa: E731
-  why = mosaic.pair_reason(local(m, f["m"]), local(n, f["n"]), local(kk, k),
-                           arg_shapes[0].dtype, plan.out_dtype, plan.interpret,
+  from pallas_gemm import mosaic  # noqa: PLC0415 - imports Mosaic GPU only when used
+
+  if plan.activation not in mosaic.FUSED_ACTIVATIONS:
+    return None
+  m, n, kk = _mnk(plan, arg_shapes[0].shape, arg_shapes[1].shape)
+  sizes = [(m, f["m"]), (n, f["n"]), (kk, k)]
+  if any(size % _size(mesh, axes) for size, axes in sizes):
+    return None  # an uneven shard: its local shape is not one size
+  local = [size // _size(mesh, axes) for size, axes in sizes]
+  why = mosaic.pair_reason(*local, arg_shapes[0].dtype, plan.out_dtype, plan.interpret,
                            plan.config.num_sms)
   return None if why else k[0]
 

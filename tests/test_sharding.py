@@ -32,7 +32,8 @@ def _gathered_operands(hlo: str) -> list[str]:
   """The cross-device movements in compiled HLO beyond one all-gather per reduce-scatter.
   A split K with a 16-bit result is summed by a reduce-scatter of the f32 partials, then
   its finished rows are all-gathered (`op._plan_sharding`'s gather): that all-gather moves
-  the result. Any other one moves an operand."""
+  the result. Any other one moves an operand. (A count, so a program with both an operand
+  gather and a result gather would pass: the forward tests above check strictly.)"""
   found = [x.group(0) for x in GATHERS.finditer(hlo)]
   scatters = len(re.findall(r"\breduce-scatter(-start)?\(", hlo))
   return found if len(found) > scatters else []
