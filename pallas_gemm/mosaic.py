@@ -310,12 +310,13 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
 
 
 def check_layout(config: Config, dtype, *, a_k_major: bool,
-                 b_k_major: bool) -> None:
+                 b_k_major: bool, split=None) -> None:
   """Raises ValueError if the config's tiles do not fit the smem swizzle.
 
   A warpgroup's slice of a shared-memory tile along its minor (contiguous)
-  dimension must start on a swizzle atom (128 bytes), and every minor dimension
-  must hold at least 32 bytes (the smallest swizzle).
+  dimension must start on a swizzle atom (128 bytes; with an FP32 split, whose
+  MN-major piece tiles take the K-major tile's swizzle, that swizzle's width), and
+  every minor dimension must hold at least 32 bytes (the smallest swizzle).
   """
   itemsize = jnp.dtype(dtype).itemsize
   if config.block_k * itemsize % 32:
@@ -325,8 +326,10 @@ def check_layout(config: Config, dtype, *, a_k_major: bool,
         " multiple of 32 bytes")
   a_minor = config.block_k if a_k_major else config.block_m
   b_minor = config.block_k if b_k_major else config.block_n
-  a_swizzle = plgpu.find_swizzle(a_minor * itemsize * 8)
-  b_swizzle = plgpu.find_swizzle(b_minor * itemsize * 8)
+  a_swizzle = plgpu.find_swizzle(_swizzle_minor(config, a_minor, a_k_major, split)
+                                 * itemsize * 8)
+  b_swizzle = plgpu.find_swizzle(_swizzle_minor(config, b_minor, b_k_major, split)
+                                 * itemsize * 8)
   if a_swizzle != b_swizzle:
     raise ValueError(
         f"Config: the A tile's contiguous dim ({a_minor} elements) gets a"
@@ -340,12 +343,13 @@ def check_layout(config: Config, dtype, *, a_k_major: bool,
       minor, what = config.wg_block_m, "wg_block_m (block_m / num_compute_wgs)"
     else:
       return
-    if minor * itemsize % 128:
+    if minor * itemsize % (128 if split is None else a_swizzle):
       raise ValueError(
           f"Config: {what}={minor} splits a shared-memory tile along its"
           f" contiguous dimension at {minor * itemsize} bytes for"
-          f" {jnp.dtype(dtype).name}; the split must fall on a 128-byte"
-          " swizzle atom (use a wider tile or the other wg_split)")
+          f" {jnp.dtype(dtype).name}; the split must fall on a swizzle atom"
+          f" ({128 if split is None else a_swizzle} bytes; use a wider tile or the"
+          " other wg_split)")
 
 
 def check_smem_budget(config: Config, dtype, out_dtype, c_dtype=None,
@@ -629,12 +633,12 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
 # ----------------------------------------------------------------------------
 
 
-def _swizzle_minor(config: Config, block, k_major: bool, split) -> int:
-  """The minor size that picks a smem tile's swizzle: its last dim, except for an FP32
-  split's MN-major operand. Its bf16 pieces keep the operand's stored layout (no XLA
+def _swizzle_minor(config: Config, minor: int, k_major: bool, split) -> int:
+  """The minor size that picks a smem tile's swizzle: its minor (last) dim, except for an
+  FP32 split's MN-major operand. Its bf16 pieces keep the operand's stored layout (no XLA
   transpose before the split) and its tile takes the K-major tile's swizzle (block_k
   wide, 64 bytes for block_k=32): wgmma needs the same swizzle on both operands."""
-  return config.block_k if split is not None and not k_major else block[1]
+  return config.block_k if split is not None and not k_major else minor
 
 
 def _swizzle_transforms(minor_elems: int, dtype):
@@ -738,8 +742,8 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
 
   a_block = (bm, bk) if a_k_major else (bk, bm)
   b_block = (bn, bk) if b_k_major else (bk, bn)
-  a_transforms = _swizzle_transforms(_swizzle_minor(cfg, a_block, a_k_major, split), dtype)
-  b_transforms = _swizzle_transforms(_swizzle_minor(cfg, b_block, b_k_major, split), dtype)
+  a_transforms = _swizzle_transforms(_swizzle_minor(cfg, a_block[1], a_k_major, split), dtype)
+  b_transforms = _swizzle_transforms(_swizzle_minor(cfg, b_block[1], b_k_major, split), dtype)
   out_transforms = _swizzle_transforms(epi_n, out_dtype)
   # A K split over two devices (`Peer`): which half of a's rows this kernel computes,
   # and where each output sub-tile goes: [(ref, row offset)].
@@ -1301,10 +1305,9 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     c = None  # BLAS semantics: C is not read when beta == 0.
   rows = m  # the rows this kernel computes
   if peer is not None:
-    if (why := pair_reason(m, n, k, dtype, out_dtype, interpret, config.num_sms)) is not None:
+    if (why := _pair_shape_reason(m, n, k, dtype, interpret)
+        or _pair_tiles_reason(m, n, config)) is not None:
       raise ValueError(f"peer={peer}: {why}")
-    if (m // 2) % (config.block_m * config.cluster_m) or n < config.block_n:
-      raise ValueError(f"peer={peer}: M/2={m // 2} rows are not whole tiles of {config}")
     if (devices := lax.axis_size(peer.axis)) != 2:
       raise ValueError(f"peer={peer}: mesh axis {peer.axis!r} has {devices} devices, not 2")
     if peer.send and (c is not None or bias is not None or activation is not None
@@ -1346,8 +1349,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     # re-pick it knowing both, instead of failing a call that gave no config.
     config = default_config(m, n, k, dtype, out_dtype=out_dtype,
                             c_dtype=c_dtype, precision=precision)
-  check_layout(config, tile_dtype, a_k_major=a_k_major or split is not None,
-               b_k_major=b_k_major or split is not None)
+  check_layout(config, tile_dtype, a_k_major=a_k_major, b_k_major=b_k_major, split=split)
   check_fits(config, dtype, out_dtype, c_dtype, k, precision)
 
   bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -1355,10 +1357,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   pad = lambda x, tile, minor: (  # noqa: E731 - the operand, or each of its pieces
       _pad_for_tma(x, tile, minor) if split is None
       else [_pad_for_tma(p, tile, minor) for p in x])
-  a = pad(a, _tma_tile(_swizzle_minor(config, (0, a_minor), a_k_major, split), tile_dtype),
-          a_minor)
-  b = pad(b, _tma_tile(_swizzle_minor(config, (0, b_minor), b_k_major, split), tile_dtype),
-          b_minor)
+  a = pad(a, _tma_tile(_swizzle_minor(config, a_minor, a_k_major, split), tile_dtype), a_minor)
+  b = pad(b, _tma_tile(_swizzle_minor(config, b_minor, b_k_major, split), tile_dtype), b_minor)
   if c is not None:
     c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype), bn)
   m_out, n_out = _tma_padded_shape(
@@ -1453,20 +1453,35 @@ def _pair_configs(m: int, n: int, k: int, dtype, out_dtype, num_sms) -> tuple[Co
   return send.replace(num_sms=num_sms), finish.replace(num_sms=num_sms)
 
 
-def pair_reason(m: int, n: int, k: int, dtype, out_dtype, interpret: bool,
-                num_sms: int | None = None) -> str | None:
-  """Why `pair_gemm` cannot run this local problem, or None. Kept to what needs no
-  padding and no stream-K: 16-bit operands, M a multiple of 256, N and K of 128, each
-  device's half of the rows a whole number of cluster tiles."""
+def _pair_shape_reason(m: int, n: int, k: int, dtype, interpret: bool) -> str | None:
+  """What keeps a local problem from the pair kernels whatever their configs, or None:
+  they are kept to what needs no padding and no stream-K."""
   if interpret:
     return "the interpreter has no peer memory or global semaphores"
   if jnp.dtype(dtype).itemsize != 2:
     return f"needs 16-bit operands, got {jnp.dtype(dtype)}"
   if m % 256 or n % 128 or k % 128:
     return f"needs M a multiple of 256, N and K of 128, got {(m, n, k)}"
+  return None
+
+
+def _pair_tiles_reason(m: int, n: int, config: Config) -> str | None:
+  """Why one device's half of the rows (M/2 x N) is not whole tiles of config, or None."""
+  if (m // 2) % (config.block_m * config.cluster_m) or n < config.block_n:
+    return f"M/2={m // 2} rows are not whole tiles of {config}"
+  return None
+
+
+def pair_reason(m: int, n: int, k: int, dtype, out_dtype, interpret: bool,
+                num_sms: int | None = None) -> str | None:
+  """Why `pair_gemm` cannot run this local problem, or None: 16-bit operands, M a
+  multiple of 256, N and K of 128, each device's half of the rows a whole number of
+  tiles of both kernels' configs."""
+  if why := _pair_shape_reason(m, n, k, dtype, interpret):
+    return why
   for cfg in _pair_configs(m, n, k, dtype, out_dtype, num_sms):
-    if (m // 2) % (cfg.block_m * cfg.cluster_m) or n < cfg.block_n:
-      return f"M/2={m // 2} rows are not whole tiles of {cfg}"
+    if why := _pair_tiles_reason(m, n, cfg):
+      return why
   return None
 
 

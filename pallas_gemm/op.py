@@ -148,11 +148,17 @@ def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
   return dataclasses.replace(new, config=config)
 
 
-def _kernel(plan: Plan, *args):
-  """The backend call on (local) operands: its result, or (act(z), z) for keep_pre."""
+def _local_operands(plan: Plan, args):
+  """(a as the product reads it, b, c, bias) from the primitive's (local) operand list."""
   a, b, c, bias, aux = _operands(plan, args)
   if plan.a_activation is not None or plan.a_gate is not None:
     a = _prologue(plan, a, aux)  # elementwise: the same on a as on op(a)
+  return a, b, c, bias
+
+
+def _kernel(plan: Plan, *args):
+  """The backend call on (local) operands: its result, or (act(z), z) for keep_pre."""
+  a, b, c, bias = _local_operands(plan, args)
   module = importlib.import_module(f"pallas_gemm.{plan.backend}")
   call = functools.partial(
       module.gemm, a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
@@ -586,9 +592,7 @@ def _pair_kernel(plan: Plan, axis: str, gather: bool, *args):
   """`_kernel` of a K split over the two devices of `axis`, by mosaic.pair_gemm."""
   from pallas_gemm import mosaic  # noqa: PLC0415
 
-  a, b, _, bias, aux = _operands(plan, args)
-  if plan.a_activation is not None or plan.a_gate is not None:
-    a = _prologue(plan, a, aux)
+  a, b, _, bias = _local_operands(plan, args)
   return mosaic.pair_gemm(
       a, b, axis=axis, gather=gather, alpha=plan.alpha, transpose_a=plan.transpose_a,
       transpose_b=plan.transpose_b, out_dtype=plan.out_dtype, num_sms=plan.config.num_sms,
