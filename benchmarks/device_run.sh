@@ -160,7 +160,7 @@ fi
 
 if has ab; then
   log mosaic variants vs jnp.dot, called in turn
-  probe 300 ab
+  probe 300 ab ${AB_ARGS:-}
 fi
 
 if has power; then

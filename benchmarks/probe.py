@@ -226,13 +226,16 @@ def probe_ab(*sizes, iterations: int = 200):
       "grid_tile_width=4": {"grid_tile_width": 4},
       "grid_tile_width=16": {"grid_tile_width": 16},
   }
+  pingpong = {name: dict(pingpong=True, stream_k=None, num_compute_wgs=2, epi_block_m=64,
+                         epi_block_n=64, **fields)
+              for name, fields in PINGPONG_VARIANTS.items()}
   shape = lambda s: tuple(map(int, s.split("x"))) if "x" in str(s) else (int(s),) * 3  # noqa: E731
   cases = [(shape(s), jnp.bfloat16) for s in (sizes or (4096, 8192))] + [((8192,) * 3, jnp.float16)]
   for (m, n, k), dtype in cases:
     inputs = _inputs((m, k), (k, n), dtype)
     ref = jnp.dot(*(x.astype(jnp.float32) for x in inputs[0]), precision=HIGHEST)
     fns = {"jnp.dot": jax.jit(jnp.dot)}
-    for name, fields in variants.items():
+    for name, fields in (variants | pingpong).items():
       cfg = mosaic.default_config(m, n, k, dtype).replace(**fields)
       fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
       err = relative_error(fns[name](*inputs[0]), ref)
@@ -628,13 +631,30 @@ def probe_gate(m: int = 8192, d: int = 4096, hidden: int = 16384):
     print(f"  {label:26s} {ms:7.3f} ms  {base / ms:6.3f}x jnp.dot", flush=True)
 
 
-def probe_step_tiles(m: int = 8192, d: int = 4096, hidden: int = 16384):
+# Pingpong variants of a config (Config.pingpong): the two consumer warpgroups take whole
+# tiles in turn, so one's epilogue runs beside the other's main loop.
+PINGPONG_VARIANTS = {
+    "pp 128x128 cl_n2 s6": dict(block_m=128, block_n=128, stages=6, cluster_m=1, cluster_n=2),
+    "pp 128x128 cl_m2 s6": dict(block_m=128, block_n=128, stages=6, cluster_m=2, cluster_n=1),
+    "pp 128x128 s6": dict(block_m=128, block_n=128, stages=6, cluster_m=1, cluster_n=1),
+    "pp 64x256 cl_m2 s4": dict(block_m=64, block_n=256, stages=4, cluster_m=2, cluster_n=1),
+}
+
+
+def _pingpong(config, fields):
+  return config.replace(pingpong=True, stream_k=None, producer="warp", num_compute_wgs=2,
+                        epi_block_m=64, epi_block_n=64, **fields)
+
+
+def probe_step_tiles(m: int = 8192, d: int = 4096, hidden: int = 16384,
+                     iterations: int = 40):
   """The five mosaic GEMMs of `pallas_gemm.mlp`'s bf16 step as the step runs them (layout,
-  bias, keep_pre GELU, gelu'(C) gate), each with the shape's default config and variants of
-  tile order, clusters, tiles and stream-K, beside the jnp.dot expression (CUPTI ms)."""
+  bias, keep_pre GELU, gelu'(C) gate), each with the shape's default config and pingpong
+  variants, called in turn with the jnp.dot expression (CUPTI ms per call, ratios to the
+  adjacent expression call)."""
   bf16 = jnp.bfloat16
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: mlp step GEMMs, x {m}x{d}, "
-        f"hidden {hidden}, bf16, CUPTI ms, median of 20, rotating inputs")
+        f"hidden {hidden}, bf16, CUPTI, {iterations} interleaved iterations")
   key = iter(jax.random.split(jax.random.key(3), 8))
   b1 = jax.random.normal(next(key), (hidden,), jnp.float32)
   b2 = jax.random.normal(next(key), (d,), jnp.float32)
@@ -658,30 +678,26 @@ def probe_step_tiles(m: int = 8192, d: int = 4096, hidden: int = 16384):
     kk = sa[0] if ta else sa[1]
     base = tuning.resolve_config("mosaic", mm, nn, kk, jnp.dtype(bf16), None,
                                  c_dtype=jnp.dtype(bf16) if "c" in kw else None)
-    variants = {"default": base, "width 4": base.replace(grid_tile_width=4),
-                "width 16": base.replace(grid_tile_width=16),
-                "minor m": base.replace(grid_minor_dim="m"),
-                "no cluster": base.replace(cluster_n=1, cluster_m=1),
-                "cluster_m 2": base.replace(cluster_n=1, cluster_m=2),
-                "stream_k off": base.replace(stream_k=False),
-                "128x256 n cl_n2": base.replace(block_m=128, block_n=256, wg_split="n"),
-                "128x256 n cl_m2": base.replace(block_m=128, block_n=256, wg_split="n",
-                                                cluster_n=1, cluster_m=2)}
-    ref = _ms(expr, sets)
-    print(f"{label:24s} {mm}x{nn}x{kk}  jnp.dot expression {ref:.3f} ms; default {base}",
-          flush=True)
-    for name, cfg in variants.items():
+    configs = {"default": base} | {
+        name: _pingpong(base, fields) for name, fields in PINGPONG_VARIANTS.items()}
+    fns = {"jnp.dot expression": jax.jit(expr)}
+    want = jax.tree.leaves(fns["jnp.dot expression"](*sets[0]))[0].astype(jnp.float32)
+    print(f"{label:24s} {mm}x{nn}x{kk}; default {base}", flush=True)
+    for name, cfg in configs.items():
       kwargs = {"c": None, "alpha": 1.0, "beta": 0.0} | kw
 
       def fn(a, b, cfg=cfg, kwargs=kwargs):
         return mosaic.gemm(a[None], b[None], transpose_a=ta, transpose_b=tb, precision=None,
                            out_dtype=bf16, config=cfg, interpret=False, **kwargs)
       try:
-        ms = _ms(fn, sets)
+        got = jax.tree.leaves(jax.jit(fn)(*sets[0]))[0][0].astype(jnp.float32)
       except Exception as e:  # noqa: BLE001 - an invalid variant is reported, not fatal
-        print(f"   {name:18s} failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+        print(f"   {name:22s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
         continue
-      print(f"   {name:18s} {ms:7.3f} ms  {ref / ms:6.3f}x", flush=True)
+      print(f"   {name:22s} relerr vs the expression {relative_error(got, want):.1e}",
+            flush=True)
+      fns[name] = jax.jit(fn)
+    _report_ratios(label, _interleaved_ms(fns, sets, iterations), 2 * mm * nn * kk)
 
 
 def probe_split_kernels(*sizes):

@@ -161,6 +161,13 @@ class Config:
     is nearly full (bf16 4096^3: 3.88 rounds): ``stream_k_schedule`` decides per
     launch. Interpret mode runs whole tiles: its interpreter has no global
     semaphores (jax 0.11.2).
+  pingpong: each of the two consumer warpgroups computes whole CTA tiles, taking
+    the CTA's tiles in turn (CUTLASS's "ping-pong" schedule), instead of both
+    sharing every tile. The producer loads the tiles' K steps in order through the
+    one ring, so one warpgroup's main loop runs while the other's epilogue (alpha,
+    C, bias, activation, stores) does: the tensor cores do not wait for the epilogue.
+    A warpgroup then holds a whole tile's accumulator (at most 128 x 128, 128 f32
+    registers per thread). Needs producer="warp" and no stream-K or FP32 split.
   """
 
   block_m: int = 128
@@ -179,6 +186,7 @@ class Config:
   cluster_n: int = 1
   num_sms: int | None = None
   stream_k: bool | None = None
+  pingpong: bool = False
 
   def __post_init__(self):
     def fail(field, why):
@@ -207,6 +215,16 @@ class Config:
     if self.stream_k and self.producer != "warp":
       fail("stream_k", "needs producer='warp' (the warpgroup producer's pipelines"
            " run whole tiles)")
+    if not isinstance(self.pingpong, bool):
+      fail("pingpong", "must be a bool")
+    if self.pingpong:
+      if self.num_compute_wgs != 2 or self.producer != "warp" or self.stream_k:
+        fail("pingpong", "needs num_compute_wgs=2, producer='warp' and stream_k off"
+             " (the two warpgroups take whole tiles in turn from the warp producer's ring)")
+      if self.block_m * self.block_n > 128 * 128:
+        fail("pingpong", f"gives each warpgroup a {self.block_m}x{self.block_n} f32"
+             " accumulator; at most 128x128 (128 registers per thread) leaves room"
+             " for the epilogue")
     if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
       fail("cluster_m" if self.cluster_m not in (1, 2) else "cluster_n",
            "must be 1 or 2")
@@ -221,7 +239,7 @@ class Config:
            f" {self.cluster_size}")
     wg_m, wg_n = self.wg_block_m, self.wg_block_n
     split = self.block_m if self.wg_split == "m" else self.block_n
-    if split % self.num_compute_wgs:
+    if split % self.num_compute_wgs and not self.pingpong:
       fail(f"block_{self.wg_split}", f"must divide evenly among"
            f" num_compute_wgs={self.num_compute_wgs} warpgroups")
     if wg_m % 64:
@@ -248,21 +266,23 @@ class Config:
   @property
   def wg_block_m(self) -> int:
     """Rows of one consumer warpgroup's accumulator."""
-    if self.wg_split == "m":
+    if self.wg_split == "m" and not self.pingpong:
       return self.block_m // self.num_compute_wgs
     return self.block_m
 
   @property
   def wg_block_n(self) -> int:
     """Columns of one consumer warpgroup's accumulator."""
-    if self.wg_split == "n":
+    if self.wg_split == "n" and not self.pingpong:
       return self.block_n // self.num_compute_wgs
     return self.block_n
 
   @property
   def uses_stream_k(self) -> bool:
-    """stream_k, or for None: whether the producer is the warp producer."""
-    return self.producer == "warp" if self.stream_k is None else self.stream_k
+    """stream_k, or for None: whether the producer is the warp producer (not pingpong)."""
+    if self.stream_k is None:
+      return self.producer == "warp" and not self.pingpong
+    return self.stream_k
 
   @property
   def cluster_size(self) -> int:
@@ -303,7 +323,8 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
       out_dtype).itemsize
   c = 0 if not _c_separate(c_dtype, out_dtype) else (
       config.num_compute_wgs * epi * jnp.dtype(c_dtype).itemsize)
-  barriers = 8 * (2 * stages + 2 * config.num_compute_wgs)  # ring; C loads (2 per wg)
+  # The ring (pingpong: a set of `produced` barriers per warpgroup); C loads (2 per wg).
+  barriers = 8 * ((3 if config.pingpong else 2) * stages + 2 * config.num_compute_wgs)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
   return (sum(_round_up(x, 1024) for x in (ring, out, c) if x)
           + barriers + _RESERVED_SMEM_BYTES)
@@ -336,7 +357,7 @@ def check_layout(config: Config, dtype, *, a_k_major: bool,
         f" {a_swizzle}-byte swizzle but the B tile's ({b_minor}) a {b_swizzle}"
         "-byte one; wgmma needs both operands with the same swizzle (make"
         " block_n/block_m/block_k a multiple of 128 bytes)")
-  if config.num_compute_wgs > 1:
+  if config.num_compute_wgs > 1 and not config.pingpong:
     if config.wg_split == "n" and not b_k_major:
       minor, what = config.wg_block_n, "wg_block_n (block_n / num_compute_wgs)"
     elif config.wg_split == "m" and not a_k_major:
@@ -383,6 +404,9 @@ def check_split(config: Config, split: _precision.Split) -> None:
   if config.producer != "warp":
     raise ValueError(f"Config.producer={config.producer!r}: the FP32 split runs with the"
                      " 'warp' producer only")
+  if config.pingpong:
+    raise ValueError("Config.pingpong=True: the FP32 split runs with both warpgroups"
+                     " sharing each tile")
   if config.wg_block_m * config.wg_block_n > 64 * 128:
     raise ValueError(
         f"Config: a warpgroup tile of {config.wg_block_m}x{config.wg_block_n} is too large"
@@ -897,20 +921,24 @@ def _kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem
       mi, ni = (mi + cta, ni) if cfg.cluster_m > 1 else (mi, ni + cta)
     return bi, mi, ni
 
+  # How the CTA tile is split among the consumer warpgroups (None: pingpong's
+  # warpgroups take whole tiles).
+  wg_split = None if cfg.pingpong else cfg.wg_split
+
   def wg_origin(wg):  # this warpgroup's part of the CTA tile, in CTA-tile coordinates
-    return (wg * wg_m, 0) if cfg.wg_split == "m" else (0, wg * wg_n)
+    return {"m": (wg * wg_m, 0), "n": (0, wg * wg_n), None: (0, 0)}[wg_split]
 
   def wgmma(acc_ref, a_smem, b_smem, wg):  # acc_ref += (wg_m, bk) @ (bk, wg_n)
     wg_m0, wg_n0 = wg_origin(wg)
     wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
     if a_k_major:
-      a_op = a_smem.at[wg_ms, :] if cfg.wg_split == "m" else a_smem
+      a_op = a_smem.at[wg_ms, :] if wg_split == "m" else a_smem
     else:
-      a_op = (a_smem.at[:, wg_ms] if cfg.wg_split == "m" else a_smem).T
+      a_op = (a_smem.at[:, wg_ms] if wg_split == "m" else a_smem).T
     if b_k_major:
-      b_op = (b_smem.at[wg_ns, :] if cfg.wg_split == "n" else b_smem).T
+      b_op = (b_smem.at[wg_ns, :] if wg_split == "n" else b_smem).T
     else:
-      b_op = b_smem.at[:, wg_ns] if cfg.wg_split == "n" else b_smem
+      b_op = b_smem.at[:, wg_ns] if wg_split == "n" else b_smem
     plgpu.wgmma(acc_ref, a_op, b_op)
 
   # Epilogue buffers: per consumer warpgroup, out_slots output sub-tiles and C's.
@@ -1011,24 +1039,32 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
   split: None, or the FP32 emulation's `precision.Split`: each step then loads the
   split.pieces bf16 pieces of both tiles (a (stages, pieces, ...) ring) and issues the
   split's piece products in place of one wgmma.
+
+  cfg.pingpong: the CTA's tile j is consumer warpgroup j % 2's alone; the ring is the same,
+  each step is released by one warpgroup, and each warpgroup waits for its steps' loads
+  on its own set of `produced` barriers. (A barrier's phase is tracked per thread, by
+  the waits that thread makes: a warpgroup waiting on a slot only for its own tiles
+  would lose count of the phases the other's tiles complete there.)
   """
   num_wgs, bk = cfg.num_compute_wgs, cfg.block_k
   # A ring deeper than K is never filled (smem_bytes counts it this way too).
   stages = min(cfg.stages, k_iters)
+  releases = 1 if cfg.pingpong else num_wgs  # consumer warpgroups per step
   a_multicast = ("cluster",) if cfg.cluster_n > 1 else None
   b_multicast = ("cluster",) if cfg.cluster_m > 1 else None
   if a_multicast or b_multicast:
     # Loads into both CTAs of a cluster: a slot is free once both CTAs released it.
-    consumed = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs,
+    consumed = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=releases,
                                     num_barriers=stages)
   else:
-    consumed = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
+    consumed = plgpu.Barrier(num_arrivals=releases, num_barriers=stages)
   ring_pieces = () if split is None else (split.pieces,)  # the split's bf16 pieces
   loads = 2 * (1 if split is None else split.pieces)  # TMA loads per step
   scoped = dict(
       a_smem=plgpu.SMEM((stages, *ring_pieces, *a_block), dtype, transforms=a_transforms),
       b_smem=plgpu.SMEM((stages, *ring_pieces, *b_block), dtype, transforms=b_transforms),
-      produced=plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
+      produced=plgpu.Barrier(num_arrivals=loads,
+                             num_barriers=stages * (2 if cfg.pingpong else 1)),
       consumed=consumed,
       **epilogue_allocs,
   )
@@ -1073,9 +1109,16 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
   def coords(g):  # tile g -> (batch entry, m tile, n tile)
     return tile_coords(lax.div(g, per_batch), lax.rem(g, per_batch))
 
+  def owner(first):  # pingpong: the consumer warpgroup of the piece whose first step is
+    # `first`, the CTA's tile j = first / k_iters (it runs no stream-K pieces)
+    return lax.rem(lax.div(first, k_iters), 2)
+
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(a_smem, b_smem, produced, consumed, out_smem, c_barrier=None, c_smem=None):
     wg = lax.axis_index("wg")
+
+    def ready(to, slot):  # the `produced` barrier of a slot's loads for warpgroup `to`
+      return produced.at[to * stages + slot] if cfg.pingpong else produced.at[slot]
 
     @pl.when(wg == num_wgs)
     def _producer():
@@ -1091,6 +1134,8 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
             srcs = [(a_window(bi, mi, i), b_window(bi, ni, i), (i,) if ring_pieces else ())
                     for i in range(split.pieces if split else 1)]
 
+            to = owner(first) if cfg.pingpong else None  # the consumer warpgroup
+
             @pl.loop(k0, k1)
             def _k(kk):
               step = first + kk - k0
@@ -1103,10 +1148,10 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
               ks = pl.ds(kk * bk, bk)
               for a_src, b_src, piece in srcs:
                 plgpu.copy_gmem_to_smem(a_src.at[:, ks] if a_k_major else a_src.at[ks, :],
-                                        a_smem.at[(slot, *piece)], produced.at[slot],
+                                        a_smem.at[(slot, *piece)], ready(to, slot),
                                         collective_axes=a_multicast)
                 plgpu.copy_gmem_to_smem(b_src.at[:, ks] if b_k_major else b_src.at[ks, :],
-                                        b_smem.at[(slot, *piece)], produced.at[slot],
+                                        b_smem.at[(slot, *piece)], ready(to, slot),
                                         collective_axes=b_multicast)
 
           steps = for_each_piece(load_piece)
@@ -1173,7 +1218,7 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def _k(kk, total):
             step = first + kk - k0
             slot = lax.rem(step, stages)
-            plgpu.barrier_wait(produced.at[slot])
+            plgpu.barrier_wait(ready(wg, slot))
 
             def block_sum(blk_ref):
               for i, j in split.products:
@@ -1195,7 +1240,7 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
           def _k(kk):
             step = first + kk - k0
             slot = lax.rem(step, stages)
-            plgpu.barrier_wait(produced.at[slot])
+            plgpu.barrier_wait(ready(wg, slot))
             wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
             plgpu.wgmma_wait(wgmma_wait)
             if wgmma_wait == 0:
@@ -1211,7 +1256,11 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
             plgpu.barrier_arrive(consumed.at[lax.rem(first + k1 - k0 - 1, stages)])
           finish(acc_ref[...])
 
-      for_each_piece(mma_piece)
+      if cfg.pingpong:  # whole tiles only: its own, every other one
+        for_each_piece(lambda g, k0, k1, first, cut: pl.when(owner(first) == wg)(
+            lambda: mma_piece(g, k0, k1, first, cut)))
+      else:
+        for_each_piece(mma_piece)
 
   del _scope  # run_scoped ran it
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)

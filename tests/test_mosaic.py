@@ -45,6 +45,11 @@ Config = mosaic.Config
         (dict(cluster_m=3), "cluster_m"),
         (dict(cluster_m=2, cluster_n=2), "cluster_n"),
         (dict(cluster_n=2, num_sms=1), "num_sms"),
+        (dict(pingpong=1), "pingpong"),
+        (dict(block_m=128, block_n=128, pingpong=True, producer="warpgroup"), "pingpong"),
+        (dict(block_m=128, block_n=128, pingpong=True, stream_k=True), "pingpong"),
+        (dict(block_m=128, block_n=128, pingpong=True, num_compute_wgs=1), "pingpong"),
+        (dict(block_m=128, block_n=256, pingpong=True), "pingpong"),  # 256 acc registers
     ],
 )
 def test_config_rejects_invalid_field(kwargs, field):
@@ -232,6 +237,41 @@ def test_warp_producer_ring(batch, m, n, k, stages, num_sms, cluster_n, wgmma_wa
       num_sms=num_sms, wgmma_wait=wgmma_wait, producer="warp"))
 
 
+# Pingpong over the same rings: the warpgroups take a CTA's tiles in turn, so a CTA with an
+# odd number of tiles, one tile, or none leaves one warpgroup a tile short.
+@pytest.mark.parametrize("batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait", _RING_CASES)
+def test_pingpong_ring(batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait):
+  _check(batch, m, n, k, config=Config(
+      block_m=128, block_n=128, block_k=64, stages=stages, cluster_n=cluster_n,
+      num_sms=num_sms, wgmma_wait=wgmma_wait, pingpong=True))
+
+
+def test_pingpong_epilogue_transposed_clusters_along_m():
+  # Each warpgroup's epilogue (C of another dtype, alpha/beta) on 64x256 tiles of its
+  # own, transposed operands, clusters sharing B.
+  _check(2, 300, 520, 200, jnp.float16, transpose_a=True, transpose_b=True, alpha=0.5,
+         beta=-2.0, c_dtype=jnp.float32, out_dtype=jnp.float32, config=Config(
+             block_m=64, block_n=256, stages=3, cluster_m=2, num_sms=4, pingpong=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, m, n, k, dtype, kwargs, config", [
+    # 128x128 tiles sharing A in clusters, several rounds per warpgroup, ragged K
+    (1, 1000, 1000, 4111, jnp.bfloat16, {},
+     dict(block_m=128, block_n=128, stages=6, cluster_n=2, num_sms=10)),
+    # 64x256 tiles sharing B, batched, transposed, beta*C of another dtype, odd tile counts
+    (2, 777, 1300, 1000, jnp.float16, dict(transpose_a=True, transpose_b=True, alpha=0.5,
+                                           beta=-2.0, c_dtype=jnp.float32),
+     dict(block_m=64, block_n=256, stages=5, cluster_m=2, num_sms=14)),
+    # the whole device, delayed releases, C of the out dtype (prefetched sub-tiles)
+    (1, 4096, 4096, 4096, jnp.bfloat16, dict(beta=1.0),
+     dict(block_m=128, block_n=128, stages=5, wgmma_wait=1)),
+])
+def test_pingpong_on_the_gpu(batch, m, n, k, dtype, kwargs, config):
+  _check(batch, m, n, k, dtype, config=Config(pingpong=True, **config), interpret=False,
+         **kwargs)
+
+
 @pytest.mark.parametrize("batch, m, n, k, stages, num_sms, cluster_n, chained", [
     (1, 512, 384, 256, 4, 3, 1, True),   # 12 tiles over 3 CTAs: START, STEADY..., STOP
     (1, 512, 256, 512, 2, 4, 1, True),   # 8 tiles over 4 CTAs, 8 K blocks in 2 stages
@@ -367,6 +407,7 @@ def test_stream_k_on_the_gpu(monkeypatch, batch, m, n, k, dtype, kwargs, config)
 
 def test_stream_k_needs_the_warp_producer():
   assert Config().uses_stream_k and not Config(stream_k=False).uses_stream_k
+  assert not Config(block_m=128, block_n=128, pingpong=True).uses_stream_k
   assert not Config(producer="warpgroup").uses_stream_k  # None: off with that producer
   with pytest.raises(ValueError, match="stream_k"):
     Config(producer="warpgroup", stream_k=True)
@@ -440,6 +481,8 @@ def _check_keep_pre(batch, m, n, k, *, config=None, interpret=True, activation="
 
 def test_keep_pre_stores_the_pre_activation_too():
   _check_keep_pre(2, 130, 200, 72)
+  _check_keep_pre(1, 300, 200, 72, config=Config(block_m=128, block_n=128, num_sms=2,
+                                                 pingpong=True))
 
 
 @pytest.mark.gpu
@@ -447,6 +490,8 @@ def test_keep_pre_stores_the_pre_activation_too():
     None,  # the shape's default
     dict(block_m=128, block_n=128, num_sms=8),  # stream-K: cut tiles finish in the epilogue
     dict(block_m=128, block_n=256, epi_block_n=32, num_sms=5, stream_k=False),
+    dict(block_m=128, block_n=128, stages=6, cluster_n=2, num_sms=10, pingpong=True),
+    dict(block_m=64, block_n=256, stages=5, cluster_m=2, num_sms=132, pingpong=True),
 ])
 def test_keep_pre_on_the_gpu(config):
   config = None if config is None else Config(**config)
