@@ -262,7 +262,7 @@ def test_pingpong_epilogue_transposed_clusters_along_m():
     # 64x256 tiles sharing B, batched, transposed, beta*C of another dtype, odd tile counts
     (2, 777, 1300, 1000, jnp.float16, dict(transpose_a=True, transpose_b=True, alpha=0.5,
                                            beta=-2.0, c_dtype=jnp.float32),
-     dict(block_m=64, block_n=256, stages=5, cluster_m=2, num_sms=14)),
+     dict(block_m=64, block_n=256, stages=3, cluster_m=2, num_sms=14)),
     # the whole device, delayed releases, C of the out dtype (prefetched sub-tiles)
     (1, 4096, 4096, 4096, jnp.bfloat16, dict(beta=1.0),
      dict(block_m=128, block_n=128, stages=5, wgmma_wait=1)),
@@ -491,7 +491,8 @@ def test_keep_pre_stores_the_pre_activation_too():
     dict(block_m=128, block_n=128, num_sms=8),  # stream-K: cut tiles finish in the epilogue
     dict(block_m=128, block_n=256, epi_block_n=32, num_sms=5, stream_k=False),
     dict(block_m=128, block_n=128, stages=6, cluster_n=2, num_sms=10, pingpong=True),
-    dict(block_m=64, block_n=256, stages=5, cluster_m=2, num_sms=132, pingpong=True),
+    dict(block_m=64, block_n=256, stages=4, cluster_m=2, wgmma_wait=1, num_sms=132,
+         pingpong=True),
 ])
 def test_keep_pre_on_the_gpu(config):
   config = None if config is None else Config(**config)
