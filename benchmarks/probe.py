@@ -764,27 +764,51 @@ def _split_formulations(n: int = 4096):
 
 
 def probe_step_kernels(top: int = 14):
+  """The kernels of one bf16 MLP step per `--mlp` variant (CUPTI, by name), then the
+  mosaic GEMMs of `mlp`'s step one by one in launch order, with the default configs and
+  with every GEMM on the cooperative schedule (no pingpong for heavy epilogues)."""
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
   from benchmarks import mlp  # noqa: PLC0415
   ext = mosaic_gpu_lib._mosaic_gpu_ext
   params, x, y = mlp.problem(jnp.bfloat16)
   print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}: kernels of one bf16 MLP step")
-  for name, forward in mlp.variants(None).items():
+
+  def kernels(forward, steps=5):  # [(kernel, ms)] of each of `steps` steps
     step = jax.jit(jax.value_and_grad(mlp.loss_of(forward)))
     jax.block_until_ready(step(params, x, y))
     ext._cupti_init()
     try:
-      jax.block_until_ready([step(params, x, y) for _ in range(5)])
+      jax.block_until_ready([step(params, x, y) for _ in range(steps)])
     finally:
       timings = ext._cupti_get_timings(True)
+    per_step = len(timings) // steps
+    return [timings[i * per_step:(i + 1) * per_step] for i in range(steps)]
+
+  forwards = mlp.variants(None)
+  for name, forward in forwards.items():
+    steps = kernels(forward)
     by_name = {}
-    for kernel, ms in timings:
+    for kernel, ms in (t for one in steps for t in one):
       count, total = by_name.get(kernel, (0, 0.0))
-      by_name[kernel] = (count + 1, total + ms / 5)
+      by_name[kernel] = (count + 1, total + ms / len(steps))
     total = sum(t for _, t in by_name.values())
-    print(f"-- {name}: {total:.3f} ms per step in {len(timings) // 5} kernels", flush=True)
+    print(f"-- {name}: {total:.3f} ms per step in {len(steps[0])} kernels", flush=True)
     for kernel, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-      print(f"   {ms:7.3f} ms  x{count // 5:<3d} {kernel[:110]}")
+      print(f"   {ms:7.3f} ms  x{count // len(steps):<3d} {kernel[:110]}")
+
+  resolve = tuning.resolve_config
+  cooperative = lambda *a, heavy_epilogue=False, **kw: resolve(*a, **kw)  # noqa: E731
+  for label, patched in (("default configs", resolve), ("all cooperative", cooperative)):
+    tuning.resolve_config = patched
+    try:
+      steps = kernels(forwards["mlp mosaic"], steps=10)
+    finally:
+      tuning.resolve_config = resolve
+    gemms = [[ms for k, ms in one if "mosaic" in k] for one in steps]
+    each = np.median(np.array(gemms), axis=0)
+    print(f"-- mlp mosaic, {label}: GEMMs in launch order (median of {len(steps)} steps) "
+          + " ".join(f"{ms:.3f}" for ms in each) + f" = {each.sum():.3f} ms; step "
+          f"{np.median([sum(ms for _, ms in one) for one in steps]):.3f} ms", flush=True)
 
 
 def _schedule(compiled_text: str) -> str:
