@@ -765,8 +765,7 @@ def _split_formulations(n: int = 4096):
 
 def probe_step_kernels(top: int = 14):
   """The kernels of one bf16 MLP step per `--mlp` variant (CUPTI, by name), then the
-  mosaic GEMMs of `mlp`'s step one by one in launch order, with the default configs and
-  with every GEMM on the cooperative schedule (no pingpong for heavy epilogues)."""
+  mosaic GEMMs of `mlp`'s step one by one in launch order."""
   from jax._src.lib import mosaic_gpu as mosaic_gpu_lib  # noqa: PLC0415 - GPU-only import
   from benchmarks import mlp  # noqa: PLC0415
   ext = mosaic_gpu_lib._mosaic_gpu_ext
@@ -796,19 +795,11 @@ def probe_step_kernels(top: int = 14):
     for kernel, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
       print(f"   {ms:7.3f} ms  x{count // len(steps):<3d} {kernel[:110]}")
 
-  resolve = tuning.resolve_config
-  cooperative = lambda *a, heavy_epilogue=False, **kw: resolve(*a, **kw)  # noqa: E731
-  for label, patched in (("default configs", resolve), ("all cooperative", cooperative)):
-    tuning.resolve_config = patched
-    try:
-      steps = kernels(forwards["mlp mosaic"], steps=10)
-    finally:
-      tuning.resolve_config = resolve
-    gemms = [[ms for k, ms in one if "mosaic" in k] for one in steps]
-    each = np.median(np.array(gemms), axis=0)
-    print(f"-- mlp mosaic, {label}: GEMMs in launch order (median of {len(steps)} steps) "
-          + " ".join(f"{ms:.3f}" for ms in each) + f" = {each.sum():.3f} ms; step "
-          f"{np.median([sum(ms for _, ms in one) for one in steps]):.3f} ms", flush=True)
+  steps = kernels(forwards["mlp mosaic"], steps=10)
+  gemms = np.median(np.array([[ms for k, ms in one if "mosaic" in k] for one in steps]), axis=0)
+  print(f"-- mlp mosaic: GEMMs in launch order (median of {len(steps)} steps) "
+        + " ".join(f"{ms:.3f}" for ms in gemms) + f" = {gemms.sum():.3f} ms; step "
+        f"{np.median([sum(ms for _, ms in one) for one in steps]):.3f} ms", flush=True)
 
 
 def _schedule(compiled_text: str) -> str:

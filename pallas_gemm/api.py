@@ -176,8 +176,7 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   return "xla"
 
 
-def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype,
-                    heavy_epilogue=False):
+def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype):
   if config is not None:
     if not isinstance(config, module.Config):
       raise TypeError(
@@ -186,7 +185,7 @@ def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtyp
     return config
   from pallas_gemm import tuning  # imported late: tuning imports backends, not the reverse
   return tuning.resolve_config(module.NAME, m, n, k, dtype, precision, out_dtype=out_dtype,
-                               c_dtype=c_dtype, heavy_epilogue=heavy_epilogue)
+                               c_dtype=c_dtype)
 
 
 # ----------------------------------------------------------------------------- public entry
@@ -352,8 +351,7 @@ def _gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtyp
     return (epilogue.activated(z, activation), z) if keep_pre else z
 
   c_dtype = None if c is None or beta == 0.0 else np.dtype(c.dtype)
-  config = _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype,
-                           heavy_epilogue=keep_pre)
+  config = _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtype)
   batch = math.prod(batch_shape)
   a3 = jnp.asarray(a, dtype).reshape((batch,) + a.shape[-2:])
   b3 = jnp.asarray(b, dtype).reshape((-1,) + b.shape[-2:])

@@ -167,7 +167,13 @@ class Config:
     one ring, so one warpgroup's main loop runs while the other's epilogue (alpha,
     C, bias, activation, stores) does: the tensor cores do not wait for the epilogue.
     A warpgroup then holds a whole tile's accumulator (at most 128 x 128, 128 f32
-    registers per thread). Needs producer="warp" and no stream-K or FP32 split.
+    registers per thread). Needs producer="warp" and no stream-K or FP32 split, and
+    wgmma_wait=1 (with 0, one warpgroup alone leaves the tensor cores idle between K
+    steps: 0.72x). Off by default: on the H200 (session 14) 128x128 pingpong tiles ran
+    plain bf16 products 3% slower than the 256x128 cooperative ones (they move 1.5x
+    the operand bytes per FLOP), and the MLP step's two epilogue-heavy GEMMs (GELU + z,
+    gelu'(C)), 1-2% faster called in turn with jnp.dot, were 1-1.5% slower inside the
+    step (`probe.py step_kernels`).
   """
 
   block_m: int = 128
@@ -415,14 +421,12 @@ def check_split(config: Config, split: _precision.Split) -> None:
 
 
 def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
-                   c_dtype=None, precision=None, heavy_epilogue: bool = False) -> Config:
+                   c_dtype=None, precision=None) -> Config:
   """Picks a config by shape and dtype (fits the shared-memory budget).
 
   out_dtype defaults to dtype; c_dtype is C's dtype (None: no C). Both change
   the epilogue's shared memory, so pass them when they are known. precision
   matters for float32 emulated from bf16 pieces (`precision.split_of`).
-  heavy_epilogue: the epilogue stores z beside act(z) (keep_pre) or multiplies by
-  act'(C) (c_gate); large 16-bit problems then take the pingpong schedule.
   """
   dtype = jnp.dtype(dtype)
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
@@ -471,18 +475,7 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
                  num_compute_wgs=2, wg_split="m", epi_block_m=64,
                  epi_block_n=64, grid_minor_dim="n", grid_tile_width=8,
                  cluster_n=2)
-    if dtype.itemsize == 2 and heavy_epilogue:
-      # Pingpong: one warpgroup's epilogue runs beside the other's main loop. On the
-      # H200 (session 14, run 2, called in turn with the jnp.dot expression) the MLP
-      # step's GELU + z forward went 1.095 -> 1.108x and its gelu'(C) backward 1.080 ->
-      # 1.102x; plain products lost 3% (128x128 tiles move 1.5x the operand bytes per
-      # FLOP of 256x128 ones sharing A), so only these epilogues take it.
-      # wgmma_wait=1: one warpgroup alone must keep the tensor cores fed (0: 0.72x).
-      cfg = Config(block_m=128, block_n=128, block_k=block_k, stages=6,
-                   num_compute_wgs=2, epi_block_m=64, epi_block_n=64,
-                   grid_minor_dim="n", grid_tile_width=8, cluster_n=2, wgmma_wait=1,
-                   pingpong=True)
-    elif dtype.itemsize == 2:
+    if dtype.itemsize == 2:
       # 1.5x wider tiles (3 stages fit) when they need clearly fewer rounds of
       # tiles over the SMs: bf16 4097^3 takes 5 rounds of 256x128 clusters and 3
       # of 256x192 tiles, 493 vs 543 TFLOP/s on the H200 (run8_mosaic_probe_wide.log);

@@ -144,8 +144,7 @@ def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
   new = dataclasses.replace(plan, **changes)
   m, n, k = _mnk(new, a_shape, b_shape)
   config = tuning.resolve_config(new.backend, m, n, k, dtype, new.precision,
-                                 out_dtype=new.out_dtype, c_dtype=c_dtype,
-                                 heavy_epilogue=new.keep_pre or new.c_gate is not None)
+                                 out_dtype=new.out_dtype, c_dtype=c_dtype)
   return dataclasses.replace(new, config=config)
 
 

@@ -312,12 +312,11 @@ def lookup_config(backend_name: str, config_cls, m: int, n: int, k: int, dtype, 
 
 
 def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=None, *,
-                   out_dtype=None, c_dtype=None, heavy_epilogue=False):
+                   out_dtype=None, c_dtype=None):
   """What gemm(config=None) runs: lookup_config, else the backend's default_config.
 
   A tuned entry that does not fit this call's output/C dtypes (mosaic's epilogue buffers
-  depend on them) is passed over for the heuristic, which adapts to them. heavy_epilogue
-  (keep_pre or c_gate) picks mosaic's schedule (`mosaic.default_config`).
+  depend on them) is passed over for the heuristic, which adapts to them.
   """
   module = importlib.import_module(f"pallas_gemm.{backend_name}")
   dtype = np.dtype(dtype)
@@ -330,15 +329,13 @@ def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=Non
       tuned = None
   if tuned is not None:
     return tuned
-  return _default_config(module, m, n, k, dtype, precision, out_dtype, c_dtype,
-                         heavy_epilogue)
+  return _default_config(module, m, n, k, dtype, precision, out_dtype, c_dtype)
 
 
-def _default_config(module, m, n, k, dtype, precision, out_dtype=None, c_dtype=None,
-                    heavy_epilogue=False):
+def _default_config(module, m, n, k, dtype, precision, out_dtype=None, c_dtype=None):
   if module.NAME == "mosaic":  # its tiles depend on the epilogue and the FP32 split
     return module.default_config(m, n, k, dtype, out_dtype=out_dtype, c_dtype=c_dtype,
-                                 precision=precision, heavy_epilogue=heavy_epilogue)
+                                 precision=precision)
   return module.default_config(m, n, k, dtype)
 
 
