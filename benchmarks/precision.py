@@ -31,7 +31,7 @@ from pallas_gemm import precision as P
 Preset = jax.lax.DotAlgorithmPreset
 PRECISIONS = (Preset.TF32_TF32_F32, Preset.TF32_TF32_F32_X3, Preset.BF16_BF16_F32,
               Preset.BF16_BF16_F32_X3, Preset.BF16_BF16_F32_X6, Preset.BF16_BF16_F32_X9,
-              P.FLOAT32_ACCURATE)
+              P.FLOAT32_ACCURATE, P.FLOAT32_F16X3)
 _ERR_ROWS = 256
 
 
@@ -39,11 +39,17 @@ def _name(precision) -> str:
   return getattr(precision, "name", str(precision))
 
 
-def family(kind: str, shape, seed: int) -> np.ndarray:
+def family(kind: str, shape, seed: int, operand: str = "a") -> np.ndarray:
+  """The input families of tests/test_precision.py: N(0,1), wide (x * exp(1.5 N(0,1))) and
+  range (magnitudes 2^0..2^115 in a, 2^-100..2^0 in b: a few terms dominate each sum)."""
   rng = np.random.default_rng(seed)
   x = rng.standard_normal(shape, dtype=np.float32)
   if kind == "wide":
     x = x * np.exp(1.5 * rng.standard_normal(shape)).astype(np.float32)
+  elif kind == "range":
+    low, high = (0, 115) if operand == "a" else (-100, 0)
+    x = (np.sign(x) * rng.uniform(1, 2, shape) * np.exp2(rng.integers(low, high + 1, shape))
+         ).astype(np.float32)
   return x
 
 
@@ -65,13 +71,13 @@ def _gemm(precision, config=None):
                                                config=config))
 
 
-def split_config(n: int, spec: str):
+def split_config(n: int, spec: str, precision=P.FLOAT32_ACCURATE):
   """A mosaic config for the FP32 split from BMxBNxBK/STAGES[/cm2][/cn2][/wgm|/wgn][/epiN]:
   the default's other fields, one consumer warpgroup per 64 rows (or 128 columns) of the
   split dimension, at most two. Raises ValueError for a config the kernel cannot run."""
   tile, stages, *opts = spec.split("/")
   bm, bn, bk = (int(x) for x in tile.split("x"))
-  cfg = mosaic.default_config(n, n, n, jnp.float32, precision=P.FLOAT32_ACCURATE)
+  cfg = mosaic.default_config(n, n, n, jnp.float32, precision=precision)
   wg_split = "n" if "wgn" in opts else "m" if "wgm" in opts else cfg.wg_split
   wgs = min(2, bm // 64) if wg_split == "m" else min(2, bn // 128)
   epi = [int(o[3:]) for o in opts if o.startswith("epi")]
@@ -79,7 +85,7 @@ def split_config(n: int, spec: str):
                     num_compute_wgs=max(1, wgs), wg_split=wg_split,
                     cluster_m=2 if "cm2" in opts else 1, cluster_n=2 if "cn2" in opts else 1,
                     epi_block_n=epi[0] if epi else cfg.epi_block_n)
-  mosaic.check_fits(cfg, jnp.float32, jnp.float32, None, n, P.FLOAT32_ACCURATE)
+  mosaic.check_fits(cfg, jnp.float32, jnp.float32, None, n, precision)
   return cfg
 
 
@@ -88,8 +94,8 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
   rows = []
   for n in shapes:
     flops = 2.0 * n ** 3
-    inputs = {kind: (family(kind, (n, n), 1), family(kind, (n, n), 2))
-              for kind in ("normal", "wide")}
+    inputs = {kind: (family(kind, (n, n), 1), family(kind, (n, n), 2, "b"))
+              for kind in ("normal", "wide", "range")}
     arg_sets = [tuple(jnp.asarray(family("normal", (n, n), s + i)) for s in (10, 20))
                 for i in range(3)]
 
@@ -111,7 +117,8 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
       rows.append(row)
       print(f"{n:6d} {label:34s} {row['tflops']:7.1f} TFLOP/s"
             + (f" {row['vs_sgemm']:5.2f}x SGEMM" if base else " " * 12)
-            + f"  relerr {row['relerr_normal']:.2e} (wide {row['relerr_wide']:.2e})"
+            + f"  relerr {row['relerr_normal']:.2e} (wide {row['relerr_wide']:.2e},"
+            f" range {row['relerr_range']:.2e})"
             f"  max {row['maxerr_normal']:.1e}", flush=True)
       return row
 
@@ -133,16 +140,17 @@ def run(shapes, split_configs, iterations: int, precisions=PRECISIONS) -> list[d
           row["vs_jnp_dot_same_preset"] = ref["ms"] / row["ms"]
           print(f"{'':6s} {'':34s} {row['vs_jnp_dot_same_preset']:.2f}x jnp.dot with the same"
                 " preset", flush=True)
-    for spec in split_configs:
-      label = f"mosaic float32_accurate {spec}"
+    own = [x for x in (P.FLOAT32_ACCURATE, P.FLOAT32_F16X3) if x in precisions]
+    for precision, spec in ((x, spec) for x in own for spec in split_configs):
+      label = f"mosaic {precision} {spec}"
       try:
-        cfg = split_config(n, spec)
+        cfg = split_config(n, spec, precision)
       except ValueError as e:
         print(f"{n:6d} {label:34s} invalid: {str(e)[:150]}", flush=True)
-        rows.append(dict(n=n, label=label, impl="gemm", precision=P.FLOAT32_ACCURATE,
+        rows.append(dict(n=n, label=label, impl="gemm", precision=precision,
                          error=f"ValueError: {e}"))
         continue
-      measure(label, "gemm", P.FLOAT32_ACCURATE, _gemm(P.FLOAT32_ACCURATE, cfg), sgemm)
+      measure(label, "gemm", precision, _gemm(precision, cfg), sgemm)
   return rows
 
 

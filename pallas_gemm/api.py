@@ -125,9 +125,10 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
     split = _precisions.split_of(precision, dtype)
     bf16_misaligned = any(d * 2 % 16 for d in leading_dims)
     large = m * n * k >= 512**3 and min(m, n) >= 128
+    # float32_f16x3 (opt-in for speed): mosaic wherever large.
     if split is not None and status["mosaic"] is None and (
         precision == jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X9
-        or (large and (len(split.products) >= 6 or bf16_misaligned))):
+        or (large and (len(split.products) >= 6 or bf16_misaligned or split.scaled))):
       return "mosaic"
     return "xla"
   # Small square-ish 16-bit products: the Triton kernel's single short launch beats cuBLAS

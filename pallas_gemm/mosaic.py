@@ -80,7 +80,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.epilogue import activate, derivative
+from pallas_gemm.epilogue import activate, apply, derivative
 from pallas_gemm import precision as _precision
 from pallas_gemm import tuning
 
@@ -1373,11 +1373,16 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
     rows = m // 2
   if c is not None and c.shape != (batch, rows, n):
     raise ValueError(f"c.shape={c.shape}, expected {(batch, rows, n)}")
+  split = _precision.split_of(precision, dtype)
+  if split is not None and split.scaled:
+    return _scaled_split(a, b, c, split, alpha=alpha, beta=beta, transpose_a=transpose_a,
+                         transpose_b=transpose_b, out_dtype=out_dtype, config=config,
+                         interpret=interpret, bias=bias, activation=activation,
+                         c_gate=c_gate, keep_pre=keep_pre)
 
   # Operand layouts. 16-bit wgmma reads either major order from smem; 32-bit
   # (TF32) needs both operands K-major, so copy the one that is not. The FP32
   # emulation's pieces are bf16: they keep the stored layout (see `_swizzle_minor`).
-  split = _precision.split_of(precision, dtype)
   a_k_major = not transpose_a
   b_k_major = transpose_b
   b_shared = b.shape[0] == 1 and batch > 1
@@ -1390,8 +1395,11 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if split is not None:
     # One XLA pass splits each f32 operand into its bf16 pieces, separate arrays in the
     # operand's layout, and the kernel loads every piece tile by TMA (module docstring).
-    a, b = (_precision.split(x, split.pieces) for x in (a, b))
-    tile_dtype = jnp.dtype(jnp.bfloat16)
+    if split.dtype == "float16":  # the operands come scaled (`_scaled_split`)
+      a, b = _precision.f16_pieces(a), _precision.f16_pieces(b)
+    else:
+      a, b = (_precision.split(x, split.pieces) for x in (a, b))
+    tile_dtype = jnp.dtype(split.dtype)
 
   if c is not None:
     if not jnp.issubdtype(c.dtype, jnp.floating) or c.dtype.itemsize > 4:
@@ -1483,6 +1491,30 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if (m_out, n_out) != (m, n):
     outs = tuple(_unpad(out, m, n, interpret) for out in outs)
   return tuple(outs) if keep_pre else outs[0]
+
+
+def _scaled_split(a, b, c, split: _precision.Split, *, alpha, beta, transpose_a, transpose_b,
+                  out_dtype, config, interpret, bias, activation, c_gate, keep_pre):
+  """`gemm` for a scaled split (precision "float32_f16x3"): A's rows and B's columns
+  scaled by powers of two into float16's range (`precision.scale_exponents`), the kernel's
+  f32 product of their pieces, scaled back (ldexp: exact), then the epilogue in XLA (it
+  must follow the unscaling; one pass over the output)."""
+  ka = _precision.scale_exponents(a, 1 if transpose_a else 2)  # per row of op(a)
+  kb = _precision.scale_exponents(b, 2 if transpose_b else 1)  # per column of op(b)
+  product = gemm(jnp.ldexp(a, ka), jnp.ldexp(b, kb), None, alpha=1.0, beta=0.0,
+                 transpose_a=transpose_a, transpose_b=transpose_b,
+                 precision=dataclasses.replace(split, scaled=False), out_dtype=jnp.float32,
+                 config=config, interpret=interpret)
+  rows = jnp.swapaxes(ka, 1, 2) if transpose_a else ka  # (batch, M, 1)
+  cols = jnp.swapaxes(kb, 1, 2) if transpose_b else kb  # (batch_b, 1, N)
+  z = jnp.ldexp(product, -(rows + cols))
+  if alpha != 1.0:
+    z = z * jnp.float32(alpha)
+  if keep_pre:
+    z = apply(z, c, bias, beta=beta, activation=None, out_dtype=jnp.float32)
+    return activate(z, activation).astype(out_dtype), z.astype(out_dtype)
+  return apply(z, c, bias, beta=beta, activation=activation, out_dtype=out_dtype,
+               c_gate=c_gate)
 
 
 def _handshake(peer: Peer, config: Config, num_ctas: int) -> None:

@@ -16,8 +16,9 @@ from pallas_gemm import precision as P
 from pallas_gemm.reference import reference, relative_error, tolerance
 
 Preset = jax.lax.DotAlgorithmPreset
-SPLIT_PRECISIONS = [P.FLOAT32_ACCURATE, Preset.BF16_BF16_F32_X3, Preset.BF16_BF16_F32_X6,
-                    Preset.BF16_BF16_F32_X9, Preset.BF16_BF16_F32]
+SPLIT_PRECISIONS = [P.FLOAT32_ACCURATE, P.FLOAT32_F16X3, Preset.BF16_BF16_F32_X3,
+                    Preset.BF16_BF16_F32_X6, Preset.BF16_BF16_F32_X9, Preset.BF16_BF16_F32]
+OWN_PRECISIONS = [P.FLOAT32_ACCURATE, P.FLOAT32_F16X3]
 F32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -57,6 +58,52 @@ def test_split_near_the_largest_float32():
   pieces = [np.asarray(p, np.float64) for p in P.split(jnp.asarray(x), 3)]
   assert all(np.all(np.isfinite(p)) for p in pieces)
   np.testing.assert_allclose(sum(pieces), x, rtol=2.0**-23)
+
+
+@pytest.mark.parametrize("kind", ["normal", "wide", "range"])
+def test_f16_pieces_keep_23_bits_or_2_to_the_minus_39_of_the_line_max(kind, rng):
+  x = jnp.asarray(family(kind, rng, (64, 512)))
+  k = jax.jit(P.scale_exponents, static_argnums=1)(x, 1)
+  xs = jnp.ldexp(x, k)
+  top = np.max(np.abs(np.asarray(xs)), axis=1)
+  assert np.all((2.0**13 <= top) & (top < 2.0**14))
+  hi, lo = jax.jit(P.f16_pieces)(xs)  # compiled, as gemm runs it
+  assert hi.dtype == lo.dtype == jnp.float16
+  xs, r = np.float64(xs), np.float64(xs) - np.float64(hi) - np.float64(lo)
+  # 11 bits in each piece; a second piece among float16's subnormals keeps 2^-25 (2^-39 of
+  # the line's largest)
+  assert np.all(np.abs(r) <= np.maximum(2.0**-22 * np.abs(xs), 2.0**-25))
+
+
+def test_f16x3_rows_and_columns_near_the_float32_limits(backend, rng):
+  # Each row of A and column of B is scaled on its own, exactly: rows of 2^100 and 2^-100
+  # times columns of 2^-100 and 2^20 stay accurate (a float16 holds neither).
+  a = family("normal", rng, (4, 64)) * np.exp2([[100.], [-100.], [0.], [-120.]]).astype(np.float32)
+  b = family("normal", rng, (64, 3), "b") * np.exp2([[-100., 20., 0.]]).astype(np.float32)
+  _check_given(backend, P.FLOAT32_F16X3, a, b)
+
+
+def test_f16x3_keeps_inf_and_nan(backend, rng):
+  a, b = family("normal", rng, (3, 32)), family("normal", rng, (32, 5), "b")
+  a[0, 3], a[1, 7] = np.inf, np.nan
+  out = _check_given(backend, P.FLOAT32_F16X3, a, b, compare=False)
+  ref = reference(a, b)
+  assert np.array_equal(np.isinf(out[0]), np.isinf(ref[0]))
+  assert np.all(np.sign(out[0]) == np.sign(ref[0])) and np.all(np.isnan(out[1]))
+  assert np.all(np.isfinite(out[2]))
+
+
+def _check_given(backend, precision, a, b, compare=True):
+  reason = skip_reason(backend, np.float32, P.effective(precision, np.float32))
+  if reason:
+    pytest.skip(reason)
+  with np.errstate(invalid="ignore", over="ignore"):
+    out = np.asarray(gemm(jnp.asarray(a), jnp.asarray(b), precision=precision,
+                          backend=backend))
+    if compare:
+      err = relative_error(out, reference(a, b))
+      assert err <= tolerance(np.float32, precision, a.shape[1]), err
+  return out
 
 
 def test_split_keeps_inf_and_nan():
@@ -115,14 +162,16 @@ def test_shapes(backend, precision, m, n, k, rng):
   _check(backend, precision, rng, m, n, k)
 
 
+@pytest.mark.parametrize("precision", OWN_PRECISIONS)
 @pytest.mark.parametrize("kind", ["wide", "range"])
-def test_input_families(backend, kind, rng):
-  _check(backend, P.FLOAT32_ACCURATE, rng, 65, 130, 96, kind=kind)
+def test_input_families(backend, precision, kind, rng):
+  _check(backend, precision, rng, 65, 130, 96, kind=kind)
 
 
+@pytest.mark.parametrize("precision", OWN_PRECISIONS)
 @pytest.mark.parametrize("transpose_a,transpose_b", [(True, False), (False, True), (True, True)])
-def test_transposes_batch_and_epilogue(backend, transpose_a, transpose_b, rng):
-  _check(backend, P.FLOAT32_ACCURATE, rng, 40, 72, 48, batch=(2,), transpose_a=transpose_a,
+def test_transposes_batch_and_epilogue(backend, precision, transpose_a, transpose_b, rng):
+  _check(backend, precision, rng, 40, 72, 48, batch=(2,), transpose_a=transpose_a,
          transpose_b=transpose_b, alpha=0.5, beta=2.0)
 
 
@@ -180,6 +229,25 @@ def test_gpu_float32_accurate_vs_sgemm(kind, m, n, k, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["normal", "wide", "range"])
+@pytest.mark.parametrize("m,n,k", [(2048, 2048, 4096), (4097, 4097, 4097), (1031, 517, 777)])
+def test_gpu_float32_f16x3_vs_sgemm(kind, m, n, k, rng):
+  """float32_f16x3's error model: SGEMM's or better where many terms of a size are summed
+  (N(0,1), wide); within its tolerance where a few terms dominate (range)."""
+  a, b = family(kind, rng, (m, k)), family(kind, rng, (k, n), "b")
+  ref = reference(a, b)
+  ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=P.FLOAT32_F16X3,
+                             backend="mosaic"), ref)
+  sgemm = relative_error(jnp.dot(jnp.asarray(a), jnp.asarray(b),
+                                 precision=jax.lax.Precision.HIGHEST), ref)
+  print(f"float32_f16x3 {kind} {m}x{n}x{k}: relerr {ours:.3g}, SGEMM {sgemm:.3g}")
+  if kind == "range":
+    assert ours <= tolerance(np.float32, P.FLOAT32_F16X3, k)
+  else:
+    assert ours <= 1.5 * sgemm, f"float32_f16x3 {ours:.3g} vs SGEMM {sgemm:.3g}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", [Preset.BF16_BF16_F32_X3, Preset.BF16_BF16_F32_X6,
                                        Preset.BF16_BF16_F32_X9, Preset.BF16_BF16_F32], ids=str)
 def test_gpu_presets_vs_jnp_dot(precision, rng):
@@ -196,6 +264,7 @@ def test_gpu_presets_vs_jnp_dot(precision, rng):
 @pytest.mark.parametrize("m,n,k", [(4097, 4097, 4097), (129, 4097, 1025), (16, 8192, 4096),
                                    (7, 129, 4097), (1024, 1024, 32)])
 @pytest.mark.parametrize("transpose_b", [False, True])
-def test_gpu_ragged(m, n, k, transpose_b, rng):
+@pytest.mark.parametrize("precision", OWN_PRECISIONS)
+def test_gpu_ragged(m, n, k, transpose_b, precision, rng):
   jnp.full((m * n + 1,), jnp.nan, jnp.float32).block_until_ready().delete()  # poison
-  _check("mosaic", P.FLOAT32_ACCURATE, rng, m, n, k, transpose_b=transpose_b)
+  _check("mosaic", precision, rng, m, n, k, transpose_b=transpose_b)
