@@ -439,10 +439,15 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
     # tiles do, for six products; that leaves room for 3 stages and the epilogue. CTA pairs
     # sharing A (multicast): 4097^3 89.6 vs 85.0 TFLOP/s, 8192^3 112.6 vs 111.1, 4096^3
     # even (H100, session 11); 64x256 tiles split by columns ran 7-15% slower.
+    # float16 pieces (float32_f16x3, two per operand): 64-wide K blocks in the same 64 KB
+    # per stage (and a 64x32 f32 epilogue sub-tile to fit): 180 / 200 / 128 TFLOP/s at
+    # 4096^3 / 8192^3 / 4097^3 against 156 / 163 / 115 with 32-wide blocks (H200, session
+    # 14, run 5): three products per K block are too few to cover the block's sync.
+    f16 = split.dtype == "float16"
     big = m > 64 and n > 128
-    cfg = Config(block_m=128 if m > 64 else 64, block_n=128, block_k=32, stages=3,
-                 num_compute_wgs=2 if m > 64 else 1, wg_split="m", epi_block_m=64,
-                 epi_block_n=64, grid_minor_dim="n", grid_tile_width=8,
+    cfg = Config(block_m=128 if m > 64 else 64, block_n=128, block_k=64 if f16 else 32,
+                 stages=3, num_compute_wgs=2 if m > 64 else 1, wg_split="m", epi_block_m=64,
+                 epi_block_n=32 if f16 else 64, grid_minor_dim="n", grid_tile_width=8,
                  cluster_n=2 if big else 1)
   elif max(m, n) <= 64 or (m <= 128 and n <= 128):
     # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
