@@ -210,7 +210,8 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       error, ~8x faster). Ignored for 16-bit inputs (always exact products). Also a
       ``jax.lax.DotAlgorithmPreset`` (jnp.dot's meaning; its input dtypes must match),
       or ``"float32_accurate"``: float32 on tensor cores with an error no worse than IEEE
-      SGEMM's (see ``pallas_gemm/precision.py``).
+      SGEMM's, or ``"float32_f16x3"``: faster, each element kept to 23 bits (see
+      ``pallas_gemm/precision.py``).
     out_dtype: result dtype; default the promoted input dtype. Accumulation is float32.
     backend: "auto" | "xla" | "triton" | "mosaic" | "cuda". See ``backends()``.
     config: a backend's ``Config`` (``pallas_gemm.<backend>.Config``); None picks the
