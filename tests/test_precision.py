@@ -185,21 +185,22 @@ def test_batch_with_a_shared_b(backend, rng):
   assert relative_error(out, reference(a, b)) <= tolerance(np.float32, P.FLOAT32_ACCURATE, 48)
 
 
-def test_gradients_keep_the_precision(backend, rng):
+@pytest.mark.parametrize("precision", OWN_PRECISIONS)
+def test_gradients_keep_the_precision(backend, precision, rng):
   """The backward GEMMs run with the forward's precision and backend."""
-  if skip_reason(backend, np.float32, P.FLOAT32_ACCURATE):
-    pytest.skip(skip_reason(backend, np.float32, P.FLOAT32_ACCURATE))
+  if skip_reason(backend, np.float32, precision):
+    pytest.skip(skip_reason(backend, np.float32, precision))
   a, b = (jnp.asarray(family("normal", rng, s)) for s in ((24, 40), (40, 16)))
-  loss = lambda a, b: jnp.sum(gemm(a, b, precision=P.FLOAT32_ACCURATE, backend=backend) ** 2)
+  loss = lambda a, b: jnp.sum(gemm(a, b, precision=precision, backend=backend) ** 2)
   plans = [e.params["plan"] for e in jax.make_jaxpr(jax.grad(loss, (0, 1)))(a, b).eqns
            if e.primitive is op.gemm_p]
   assert len(plans) == 3
-  assert {(p.precision, p.backend) for p in plans} == {(P.FLOAT32_ACCURATE, backend)}
+  assert {(p.precision, p.backend) for p in plans} == {(precision, backend)}
   ga, gb = jax.grad(loss, (0, 1))(a, b)
   a64, b64 = np.float64(a), np.float64(b)
   g = 2 * a64 @ b64
-  assert relative_error(ga, g @ b64.T) <= tolerance(np.float32, P.FLOAT32_ACCURATE, 40) * 2
-  assert relative_error(gb, a64.T @ g) <= tolerance(np.float32, P.FLOAT32_ACCURATE, 40) * 2
+  assert relative_error(ga, g @ b64.T) <= tolerance(np.float32, precision, 40) * 2
+  assert relative_error(gb, a64.T @ g) <= tolerance(np.float32, precision, 40) * 2
 
 
 def test_auto_on_cpu_is_ieee():
@@ -215,36 +216,24 @@ def test_auto_on_cpu_is_ieee():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", OWN_PRECISIONS)
 @pytest.mark.parametrize("kind", ["normal", "wide", "range"])
 @pytest.mark.parametrize("m,n,k", [(2048, 2048, 4096), (4097, 4097, 4097), (1031, 517, 777)])
-def test_gpu_float32_accurate_vs_sgemm(kind, m, n, k, rng):
-  """The contract: an error no worse than IEEE SGEMM's (jnp.dot HIGHEST, same inputs)."""
-  a, b = family(kind, rng, (m, k)), family(kind, rng, (k, n), "b")
-  ref = reference(a, b)
-  ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=P.FLOAT32_ACCURATE,
-                             backend="mosaic"), ref)
-  sgemm = relative_error(jnp.dot(jnp.asarray(a), jnp.asarray(b),
-                                 precision=jax.lax.Precision.HIGHEST), ref)
-  assert ours <= 1.5 * sgemm, f"float32_accurate {ours:.3g} vs SGEMM {sgemm:.3g}"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["normal", "wide", "range"])
-@pytest.mark.parametrize("m,n,k", [(2048, 2048, 4096), (4097, 4097, 4097), (1031, 517, 777)])
-def test_gpu_float32_f16x3_vs_sgemm(kind, m, n, k, rng):
-  """float32_f16x3's error model: SGEMM's or better where many terms of a size are summed
+def test_gpu_error_vs_sgemm(precision, kind, m, n, k, rng):
+  """float32_accurate's contract: an error no worse than IEEE SGEMM's (jnp.dot HIGHEST, same
+  inputs). float32_f16x3's error model: that, where many terms of a size are summed
   (N(0,1), wide); within its tolerance where a few terms dominate (range)."""
   a, b = family(kind, rng, (m, k)), family(kind, rng, (k, n), "b")
   ref = reference(a, b)
-  ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=P.FLOAT32_F16X3,
+  ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=precision,
                              backend="mosaic"), ref)
   sgemm = relative_error(jnp.dot(jnp.asarray(a), jnp.asarray(b),
                                  precision=jax.lax.Precision.HIGHEST), ref)
-  print(f"float32_f16x3 {kind} {m}x{n}x{k}: relerr {ours:.3g}, SGEMM {sgemm:.3g}")
-  if kind == "range":
-    assert ours <= tolerance(np.float32, P.FLOAT32_F16X3, k)
+  print(f"{precision} {kind} {m}x{n}x{k}: relerr {ours:.3g}, SGEMM {sgemm:.3g}")
+  if precision == P.FLOAT32_F16X3 and kind == "range":
+    assert ours <= tolerance(np.float32, precision, k)
   else:
-    assert ours <= 1.5 * sgemm, f"float32_f16x3 {ours:.3g} vs SGEMM {sgemm:.3g}"
+    assert ours <= 1.5 * sgemm, f"{precision} {ours:.3g} vs SGEMM {sgemm:.3g}"
 
 
 @pytest.mark.gpu
