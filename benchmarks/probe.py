@@ -226,17 +226,16 @@ def probe_ab(*sizes, iterations: int = 200):
       "grid_tile_width=4": {"grid_tile_width": 4},
       "grid_tile_width=16": {"grid_tile_width": 16},
   }
-  pingpong = {name: dict(pingpong=True, stream_k=None, num_compute_wgs=2, epi_block_m=64,
-                         epi_block_n=64, wgmma_wait=1, **fields)
-              for name, fields in PINGPONG_VARIANTS.items()}
   shape = lambda s: tuple(map(int, s.split("x"))) if "x" in str(s) else (int(s),) * 3  # noqa: E731
   cases = [(shape(s), jnp.bfloat16) for s in (sizes or (4096, 8192))] + [((8192,) * 3, jnp.float16)]
   for (m, n, k), dtype in cases:
     inputs = _inputs((m, k), (k, n), dtype)
     ref = jnp.dot(*(x.astype(jnp.float32) for x in inputs[0]), precision=HIGHEST)
     fns = {"jnp.dot": jax.jit(jnp.dot)}
-    for name, fields in (variants | pingpong).items():
-      cfg = mosaic.default_config(m, n, k, dtype).replace(**fields)
+    base = mosaic.default_config(m, n, k, dtype)
+    configs = {name: base.replace(**fields) for name, fields in variants.items()} | {
+        name: _pingpong(base, fields) for name, fields in PINGPONG_VARIANTS.items()}
+    for name, cfg in configs.items():
       fns[name] = jax.jit(lambda a, b, cfg=cfg: _mosaic(a, b, cfg))
       err = relative_error(fns[name](*inputs[0]), ref)
       print(f"  {name}: relerr {err:.1e} vs float32 HIGHEST", flush=True)

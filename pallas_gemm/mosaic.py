@@ -1405,10 +1405,8 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   if split is not None:
     # One XLA pass splits each f32 operand into its bf16 pieces, separate arrays in the
     # operand's layout, and the kernel loads every piece tile by TMA (module docstring).
-    if split.dtype == "float16":  # the operands come scaled (`_scaled_split`)
-      a, b = _precision.f16_pieces(a), _precision.f16_pieces(b)
-    else:
-      a, b = (_precision.split(x, split.pieces) for x in (a, b))
+    # (float16 pieces: of operands `_scaled_split` scaled)
+    a, b = (_precision.pieces(x, split) for x in (a, b))
     tile_dtype = jnp.dtype(split.dtype)
 
   if c is not None:
