@@ -10,7 +10,7 @@ A gemm precision is one of
     "bfloat16" say what accuracy one gets, not how); the suffix says that this is
     float32's accuracy, not its algorithm.
   * "float32_f16x3": float32 inputs on tensor cores, each element kept to 2^-22 of
-    itself (23 bits, float32 has 24) or to 2^-39 of its row's (A) or column's (B) largest
+    itself (23 bits, float32 has 24) or to 2^-38 of its row's (A) or column's (B) largest
     magnitude; see "float16 pieces" below. Opt-in, named by its
     algorithm: its error is below SGEMM's where many terms of similar size are summed
     (SGEMM's rounding grows with K), and up to 1.75x SGEMM's where a few terms dominate
@@ -25,14 +25,16 @@ by TMA (see `mosaic` for why the split is no longer made inside the kernel).
 float16 pieces ("float32_f16x3"): each row of A and column of B is scaled by a power of two
 (exact) so that its largest finite magnitude lies in [2^13, 2^14), split into two float16
 pieces x = p0 + p1 + r (round-to-nearest, 11 significant bits each, |r| <= 2^-22 |x|, and
-<= 2^-25 absolute where p1 is a float16 subnormal: 2^-39 of the line's largest; p0 is 0
+<= 2^-25 absolute where p1 is a float16 subnormal: 2^-38 of the line's largest at most; p0 is 0
 below 2^-14), and p0 q0 + p0 q1 + p1 q0 run as three float16 products
 (p1 q1 <= 2^-22 dropped), accumulated as below; the result is scaled back. On the H200
 (session 14) its relerr was 0.2-0.26x SGEMM's on N(0,1) and wide-range inputs at
 4096^3-8192^3, but 0.8-1.75x SGEMM's on the "range" inputs of the tests (magnitudes
 2^0..2^115 in one row: a few terms dominate, and 23 bits per element show beside
-float32's 24). With that, and elements below 2^-39 of their line's largest becoming 0,
-float32_accurate stays bf16 X6.
+float32's 24). Where SGEMM is exact it is not: one_hot(ids) @ table changes a quarter of the
+gathered elements (by up to 2^-23 of themselves on N(0,1) tables). With that, and elements
+below 2^-39 of their line's largest becoming 0, float32_accurate stays bf16 X6. (No cheap
+guard on the inputs tells these cases apart: a one-hot row has no dynamic range at all.)
 
 Error model (relative to sum_k |a_ik b_kj|, per output element):
   * dropped products: X3 drops p1 q1 and smaller, <= 2^-16 per product (~2^-18
@@ -213,7 +215,7 @@ def f16_pieces(xs: jax.Array) -> list[jax.Array]:
   float16's subnormals to 0, so the piece is an exact float16 value and the remainder
   exact in float32. The remainder is then converted (round to nearest), keeping float16's
   subnormals: it loses bits only below 2^-14, i.e. each element is kept within
-  max(2^-22 |x|, 2^-25) of itself, 2^-25 being 2^-39 of its line's largest.
+  max(2^-22 |x|, 2^-25) of itself, 2^-25 being at most 2^-38 of its line's largest.
   """
   hi = lax.reduce_precision(jnp.clip(xs, -_F16_MAX, _F16_MAX), **_F16)
   return [hi.astype(jnp.float16), (xs - hi).astype(jnp.float16)]
