@@ -65,7 +65,10 @@ def _static_float(x, name: str) -> float:
   # a traced value would force a recompile per value or a runtime branch.
   if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, float, np.integer, np.floating)):
     raise TypeError(f"{name} must be a Python float (a static scalar); got {type(x).__name__} {x!r}")
-  return float(x)
+  try:
+    return float(x)
+  except OverflowError:  # an int beyond float's range
+    raise ValueError(f"{name} must fit in a float; got {x!r}") from None
 
 
 def explicitly_sharded(x) -> bool:
@@ -289,7 +292,7 @@ def _gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtyp
     if tuple(bias.shape) != (n,):
       raise ValueError(f"bias must have shape (N,) = ({n},); got {tuple(bias.shape)}")
   for name, act in (("activation", activation), ("a_activation", a_activation)):
-    if act is not None and act not in epilogue.ACTIVATIONS:
+    if act is not None and (not isinstance(act, str) or act not in epilogue.ACTIVATIONS):
       raise ValueError(f"{name} must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
                        f"got {act!r}")
   if out_dtype is None:
@@ -412,7 +415,7 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   if activation is None:
     return dense(dense(x, w1, b1, precision=precision, backend=backend), w2, b2,
                  precision=precision, out_dtype=out_dtype, backend=backend)
-  if activation not in epilogue.ACTIVATIONS:
+  if not isinstance(activation, str) or activation not in epilogue.ACTIVATIONS:
     raise ValueError(f"activation must be None or one of {sorted(epilogue.ACTIVATIONS)}; "
                      f"got {activation!r}")
   common = dict(c=None, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,

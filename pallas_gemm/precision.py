@@ -54,8 +54,16 @@ Error model (relative to sum_k |a_ik b_kj|, per output element):
     there, and a subnormal x (below 2^-126) becomes 0, an absolute error under
     2^-126 |b| per product. The pieces before the last are rounded from their
     remainder clamped to bf16's largest finite value, so no piece overflows where x
-    does not; inf and NaN propagate as in IEEE arithmetic (an infinite x has pieces
-    max, max, inf: sums of its products are inf, or NaN where multiplied by 0).
+    does not. An infinite x has pieces max, max, inf, so beside an N(0,1)-sized b its
+    products sum to IEEE's +-inf (NaN where multiplied by 0), and NaN propagates.
+  * not IEEE at overflow (found in session 15): a cross product such as p0 q1 has the
+    sign of q1, a remainder, not of the true product. It overflows where the true
+    product exceeds float32's range by 2^8 (a result that overflows), where an infinite
+    x meets |b| > 2^8 (X3, X6), and for X9's p2 q1 and p2 q2 with any b. The sum is then
+    NaN where SGEMM gives +-inf: non-finite either way, but the wrong one. The float16
+    pieces do not have this (their lines are scaled first, and the result overflows only
+    when scaled back); scaling the bf16 lines the same way would fix it, at the cost of a
+    reduction pass over both operands.
 """
 
 from __future__ import annotations
@@ -122,8 +130,11 @@ def normalize(precision):
   """
   if precision is None or isinstance(precision, (jax.lax.Precision, Preset)):
     return None if precision == Preset.DEFAULT else precision
+  if isinstance(precision, jax.lax.DotAlgorithm):  # (a NamedTuple, not a pair)
+    raise ValueError(f"precision: gemm takes a jax.lax.DotAlgorithmPreset, not a custom "
+                     f"jax.lax.DotAlgorithm; got {precision!r}")
   if isinstance(precision, (tuple, list)):
-    if len(precision) != 2 or precision[0] != precision[1]:
+    if len(precision) != 2 or normalize(precision[0]) != normalize(precision[1]):
       raise ValueError(f"precision must be one Precision for both operands; got {precision!r}")
     return normalize(precision[0])
   if isinstance(precision, str):

@@ -36,12 +36,19 @@ B = jnp.ones((8, 5), jnp.float32)
     (dict(precision="float32_accurate", a=np.ones((4, 4), jnp.float16),
           b=np.ones((4, 4), jnp.float16)), ValueError, r"'float32_accurate' is for float32"),
     (dict(precision=3), TypeError, r"precision must be None, a str"),
+    (dict(precision=jax.lax.DotAlgorithm(jnp.float32, jnp.float32, jnp.float32)), ValueError,
+     r"precision: gemm takes a jax.lax.DotAlgorithmPreset, not a custom"),
+    (dict(precision=(jax.lax.Precision.HIGHEST, "high")), ValueError, r"one Precision for both"),
+    (dict(precision=[jax.lax.Precision.HIGHEST, "highest"], c=jnp.ones((4, 5)), beta=1.0), None,
+     None),
+    (dict(alpha=10**400), ValueError, r"alpha must fit in a float; got 1000"),
     (dict(backend="cublas"), ValueError, r"backend must be 'auto' or one of .*'cublas'"),
     (dict(backend="triton", config=pallas_gemm.xla.Config()), TypeError,
      r"config must be a pallas_gemm.triton.Config"),
     (dict(interpret="yes"), TypeError, r"interpret must be None or a bool"),
     (dict(activation="tanh"), ValueError, r"activation must be None or one of .*'tanh'"),
     (dict(a_activation="tanh"), ValueError, r"a_activation must be None or one of .*'tanh'"),
+    (dict(activation=["relu"]), ValueError, r"activation must be None or one of .*\['relu'\]"),
     (dict(config={"block_m": 64}), TypeError, r"config must be a pallas_gemm.<backend>.Config; got dict"),
     (dict(c=jnp.ones((4, 5)), beta=1.0, config=pallas_gemm.xla.Config()), None, None),
 ])
@@ -63,6 +70,7 @@ def test_bad_input(kwargs, error, match):
     (dict(b1=jnp.ones((5,))), r"b1 must be None or have shape \(6,\); got \(5,\)"),
     (dict(b2=jnp.ones((6,))), r"b2 must be None or have shape \(3,\)"),
     (dict(activation="tanh"), r"activation must be None or one of .*'tanh'"),
+    (dict(activation={"relu": 1}), r"activation must be None or one of .*\{'relu': 1\}"),
     (dict(x=jnp.float32(1.0)), r"x must have rank >= 1"),
 ])
 def test_mlp_bad_input(kwargs, match):
