@@ -384,6 +384,10 @@ def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=
   ``dense(dense(x, w1, b1, "gelu"), w2, b2)`` with GELU's derivative fused into the
   backward GEMM that computes the hidden gradient."""
   x, x2 = _rows(x, "K")
+  _check_weight("w", w, x.shape[-1], "K = x.shape[-1]")  # named as dense's, not gemm's b
+  if bias is not None and tuple(getattr(bias, "shape", ())) != (w.shape[1],):
+    raise ValueError(f"bias must be None or have shape ({w.shape[1]},) (N = w.shape[1]); got "
+                     f"{getattr(bias, 'shape', type(bias).__name__)}")
   out = gemm(x2, w, bias=bias, activation=activation, precision=precision,
              out_dtype=out_dtype, backend=backend, config=config, a_activation=input_activation)
   return out.reshape(x.shape[:-1] + out.shape[-1:])

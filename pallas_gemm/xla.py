@@ -39,6 +39,10 @@ _CPU_PRESETS = tuple(getattr(jax.lax.DotAlgorithmPreset, name) for name in (
     "F32_F32_F32", "F64_F64_F64"))
 
 
+_CPU_AS_FP32 = tuple(getattr(jax.lax.DotAlgorithmPreset, name) for name in (
+    "BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"))
+
+
 def supports(dtype, precision) -> str | None:
   del dtype
   if (isinstance(precision, jax.lax.DotAlgorithmPreset) and precision not in _CPU_PRESETS
@@ -71,6 +75,12 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
             and not (epilogue and np.dtype(out_dtype) == np.dtype(np.float16)))
   acc_dtype = out_dtype if direct else jnp.float32
   precision = precisions.for_lax(precision)
+  if (m == n == 1 and precision in _CPU_AS_FP32 and np.dtype(a.dtype) == np.float32
+      and jax.default_backend() == "cpu"):
+    # XLA's CPU emitter rejects these presets on a 1x1 product ("Algorithm not supported
+    # by the ElementalIrEmitter", jnp.dot too); elsewhere it computes them as float32
+    # dots, bitwise HIGHEST's (jax 0.11.2), so HIGHEST here is the same product.
+    precision = jax.lax.Precision.HIGHEST
   a_op = jnp.swapaxes(a, 1, 2) if transpose_a else a    # (batch, M, K); XLA folds the transpose
   b_op = jnp.swapaxes(b, 1, 2) if transpose_b else b    # (batch_b, K, N)
   if b_op.shape[0] == 1:  # shared B: one (batch*M, K) @ (K, N) product, no broadcast copy

@@ -84,6 +84,22 @@ def test_mlp_bad_input(kwargs, match):
   np.testing.assert_allclose(pallas_gemm.mlp(**args), 48.0)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(w=jnp.ones((7, 6))), r"w must have shape \(8, \.\.\.\) \(K = x.shape\[-1\]\); got \(7, 6\)"),
+    (dict(w="w"), r"w must have shape \(8, \.\.\.\).*got str"),
+    (dict(bias=jnp.ones((5,))), r"bias must be None or have shape \(6,\) \(N = w.shape\[1\]\); got \(5,\)"),
+    (dict(x=jnp.float32(1.0)), r"x must have rank >= 1"),
+])
+def test_dense_bad_input(kwargs, match):
+  """dense names its own arguments (x, w, bias), not the a and b of the gemm it calls."""
+  args = dict(x=jnp.ones((4, 8)), w=jnp.ones((8, 6)), bias=jnp.ones((6,)))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    pallas_gemm.dense(**args)
+  np.testing.assert_allclose(pallas_gemm.dense(jnp.ones((4, 8)), jnp.ones((8, 6)), jnp.ones((6,))),
+                             9.0)  # the control: a valid call
+
+
 def test_config_that_does_not_fit():
   with pytest.raises(ValueError, match="block_m"):
     pallas_gemm.triton.Config(block_m=48, block_n=64, block_k=32)

@@ -183,6 +183,20 @@ def test_shapes(backend, precision, m, n, k, rng):
   _check(backend, precision, rng, m, n, k)
 
 
+@pytest.mark.parametrize("precision", SPLIT_PRECISIONS, ids=str)
+def test_dot_products(backend, precision, rng):
+  """1 x 1 outputs (vector dot products, as dot_general and einsum make them; XLA's CPU
+  emitter rejects the bf16 presets there), batched so that the relative error is over 64
+  of them, not over one sum that may cancel; and one unbatched, its error measured
+  against sum_k |a_k b_k| for the same reason."""
+  _check(backend, precision, rng, 1, 1, 33, batch=(64,))
+  a, b = family("normal", rng, (1, 33)), family("normal", rng, (33, 1), "b")
+  out = gemm(jnp.asarray(a), jnp.asarray(b), precision=precision, backend=backend)
+  scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+  err = np.abs(np.asarray(out, np.float64) - reference(a, b))
+  assert out.shape == (1, 1) and err <= tolerance(np.float32, precision, 33) * scale
+
+
 @pytest.mark.parametrize("precision", OWN_PRECISIONS)
 @pytest.mark.parametrize("kind", ["wide", "range"])
 def test_input_families(backend, precision, kind, rng):
