@@ -206,7 +206,9 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       or none (one b shared by every batch entry).
     c: None, or an array broadcastable to the output shape (..., M, N). As in BLAS, c is
       not read when ``beta == 0`` (NaNs in it do not propagate).
-    alpha, beta: Python floats (static: they select the kernel's epilogue).
+    alpha, beta: Python floats (static: they select the kernel's epilogue). With K = 0
+      the product is not formed and alpha is not applied (BLAS's quick return), so even
+      a NaN or infinite alpha gives ``beta * c``.
     transpose_a, transpose_b: read the operand as its transpose over the last two axes.
     precision: as for ``jnp.dot``. For float32 inputs ``jax.lax.Precision.HIGHEST`` is
       IEEE fp32; None/DEFAULT/HIGH let the GPU use TF32 tensor cores (about 3e-4 relative

@@ -360,6 +360,9 @@ def test_zero_size(backend, shape_a, shape_b):
   out = gemm(a, b, c, beta=2.0, backend=backend)
   assert out.shape == out_shape
   np.testing.assert_array_equal(out, np.full(out_shape, 6.0))  # empty K: the sum is 0
+  if shape_a[-1] == 0:  # BLAS's quick return: alpha is not applied to an empty sum
+    out = gemm(a, b, c, alpha=float("nan"), beta=2.0, backend=backend)
+    np.testing.assert_array_equal(out, np.full(out_shape, 6.0))
 
 
 # Inf * 0 is NaN by design here; NumPy (Mosaic GPU's interpreter) warns about it.
