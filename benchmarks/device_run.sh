@@ -29,7 +29,8 @@ fi
 if has test; then
   log tests
   # eval: PYTEST_ARGS may hold a quoted expression, e.g. PYTEST_ARGS="-k 'mosaic or auto'".
-  eval "timeout 480 python3 -m pytest -q -rs -p no:cacheprovider --timeout 120 ${PYTEST_ARGS:-} tests" 2>&1 \
+  # PYTEST_FILES splits the suite over calls (the whole one-GPU suite takes longer than one).
+  eval "timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rs -p no:cacheprovider --timeout 120 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests}" 2>&1 \
     | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-220 | tail -60
 fi
 
