@@ -22,6 +22,20 @@ significant bits), and sum the piece products p_i q_j that matter (`Split.produc
 An XLA pass writes the pieces (`split`), and the Mosaic GPU kernel loads them
 by TMA (see `mosaic` for why the split is no longer made inside the kernel).
 
+Why bf16 X6 carries float32_accurate (H100/H200 ceilings: bf16 989 TFLOP/s, TF32 495):
+  * bf16 X6: ~165 TFLOP/s for the six products, and its dropped terms (<= 2^-23) are below
+    float32's own rounding. Measured 2.2-2.6x SGEMM (H200, sessions 13-16).
+  * 3xTF32: the same ~165 TFLOP/s ceiling, but two TF32 pieces keep ~22 bits (the
+    dropped lo*lo term is ~2^-22), and wgmma reads 32-bit operands only K-major (a
+    transposed copy for one operand). Not built: no faster, and less accurate.
+  * bf16 X9: ~110 TFLOP/s, for terms X6 already keeps below float32's rounding.
+  * Ozaki int8 slices: ~247 TFLOP/s at 8 moduli, but the exponent scaling and the
+    reconstruction are memory-bound passes outside the GEMM (the published GH200 figure is
+    1.7-1.8x SGEMM at 4096^3, below X6's 2.5x here), and per-row scaling loses precision
+    on rows with a wide dynamic range (the "range" family). Not built.
+  * float16 pieces, 3 products (~330 TFLOP/s): measured fastest (3.5-3.8x SGEMM), but not
+    exact where SGEMM is (below), so it is the opt-in float32_f16x3.
+
 float16 pieces ("float32_f16x3"): each row of A and column of B is scaled by a power of two
 (exact) so that its largest finite magnitude lies in [2^13, 2^14), split into two float16
 pieces x = p0 + p1 + r (round-to-nearest, 11 significant bits each, |r| <= 2^-22 |x|, and
