@@ -386,10 +386,9 @@ def dense(x, w, bias=None, activation=None, *, input_activation=None, precision=
   ``dense(dense(x, w1, b1, "gelu"), w2, b2)`` with GELU's derivative fused into the
   backward GEMM that computes the hidden gradient."""
   x, x2 = _rows(x, "K")
-  _check_weight("w", w, x.shape[-1], "K = x.shape[-1]")  # named as dense's, not gemm's b
-  if bias is not None and tuple(getattr(bias, "shape", ())) != (w.shape[1],):
-    raise ValueError(f"bias must be None or have shape ({w.shape[1]},) (N = w.shape[1]); got "
-                     f"{getattr(bias, 'shape', type(bias).__name__)}")
+  # Checked here so that the errors name dense's arguments, not gemm's a and b.
+  n = _check_weight("w", w, x.shape[-1], "K = x.shape[-1]")
+  _check_bias("bias", bias, n, "N = w.shape[1]")
   out = gemm(x2, w, bias=bias, activation=activation, precision=precision,
              out_dtype=out_dtype, backend=backend, config=config, a_activation=input_activation)
   return out.reshape(x.shape[:-1] + out.shape[-1:])
@@ -414,10 +413,8 @@ def mlp(x, w1, b1, w2, b2, activation="gelu", *, precision=None, out_dtype=None,
   # Checked here so that the errors name mlp's arguments, not the layers' a and b.
   hidden = _check_weight("w1", w1, x.shape[-1], "D = x.shape[-1]")
   n = _check_weight("w2", w2, hidden, "H = w1.shape[1]")
-  for name, bias, size in (("b1", b1, hidden), ("b2", b2, n)):
-    if bias is not None and tuple(getattr(bias, "shape", ())) != (size,):
-      raise ValueError(f"{name} must be None or have shape ({size},); got "
-                       f"{getattr(bias, 'shape', type(bias).__name__)}")
+  _check_bias("b1", b1, hidden)
+  _check_bias("b2", b2, n)
   if activation is None:
     return dense(dense(x, w1, b1, precision=precision, backend=backend), w2, b2,
                  precision=precision, out_dtype=out_dtype, backend=backend)
@@ -448,3 +445,11 @@ def _check_weight(name: str, w, rows: int, what: str) -> int:
     raise ValueError(f"{name} must have shape ({rows}, ...) ({what}); got "
                      f"{shape if hasattr(w, 'shape') else type(w).__name__}")
   return shape[1]
+
+
+def _check_bias(name: str, bias, size: int, what: str | None = None) -> None:
+  """A layer's bias is None or a vector of `size` (`what`, where the size needs naming)."""
+  if bias is not None and tuple(getattr(bias, "shape", ())) != (size,):
+    raise ValueError(f"{name} must be None or have shape ({size},)"
+                     f"{f' ({what})' if what else ''}; got "
+                     f"{getattr(bias, 'shape', type(bias).__name__)}")

@@ -78,8 +78,9 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
   if (m == n == 1 and precision in _CPU_AS_FP32 and np.dtype(a.dtype) == np.float32
       and jax.default_backend() == "cpu"):
     # XLA's CPU emitter rejects these presets on a 1x1 product ("Algorithm not supported
-    # by the ElementalIrEmitter", jnp.dot too); elsewhere it computes them as float32
-    # dots, bitwise HIGHEST's (jax 0.11.2), so HIGHEST here is the same product.
+    # by the ElementalIrEmitter", jnp.dot too); on the shapes it accepts it computes them
+    # as float32 dots, bitwise HIGHEST's where measured (jax 0.11.2), so HIGHEST is the
+    # same product.
     precision = jax.lax.Precision.HIGHEST
   a_op = jnp.swapaxes(a, 1, 2) if transpose_a else a    # (batch, M, K); XLA folds the transpose
   b_op = jnp.swapaxes(b, 1, 2) if transpose_b else b    # (batch_b, K, N)
