@@ -88,6 +88,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_gemm.epilogue import activate, apply, derivative
 from pallas_gemm import precision as _precision
 from pallas_gemm import tuning
+from pallas_gemm.mosaic.layout import (_pad_for_tma, _round_up, _swizzle_transforms, _tma_padded_shape,
+                                        _tma_tile, _unpad)
 
 NAME = "mosaic"
 # The bias and these activations run in the kernel's epilogue. Not gelu_exact: with
@@ -307,10 +309,6 @@ class Config:
     return min(2, sub_tiles)
 
   replace = dataclasses.replace
-
-
-def _round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
 
 
 def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
@@ -679,15 +677,6 @@ def _swizzle_minor(config: Config, minor: int, k_major: bool, split) -> int:
   transpose before the split) and its tile takes the K-major tile's swizzle (block_k
   wide, 64 bytes for block_k=32): wgmma needs the same swizzle on both operands."""
   return config.block_k if split is not None and not k_major else minor
-
-
-def _swizzle_transforms(minor_elems: int, dtype):
-  """Tiling + swizzle for a smem tile whose last dim has minor_elems elements."""
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(minor_elems * bits)
-  swizzle_elems = swizzle * 8 // bits
-  return (plgpu.TilingTransform((8, swizzle_elems)),
-          plgpu.SwizzleTransform(swizzle))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1287,36 +1276,6 @@ def _warp_producer_kernel(*, cfg, a_block, b_block, a_transforms, b_transforms, 
 # ----------------------------------------------------------------------------
 
 
-def _tma_tile(minor_elems: int, dtype) -> tuple[int, int]:
-  """The (rows, cols) tile of the smem transform for a given block minor dim."""
-  tiling, _ = _swizzle_transforms(minor_elems, dtype)
-  return tiling.tiling
-
-
-def _tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
-  return _round_up(rows, tile[0]), _round_up(cols, tile[1])
-
-
-def _pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.Array:
-  """Zero-pads the last two dims of x up to multiples of the TMA tile.
-
-  Mosaic GPU issues a tiled+swizzled TMA through a view of the whole global
-  array as (rows / 8, cols / swizzle_elems, 8, swizzle_elems), so both dims of
-  the array (not just of the block) must be multiples of the tile (a multiple
-  of the swizzle width also makes the row stride 16-byte aligned). Aligned
-  arrays are returned as they are; others cost one read+write (jnp.pad).
-  min_cols: the block's minor (contiguous) size. On the H200 an output narrower
-  than the block gave a wrong result (129x7x65 bf16, block_n=256, out padded to 64
-  columns): small arrays are padded up to the block (operands, C and output).
-  """
-  rows, cols = x.shape[-2:]
-  pr, pc = _tma_padded_shape(rows, cols, tile)
-  pc = max(pc, min_cols)
-  if (pr, pc) == (rows, cols):
-    return x
-  return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pr - rows), (0, pc - cols)])
-
-
 def _num_sms(config: Config, interpret: bool) -> int:
   if config.num_sms is not None:
     return config.num_sms
@@ -1614,13 +1573,3 @@ def _approx_epilogue(activation, c_gate, out_dtype) -> bool:
   more than reading C (0.10; H100, session 10, `probe.py gate`)."""
   return (jnp.dtype(out_dtype) == jnp.bfloat16
           and bool({activation, c_gate} & {"gelu", "silu"}))
-
-
-def _unpad(out: jax.Array, m: int, n: int, interpret: bool) -> jax.Array:
-  """out[:, :m, :n]. On a GPU with the Pallas Triton lowering: its copy kernel (3x
-  faster than XLA's slice for rows that are not 16-byte aligned, see triton.unpad)."""
-  from pallas_gemm import triton  # noqa: PLC0415 - the deprecated lowering stays optional
-
-  if interpret or triton.unavailable_reason() is not None or jax.default_backend() != "gpu":
-    return out[:, :m, :n]
-  return triton.unpad(out, m, n)

@@ -1,0 +1,61 @@
+"""Global-memory layout for Mosaic GPU TMA: swizzled shared-memory tiles and the padding
+that lets TMA describe any operand. Shared by every Mosaic kernel in this package."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _swizzle_transforms(minor_elems: int, dtype):
+  """Tiling + swizzle for a smem tile whose last dim has minor_elems elements."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(minor_elems * bits)
+  swizzle_elems = swizzle * 8 // bits
+  return (plgpu.TilingTransform((8, swizzle_elems)),
+          plgpu.SwizzleTransform(swizzle))
+
+
+def _tma_tile(minor_elems: int, dtype) -> tuple[int, int]:
+  """The (rows, cols) tile of the smem transform for a given block minor dim."""
+  tiling, _ = _swizzle_transforms(minor_elems, dtype)
+  return tiling.tiling
+
+
+def _tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
+  return _round_up(rows, tile[0]), _round_up(cols, tile[1])
+
+
+def _pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.Array:
+  """Zero-pads the last two dims of x up to multiples of the TMA tile.
+
+  Mosaic GPU issues a tiled+swizzled TMA through a view of the whole global
+  array as (rows / 8, cols / swizzle_elems, 8, swizzle_elems), so both dims of
+  the array (not just of the block) must be multiples of the tile (a multiple
+  of the swizzle width also makes the row stride 16-byte aligned). Aligned
+  arrays are returned as they are; others cost one read+write (jnp.pad).
+  min_cols: the block's minor (contiguous) size. On the H200 an output narrower
+  than the block gave a wrong result (129x7x65 bf16, block_n=256, out padded to 64
+  columns): small arrays are padded up to the block (operands, C and output).
+  """
+  rows, cols = x.shape[-2:]
+  pr, pc = _tma_padded_shape(rows, cols, tile)
+  pc = max(pc, min_cols)
+  if (pr, pc) == (rows, cols):
+    return x
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pr - rows), (0, pc - cols)])
+
+
+def _unpad(out: jax.Array, m: int, n: int, interpret: bool) -> jax.Array:
+  """out[:, :m, :n]. On a GPU with the Pallas Triton lowering: its copy kernel (3x
+  faster than XLA's slice for rows that are not 16-byte aligned, see triton.unpad)."""
+  from pallas_gemm import triton  # noqa: PLC0415 - the deprecated lowering stays optional
+
+  if interpret or triton.unavailable_reason() is not None or jax.default_backend() != "gpu":
+    return out[:, :m, :n]
+  return triton.unpad(out, m, n)
