@@ -1,6 +1,8 @@
 """python -m benchmarks: time pallas_gemm's backends against jnp.dot.
 
-  python -m benchmarks                      # small default (~1-2 min, also on a CPU)
+  python -m benchmarks                      # GPU: the headline sweep (~1-2 min); CPU: --quick
+  python -m benchmarks --quick              # the small sweep, 128^3-512^3 (also on a CPU)
+  python -m benchmarks --headline           # the headline sweep anywhere (tiny on a CPU)
   python -m benchmarks --gpu-default        # a ~2 min GPU check of the main regimes
   python -m benchmarks --full               # the GPU sweep (~7 min on an H100, budget 400 s)
   python -m benchmarks --full --shapes square,skinny --dtypes bf16 --backends triton,mosaic
@@ -10,6 +12,12 @@
   python -m benchmarks --sharded            # many GPUs: gemm vs jnp.dot under jit shardings
   python -m benchmarks --mlp                # an MLP training step and an epilogue vs XLA
   python -m benchmarks --precision          # float32 presets / float32_accurate: speed, error
+  python -m benchmarks --ragged             # grouped GEMM (benchmarks/ragged.py)
+  python -m benchmarks --fp8                # fp8 GEMMs with scales (benchmarks/fp8.py)
+
+The headline sweep compares bf16 (aligned and misaligned), f32 HIGHEST, float32_accurate
+and a fused bias + GELU layer with jnp.dot in the same run: ratios per round, variants in
+rotated order, median with the quartiles and extremes (benchmarks/headline.py).
 
 Writes results.json, results.md and PNG plots to --out (default
 benchmarks/results/<date>-<device>/) and prints the markdown table last.
@@ -19,19 +27,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import pathlib
 import re
 import sys
 
 import jax
 
-from benchmarks import report, runner
+from benchmarks import headline, report, runner
 from benchmarks import shapes as shapes_lib
 
 
 def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true",
+                 help="the small sweep (square 128-512, ragged, batched): the CPU's default")
+  p.add_argument("--headline", action="store_true",
+                 help="the headline sweep (the GPU's default) on any machine")
+  p.add_argument("--rounds", type=int, default=headline.ROUNDS,
+                 help="headline: rounds in rotated order (each --iterations calls)")
   p.add_argument("--full", action="store_true",
                  help="the full GPU sweep (square 256..16384, ragged, skinny, K-heavy/light, "
                       "batched; f32 IEEE/TF32, bf16, f16)")
@@ -60,7 +75,27 @@ def parse_args(argv):
   args = p.parse_args(argv)
   if args.iterations < 1:
     p.error("--iterations must be >= 1")
+  if args.rounds < 1:
+    p.error("--rounds must be >= 1")
   return args
+
+
+# Flags that ask for the shape sweep (runner.py); without any of them a GPU runs the
+# headline sweep.
+_SWEEP_FLAGS = ("quick", "full", "gpu_default", "shapes", "dtypes", "backends", "autotune",
+                "list")
+
+
+def _delegate(flag: str, module_name: str, argv: list[str]) -> int:
+  """Runs benchmarks.<module_name>.main on argv without `flag`; exit 2 if it is absent."""
+  try:
+    module = importlib.import_module(f"benchmarks.{module_name}")
+  except ModuleNotFoundError as e:
+    if e.name != f"benchmarks.{module_name}":
+      raise
+    print(f"{flag}: benchmarks/{module_name}.py is not in this checkout", file=sys.stderr)
+    return 2
+  return module.main([x for x in argv if x != flag])
 
 
 def _select_backends(spec, status) -> tuple[list[str], list[str]]:
@@ -88,17 +123,15 @@ def _default_out() -> pathlib.Path:
 
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if "--sharded" in argv:  # its own table: gemm vs jnp.dot under jit shardings
-    from benchmarks import sharded  # noqa: PLC0415
-    return sharded.main([x for x in argv if x != "--sharded"])
-  if "--mlp" in argv:  # its own table: a training step and an epilogue vs XLA
-    from benchmarks import mlp  # noqa: PLC0415
-    return mlp.main([x for x in argv if x != "--mlp"])
-  if "--precision" in argv:  # its own table: float32 presets, speed and error
-    from benchmarks import precision  # noqa: PLC0415
-    return precision.main([x for x in argv if x != "--precision"])
+  # Each of these has its own table and options (`python -m benchmarks --mlp --help`).
+  for flag in ("--sharded", "--mlp", "--precision", "--ragged", "--fp8"):
+    if flag in argv:
+      return _delegate(flag, flag[2:], argv)
   args = parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
+  sweep = any(getattr(args, name) for name in _SWEEP_FLAGS)
+  if args.headline or (on_gpu and not sweep):
+    return headline.main(argv, args.out or _default_out(), args.rounds, args.iterations)
   status = runner.available_backends()
   backends, notes = _select_backends(args.backends, status)
   dtypes = shapes_lib.parse_dtypes(args.dtypes)
@@ -146,7 +179,7 @@ def main(argv=None) -> int:
                         use_tuned=args.tuned, budget_s=budget)
   rows, info = runner.run(pairs, backends, opts)
   meta = report.run_metadata(dict(info, mode="full" if args.full else
-                                  "gpu-default" if args.gpu_default else "default",
+                                  "gpu-default" if args.gpu_default else "quick",
                                   backends_status=status), argv)
   text, written = report.write_all(args.out or _default_out(), meta, rows)
   print("\n".join(f"wrote {p}" for p in written), flush=True)

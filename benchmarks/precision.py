@@ -32,7 +32,7 @@ Preset = jax.lax.DotAlgorithmPreset
 PRECISIONS = (Preset.TF32_TF32_F32, Preset.TF32_TF32_F32_X3, Preset.BF16_BF16_F32,
               Preset.BF16_BF16_F32_X3, Preset.BF16_BF16_F32_X6, Preset.BF16_BF16_F32_X9,
               P.FLOAT32_ACCURATE, P.FLOAT32_F16X3)
-_ERR_ROWS = 256
+ERR_ROWS = 256
 
 
 def _name(precision) -> str:
@@ -54,7 +54,7 @@ def family(kind: str, shape, seed: int, operand: str = "a") -> np.ndarray:
 
 
 def errors(out, a, b) -> tuple[float, float]:
-  rows = min(_ERR_ROWS, a.shape[0])
+  rows = min(ERR_ROWS, a.shape[0])
   ref = a[:rows].astype(np.float64) @ b.astype(np.float64)
   got = np.asarray(out[:rows], np.float64)
   return (float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),

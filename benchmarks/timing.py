@@ -36,21 +36,24 @@ class Timer:
     """Warm up (compile) on every input set, then time `iterations` calls cycling the sets."""
     for args in arg_sets:
       jax.block_until_ready(fn(*args))  # errors of fn itself surface here, not as timer errors
+    return _summary(self.sample(fn, arg_sets, iterations))
+
+  def sample(self, fn, arg_sets, calls: int) -> list[float]:
+    """ms of each of `calls` calls of an already compiled fn, cycling the input sets."""
     if self._use_cupti:
       try:
-        times = tuning.time_gpu_ms(fn, arg_sets, iterations, warmup=False)
-        return _summary(times)
+        return tuning.time_gpu_ms(fn, arg_sets, calls, warmup=False)
       except Exception as e:  # noqa: BLE001 - any CUPTI failure: fall back, say so once
         self._use_cupti = False
         self.name = f"wallclock (block_until_ready; CUPTI failed: {type(e).__name__}: {e})"
         print(f"WARNING: CUPTI timing failed ({e}); using wall clock from here on", flush=True)
     times = []
-    for i in range(iterations):
+    for i in range(calls):
       args = arg_sets[i % len(arg_sets)]
       start = time.perf_counter()
       jax.block_until_ready(fn(*args))
       times.append((time.perf_counter() - start) * 1e3)
-    return _summary(times)
+    return times
 
 
 def _summary(times: list[float]) -> Timing:
@@ -81,3 +84,56 @@ def interleaved_ms(fns: dict, *args, calls: int = 10, reps: int = 7) -> dict:
       runs[name].append((time.perf_counter() - start) * 1e3 / calls)
       del out
   return {name: statistics.median(t) for name, t in runs.items()}
+
+
+def rounds_ms(timer: Timer, fns: dict, arg_sets, rounds: int, calls: int) -> dict:
+  """{name: [ms per round]}: each round times `calls` calls of every function (its median
+  is the round's figure), the functions in an order rotated by one place each round.
+
+  A power-capped GPU moves its clock by a few percent within seconds, and the function
+  timed first after another's burst meets a different clock than the one timed last:
+  rotating the order gives every function every slot, and comparing functions within one
+  round (`ratio_stats`) cancels the drift between rounds. Compile and first-touch first.
+  """
+  for fn in fns.values():
+    for args in arg_sets:
+      jax.block_until_ready(fn(*args))
+  names = list(fns)
+  out = {name: [] for name in names}
+  for r in range(rounds):
+    shift = r % len(names)
+    for name in names[shift:] + names[:shift]:
+      out[name].append(statistics.median(timer.sample(fns[name], arg_sets, calls)))
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+  """Per-round ratios base / other (> 1: other is faster): median, quartiles, extremes.
+
+  `spread` is half the interquartile range. For a dozen rounds that is about twice the
+  standard error of the median, so |median - 1| < spread is reported as parity: the
+  difference is not resolved by this run.
+  """
+  median: float
+  p25: float
+  p75: float
+  low: float
+  high: float
+  rounds: int
+
+  @property
+  def spread(self) -> float:
+    return (self.p75 - self.p25) / 2
+
+  @property
+  def verdict(self) -> str:
+    if abs(self.median - 1.0) < self.spread:
+      return "parity"
+    return "faster" if self.median > 1.0 else "slower"
+
+
+def ratio_stats(base_ms: list[float], other_ms: list[float]) -> Ratio:
+  ratios = [b / o for b, o in zip(base_ms, other_ms, strict=True)]
+  q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+  return Ratio(statistics.median(ratios), q[0], q[2], min(ratios), max(ratios), len(ratios))
