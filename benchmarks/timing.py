@@ -56,6 +56,19 @@ class Timer:
     return times
 
 
+class PipelinedTimer:
+  """Wall clock of `calls` back-to-back calls (dispatch pipelined, one wait at the end),
+  per call: what a jitted program costs with its launch gaps, which CUPTI's sum of kernel
+  times leaves out. One figure per sample."""
+
+  name = "wallclock (pipelined calls, one wait)"
+
+  def sample(self, fn, arg_sets, calls: int) -> list[float]:
+    start = time.perf_counter()
+    jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(calls)])
+    return [(time.perf_counter() - start) * 1e3 / calls]
+
+
 def _summary(times: list[float]) -> Timing:
   return Timing(statistics.median(times), min(times), max(times), len(times))
 
@@ -86,7 +99,7 @@ def interleaved_ms(fns: dict, *args, calls: int = 10, reps: int = 7) -> dict:
   return {name: statistics.median(t) for name, t in runs.items()}
 
 
-def rounds_ms(timer: Timer, fns: dict, arg_sets, rounds: int, calls: int) -> dict:
+def rounds_ms(timer: Timer | PipelinedTimer, fns: dict, arg_sets, rounds: int, calls: int) -> dict:
   """{name: [ms per round]}: each round times `calls` calls of every function (its median
   is the round's figure), the functions in an order rotated by one place each round.
 

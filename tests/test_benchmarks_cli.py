@@ -1,0 +1,83 @@
+"""The benchmark command line on a CPU: the headline sweep, --mlp's training steps, the
+round-robin timing and its ratio statistics (tiny shapes; the GPU runs the same code)."""
+
+import json
+
+import pytest
+
+from benchmarks import timing
+from benchmarks.__main__ import _delegate, main
+
+
+def test_ratio_stats_verdicts():
+  faster = timing.ratio_stats([2.0, 2.2, 1.8, 2.0], [1.0, 1.1, 0.9, 1.0])
+  assert faster.median == pytest.approx(2.0) and faster.spread == pytest.approx(0.0)
+  assert faster.verdict == "faster" and faster.rounds == 4
+  # Ratios 0.95..1.07 around a median of 1.005: the spread covers the difference.
+  tie = timing.ratio_stats([1.0] * 5, [1 / 0.95, 1 / 0.99, 1 / 1.005, 1 / 1.02, 1 / 1.07])
+  assert tie.low == pytest.approx(0.95) and tie.high == pytest.approx(1.07)
+  assert tie.p25 == pytest.approx(0.99) and tie.p75 == pytest.approx(1.02)
+  assert tie.verdict == "parity"
+  assert timing.ratio_stats([1.0, 1.0], [1.1, 1.1]).verdict == "slower"
+
+
+class _RecordingTimer:
+  name = "recording"
+
+  def __init__(self):
+    self.order = []
+
+  def sample(self, fn, arg_sets, calls):
+    self.order.append(fn(*arg_sets[0]))
+    return [float(len(self.order))] * calls
+
+
+def test_rounds_rotate_the_order():
+  timer = _RecordingTimer()
+  fns = {name: (lambda x, name=name: name) for name in "abc"}
+  per_round = timing.rounds_ms(timer, fns, [(0,)], rounds=3, calls=2)
+  assert timer.order == list("abc" "bca" "cab")  # every function in every slot once
+  assert all(len(v) == 3 for v in per_round.values())
+  assert per_round["a"] == [1.0, 6.0, 8.0]  # each round's median, in round order
+
+
+def test_headline_on_cpu(tmp_path):
+  assert main(["--headline", "--rounds", "2", "--iterations", "2", "--out", str(tmp_path)]) == 0
+  data = json.loads((tmp_path / "headline.json").read_text())
+  rows = data["rows"]
+  cases = {r["case"] for r in rows}
+  assert any("float32_accurate" in c for c in cases) and any("dense" in c for c in cases)
+  assert any("misaligned" in c for c in cases) and any("HIGHEST" in c for c in cases)
+  candidates = [r for r in rows if not r["baseline"]]
+  assert len(candidates) == len(cases) and len(rows) == 2 * len(cases)
+  for r in candidates:
+    assert r["status"] == "ok" and r["correct"], r
+    assert r["low"] <= r["p25"] <= r["ratio"] <= r["p75"] <= r["high"]
+    assert r["verdict"] in ("faster", "slower", "parity") and len(r["round_ms"]) == 2
+  assert all("rel_err_wide" in r for r in rows if "f32" in r["case"] or "float32" in r["case"])
+  assert "| case |" in (tmp_path / "headline.md").read_text()
+
+
+def test_mlp_steps_on_cpu(tmp_path):
+  pytest.importorskip("optax", reason="the adamw step needs optax (the flax extra)")
+  assert main(["--mlp", "--kinds", "grad,sgd,adamw", "--rounds", "2", "--steps", "1",
+               "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "mlp.json").read_text())["rows"]
+  steps = [r for r in rows if r["bench"] == "mlp step"]
+  assert {(r["dtype"], r["kind"]) for r in steps} == {
+      (d, k) for d in ("bf16", "f32-highest") for k in ("grad", "sgd", "adamw")}
+  assert {r["variant"] for r in steps} == {
+      "stock (XLA)", "stock again (A/A)", "pallas_gemm.mlp", "dot_general"}
+  for r in steps:
+    assert r["ok"] and r["ms"] > 0 and len(r["round_ms"]) == 2, r
+    if r["variant"] == "stock (XLA)":
+      assert r["ratio"] == 1.0 and r["loss_rel_diff"] == 0.0
+    if r["kind"] == "grad":  # the gradients were compared with stock's
+      assert r["update_rel_diff"] is not None and r["update_rel_diff"] <= r["bound"]
+  assert any(r["bench"].startswith("alpha/beta") for r in rows)
+  assert "stock again (A/A)" in (tmp_path / "mlp.md").read_text()
+
+
+def test_missing_benchmark_module_exits_2(capsys):
+  assert _delegate("--nope", "no_such_benchmark", ["--nope"]) == 2
+  assert "benchmarks/no_such_benchmark.py" in capsys.readouterr().err
