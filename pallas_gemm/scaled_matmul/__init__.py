@@ -1,0 +1,17 @@
+"""fp8 matmul with block scales, in jax.nn.scaled_matmul's convention.
+
+    values, scales = quantize(x)                            # 1x128 blocks, e4m3
+    w8, w_scales = quantize(w_nk, block_shape=(128, 128))   # weights, K-major (N, K)
+    out = scaled_matmul(values, w8, scales, w_scales)       # (B, M, N) float32
+    nn.Dense(features, dot_general=fp8_dot_general)         # training in fp8
+
+Modules: api.py (validation, layouts, backend choice), quantize.py (the scale layouts,
+quantize/dequantize), xla.py (dequantize + float32 dot: the reference and CPU path),
+mosaic.py (the Hopper kernel), layer.py (fp8_dot_general and its backward GEMMs).
+"""
+
+from pallas_gemm.scaled_matmul.api import scaled_matmul
+from pallas_gemm.scaled_matmul.layer import fp8_dot_general
+from pallas_gemm.scaled_matmul.quantize import dequantize, quantize
+
+__all__ = ["dequantize", "fp8_dot_general", "quantize", "scaled_matmul"]

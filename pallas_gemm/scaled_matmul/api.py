@@ -1,0 +1,220 @@
+"""`scaled_matmul`: jax.nn.scaled_matmul's signature and meaning, on every backend.
+
+    out = scaled_matmul(lhs, rhs, lhs_scales, rhs_scales)     # (B, M, N) float32
+    out[b, m, n] = sum_k lhs[b, m, k] * ls[b, m, k] * rhs[b, n, k] * rs[b, n, k]
+
+with ls, rs the scales expanded over their blocks (see quantize.py for the layouts).
+This module validates, reads the layouts from the scales' shapes, and picks a backend:
+  "xla"     xla.py: dequantize in float32 and one float32 dot; every layout, everywhere.
+  "mosaic"  the Hopper kernel (mosaic.py): fp8 wgmma with the products of each 128 of K
+            scaled and summed in float32. It takes 1x128 / 128x128 blocks and per-tensor
+            scales; scales along K in blocks of a multiple of 128 (K itself included)
+            are handed to it repeated per 128 (the same numbers). Finer blocks (1x32)
+            run on xla. On a CPU it runs in interpret mode.
+  "auto"    mosaic on a Hopper GPU when it takes the layout, else xla.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_gemm.scaled_matmul import quantize as _q
+from pallas_gemm.scaled_matmul import xla as _xla
+
+BACKENDS = ("xla", "mosaic")
+OUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+K_BLOCK = 128  # the kernel's scale granularity along K
+
+
+def _mosaic():
+  """The Hopper kernel's module (imported when first asked for)."""
+  return importlib.import_module("pallas_gemm.scaled_matmul.mosaic")
+
+
+def mosaic_unavailable_reason() -> str | None:
+  """None when the mosaic backend can run here (sm_90, or a CPU in interpret mode)."""
+  try:
+    _mosaic()
+  except ImportError as e:
+    return f"the Mosaic fp8 kernel cannot be imported: {e}"
+  from pallas_gemm import mosaic as gemm_mosaic  # noqa: PLC0415 - the device check lives there
+  return gemm_mosaic.unavailable_reason()
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _operand(x, name: str) -> np.dtype:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+  dtype = np.dtype(x.dtype)
+  if dtype not in _q.FP8_DTYPES:
+    raise TypeError(f"{name}.dtype must be float8_e4m3fn or float8_e5m2 (quantize() makes"
+                    f" them); got {dtype}")
+  return dtype
+
+
+def _scales(x, name: str) -> None:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+  if np.dtype(x.dtype) not in _q.SCALE_DTYPES:
+    raise TypeError(f"{name}.dtype must be float32 (or bfloat16, float16, float8_e8m0fnu);"
+                    f" got {np.dtype(x.dtype)}")
+
+
+def _out_dtype(preferred_element_type) -> np.dtype:
+  if preferred_element_type is None:
+    return np.dtype(np.float32)
+  try:
+    dtype = np.dtype(preferred_element_type)
+  except TypeError:
+    raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got"
+                    f" {preferred_element_type!r}") from None
+  if dtype not in OUT_DTYPES:
+    raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got {dtype}")
+  return dtype
+
+
+def _validate(lhs, rhs, lhs_scales, rhs_scales):
+  """(lhs_layout, rhs_layout, squeeze): the checks, on 3-D views of 2-D arguments."""
+  _operand(lhs, "lhs")
+  _operand(rhs, "rhs")
+  _scales(lhs_scales, "lhs_scales")
+  _scales(rhs_scales, "rhs_scales")
+  if lhs.ndim not in (2, 3) or rhs.ndim != lhs.ndim:
+    raise ValueError(f"lhs and rhs must both be (B, M, K) and (B, N, K) (or both 2-D: (M, K),"
+                     f" (N, K)); got shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
+  squeeze = lhs.ndim == 2
+  for name, s in (("lhs_scales", lhs_scales), ("rhs_scales", rhs_scales)):
+    if s.ndim != lhs.ndim:
+      raise ValueError(f"{name} must have the operands' rank {lhs.ndim}; got shape"
+                       f" {tuple(s.shape)}")
+  lead = (lambda shape: (1,) + tuple(shape)) if squeeze else tuple
+  ls, rs = lead(lhs.shape), lead(rhs.shape)
+  if ls[0] != rs[0] or ls[2] != rs[2]:
+    raise ValueError(f"lhs (B, M, K) and rhs (B, N, K) must agree in B and K (both contract"
+                     f" their last dim); got shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
+  lhs_layout = _q.scale_layout(lead(lhs_scales.shape), ls, name="lhs_scales", rows_name="rows (M)")
+  rhs_layout = _q.scale_layout(lead(rhs_scales.shape), rs, name="rhs_scales", rows_name="rows (N)")
+  return lhs_layout, rhs_layout, squeeze
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _per_128(scales, layout: _q.ScaleLayout, shape):
+  """The scales in a layout the kernel reads: (B, 1, 1), or (B, R', ceil(K/128)) with R'
+  the operand's rows (or their blocks of 128, rhs only). None when they do not fit:
+  a block along K that 128 does not tile."""
+  b, r, k = shape
+  s = jnp.asarray(scales).astype(jnp.float32)
+  if layout.per_tensor:
+    return s
+  if layout.block_k != k and layout.block_k % K_BLOCK:
+    return None
+  k_blocks = -(-k // K_BLOCK)
+  if s.shape[2] == 1:  # one scale per row (block_k == K)
+    s = jnp.broadcast_to(s, (b, s.shape[1], k_blocks))
+  elif layout.block_k != K_BLOCK:
+    s = jnp.repeat(s, layout.block_k // K_BLOCK, axis=2, total_repeat_length=k_blocks)
+  return s
+
+
+def _mosaic_scales(lhs, rhs, lhs_scales, rhs_scales, lhs_layout, rhs_layout):
+  """(lhs_scales, rhs_scales) as the kernel takes them, or a str saying why it cannot."""
+  ls = _per_128(lhs_scales, lhs_layout, lhs.shape)
+  rs = _per_128(rhs_scales, rhs_layout, rhs.shape)
+  for name, s, layout in (("lhs", ls, lhs_layout), ("rhs", rs, rhs_layout)):
+    if s is None:
+      return (f"{name}_scales in {layout.describe()}: the kernel scales per {K_BLOCK} of K,"
+              f" so K blocks must be a multiple of {K_BLOCK} (or K itself)")
+  if lhs_layout.rows == _q.ROW_BLOCK and not lhs_layout.per_tensor and ls.shape[1] > 1:
+    # 128-row lhs blocks: the kernel scales lhs per row, so repeat each block's scale.
+    ls = jnp.repeat(ls, _q.ROW_BLOCK, axis=1,
+                    total_repeat_length=ls.shape[1] * _q.ROW_BLOCK)[:, :lhs.shape[1]]
+  elif lhs_layout.rows == _q.ROW_BLOCK and not lhs_layout.per_tensor:
+    ls = jnp.broadcast_to(ls, (ls.shape[0], lhs.shape[1], ls.shape[2]))
+  return ls, rs
+
+
+def _choose(backend: str, config, mosaic_scales) -> str:
+  if backend not in (*BACKENDS, "auto"):
+    raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
+  if backend == "auto":
+    if config is not None:
+      backend = "mosaic"
+    elif (_on_gpu() and not isinstance(mosaic_scales, str)
+          and mosaic_unavailable_reason() is None):
+      return "mosaic"
+    else:
+      return "xla"
+  if backend == "mosaic":
+    reason = mosaic_unavailable_reason()
+    if reason is None and isinstance(mosaic_scales, str):
+      reason = mosaic_scales
+    if reason is not None:
+      raise ValueError(f"backend='mosaic' cannot run this call: {reason} (backend='xla' can)")
+  return backend
+
+
+def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32, *,
+                  backend="auto", config=None):
+  """Block-scaled fp8 matmul with `jax.nn.scaled_matmul`'s signature and meaning.
+
+      a = lhs * repeat(lhs_scales)       # over each scale's block
+      b = rhs * repeat(rhs_scales)
+      out = einsum("BMK,BNK->BMN", a, b)  # accumulated in float32
+
+  Args:
+    lhs: (B, M, K) float8_e4m3fn or float8_e5m2.
+    rhs: (B, N, K) float8_e4m3fn or float8_e5m2 (mixed with lhs allowed): K-major, as
+      jax.nn.scaled_matmul takes it (a weight (K, N) is passed transposed).
+    lhs_scales: float32, one of
+      (B, M, K_a)              1 x K/K_a blocks (K_a divides K): 1x128, 1x32, 1xK, ...;
+      (B, ceil(M/128), K_a)    128 x K/K_a blocks;
+      (B, 1, 1)                one scale per tensor.
+    rhs_scales: the same with N for M: (B, N, K_b), (B, ceil(N/128), K_b) (DeepSeek-V3's
+      128x128 weight blocks with K_b = K/128) or (B, 1, 1). Unlike jax.nn.scaled_matmul,
+      the two sides' layouts and block sizes need not match.
+      bfloat16 / float16 / float8_e8m0fnu scales are read as their float32 values.
+    preferred_element_type: the result dtype: float32 (default), bfloat16 or float16.
+    backend: "auto" | "xla" | "mosaic" (see the module docstring).
+    config: the mosaic kernel's Config (implies backend="mosaic" under "auto").
+
+  All four arrays may instead be 2-D (no batch dim); the result is then (M, N).
+  Returns (B, M, N) in preferred_element_type.
+
+  Raises TypeError for dtypes outside those above and ValueError, naming the argument and
+  listing the shapes it accepts, for shapes that do not fit.
+  """
+  lhs_layout, rhs_layout, squeeze = _validate(lhs, rhs, lhs_scales, rhs_scales)
+  out_dtype = _out_dtype(preferred_element_type)
+  args = [jnp.asarray(x) for x in (lhs, rhs, lhs_scales, rhs_scales)]
+  if squeeze:
+    args = [x[None] for x in args]
+  lhs, rhs, lhs_scales, rhs_scales = args
+  (b, m, k), n = lhs.shape, rhs.shape[1]
+  mosaic_scales = _mosaic_scales(lhs, rhs, lhs_scales, rhs_scales, lhs_layout, rhs_layout)
+  backend = _choose(backend, config, mosaic_scales)
+  if backend == "xla" and config is not None:
+    raise TypeError(f"config is the mosaic kernel's; backend='xla' takes none (got"
+                    f" {type(config).__qualname__})")
+
+  if min(b, m, n) == 0 or k == 0:  # nothing to compute, or the empty sum
+    out = jnp.zeros((b, m, n), out_dtype)
+  elif backend == "xla":
+    out = _xla.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, lhs_layout=lhs_layout,
+                             rhs_layout=rhs_layout, out_dtype=out_dtype)
+  else:
+    ls, rs = mosaic_scales
+    out = _mosaic().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype, config=config,
+                                interpret=not _on_gpu())
+  return out[0] if squeeze else out

@@ -1,0 +1,152 @@
+"""`fp8_dot_general`: a `jax.lax.dot_general` that computes in fp8, for training.
+
+    nn.Dense(features, dot_general=pallas_gemm.fp8_dot_general)          # Flax linen
+    nn.Dense(features, dot_general=functools.partial(
+        pallas_gemm.fp8_dot_general, grad_dtype=jnp.float8_e5m2))
+
+Current scaling with DeepSeek-V3's blocks: every call quantizes its inputs afresh (no
+amax history): the activation-like operand (lhs) in 1x128 blocks along the contraction,
+the weight (rhs) in 128x128 blocks, both float8_e4m3fn, with power-of-two scales
+(`quantize`). The three GEMMs of a layer all run through `scaled_matmul`:
+  forward  y  = x @ W          x: 1x128 along K,   W: 128x128
+  dgrad    dx = dy @ W^T       dy: 1x128 along N,  W: the forward's fp8 W, transposed
+                                                   (128x128 blocks read either way)
+  wgrad    dW = x^T @ dy       x and dy re-quantized 1x128 along M (the new contraction)
+The gradient through the quantization is the identity (straight-through): the scales
+follow the amax, so nothing saturates but infinities.
+
+Gradients in float8_e4m3fn by default. Per-tensor recipes (TransformerEngine's
+DelayedScaling, "HYBRID") store gradients in e5m2 because one scale must cover a
+gradient tensor's whole range, which e4m3's 18 binades do not. With a scale per 128
+values the range each scale must cover is a block's, and e4m3's extra mantissa bit
+halves the rounding error: DeepSeek-V3 and TransformerEngine's block-scaling recipes
+(Float8BlockScaling, MXFP8BlockScaling) use e4m3 for every tensor. grad_dtype=e5m2 is
+kept for comparison (examples/fp8_mlp.py runs both).
+
+Contractions whose length is not a multiple of 128 are padded with zeros inside (zeros
+change neither a block's amax nor a sum), so any shape works; aligned shapes copy
+nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_gemm.scaled_matmul import api
+from pallas_gemm.scaled_matmul import quantize as _q
+
+_BLOCK = 128
+FORWARD_DTYPE = jnp.float8_e4m3fn
+
+
+def _pad_to(x, axis: int, multiple: int = _BLOCK):
+  size = x.shape[axis]
+  extra = -size % multiple
+  if not extra:
+    return x
+  pads = [(0, 0)] * x.ndim
+  pads[axis] = (0, extra)
+  return jnp.pad(x, pads)
+
+
+def _gemm(a, b, a_block, b_block, dtypes, out_dtype, backend):
+  """a (B, M, K) @ b (B, N, K)^T with K padded to 128s, each operand quantized in
+  its block shape and fp8 dtype."""
+  a, b = _pad_to(a, 2), _pad_to(b, 2)
+  a8, sa = _q.quantize(a, dtypes[0], a_block)
+  b8, sb = _q.quantize(b, dtypes[1], b_block)
+  return api.scaled_matmul(a8, b8, sa, sb, out_dtype, backend=backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def fp8_matmul(x, w, out_dtype, grad_dtype, backend):
+  """(B, M, N) = x (B, M, K) @ w (B, N, K)^T in fp8 (module docstring); out_dtype,
+  grad_dtype (numpy dtypes) and backend are static."""
+  y, _ = _forward(x, w, out_dtype, grad_dtype, backend)
+  return y
+
+
+def _forward(x, w, out_dtype, grad_dtype, backend):
+  del grad_dtype
+  n = w.shape[1]
+  # W padded on both axes: its fp8 copy is also the dgrad's operand, contracted over N.
+  w8, sw = _q.quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
+  x8, sx = _q.quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
+  y = api.scaled_matmul(x8, w8[:, :n], sx, sw, out_dtype, backend=backend)
+  # An empty array of w's dtype: residuals are arrays, and dW must come back in it.
+  return y, (x, w8, sw, jnp.zeros((0,), w.dtype))
+
+
+def _backward(out_dtype, grad_dtype, backend, residuals, dy):
+  del out_dtype
+  x, w8, sw, w_like = residuals
+  k = x.shape[2]
+  # dgrad: dy (B, M, N) @ W (N, K): W^T (K, N) as the K-major rhs, its 128x128 scales
+  # transposed with it: the same fp8 numbers as the forward's.
+  dy8, sdy = _q.quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
+  wt8, swt = jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2)
+  dx = api.scaled_matmul(dy8, wt8, sdy, swt, x.dtype, backend=backend)[:, :, :k]
+  # wgrad: dW (N, K) = dy^T (N, M) @ x (M, K), both contracted over M, so both are
+  # quantized 1x128 along M.
+  dw = _gemm(jnp.swapaxes(dy, 1, 2), jnp.swapaxes(x, 1, 2), (1, _BLOCK), (1, _BLOCK),
+             (grad_dtype, FORWARD_DTYPE), w_like.dtype, backend)
+  return dx, dw
+
+
+fp8_matmul.defvjp(_forward, _backward)
+
+
+def _grad_dtype(grad_dtype) -> np.dtype:
+  dtype = np.dtype(grad_dtype)
+  if dtype not in _q.FP8_DTYPES:
+    raise TypeError(f"grad_dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
+  return dtype
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+                    *, out_sharding=None, grad_dtype=jnp.float8_e4m3fn, backend="auto"):
+  """`jax.lax.dot_general` computed in fp8 (module docstring): lhs quantized in 1x128
+  blocks, rhs (the weight) in 128x128 blocks, float32 accumulation, fp8 gradients.
+
+  Args:
+    lhs, rhs, dimension_numbers, preferred_element_type, out_sharding: as for
+      `jax.lax.dot_general` (result shape and dtype are lax's). Operands float32,
+      bfloat16 or float16.
+    precision: accepted for the signature and ignored: fp8 is the precision.
+    grad_dtype: the fp8 dtype of the output gradient in the backward GEMMs
+      (float8_e4m3fn by default; see the module docstring for why).
+    backend: scaled_matmul's backend ("auto" | "xla" | "mosaic").
+  """
+  del precision
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if np.dtype(x.dtype) not in _q.INPUT_DTYPES:
+      raise TypeError(f"fp8_dot_general's {name}.dtype must be float32, bfloat16 or float16;"
+                      f" got {np.dtype(x.dtype)}")
+  out_type = jax.eval_shape(
+      lambda a, b: jax.lax.dot_general(a, b, dimension_numbers,
+                                       preferred_element_type=preferred_element_type), lhs, rhs)
+  if np.dtype(out_type.dtype) not in api.OUT_DTYPES:
+    raise TypeError(f"fp8_dot_general computes float32, bfloat16 or float16 results; got"
+                    f" preferred_element_type={np.dtype(out_type.dtype)}")
+  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = (
+      [tuple(int(d) for d in dims) for dims in pair] for pair in dimension_numbers)
+  lhs_free = tuple(d for d in range(lhs.ndim) if d not in lhs_batch + lhs_contract)
+  rhs_free = tuple(d for d in range(rhs.ndim) if d not in rhs_batch + rhs_contract)
+  size = lambda x, dims: math.prod(x.shape[d] for d in dims)  # noqa: E731
+  b, m, k, n = (size(lhs, lhs_batch), size(lhs, lhs_free), size(lhs, lhs_contract),
+                size(rhs, rhs_free))
+  # Both operands K-major, (batch, free, contract): the layout fp8 wgmma reads. For
+  # nn.Dense that transposes the (K, N) kernel, which XLA folds into the quantize pass.
+  x = jnp.transpose(lhs, lhs_batch + lhs_free + lhs_contract).reshape(b, m, k)
+  w = jnp.transpose(rhs, rhs_batch + rhs_free + rhs_contract).reshape(b, n, k)
+  out = fp8_matmul(x, w, np.dtype(out_type.dtype), _grad_dtype(grad_dtype), backend)
+  out = out.reshape(out_type.shape)
+  if out_sharding is not None:
+    out = jax.sharding.reshard(out, out_sharding)
+  return out
