@@ -1,0 +1,12 @@
+"""Grouped GEMM with `jax.lax.ragged_dot`'s semantics (Mixture-of-Experts layers).
+
+    out = pallas_gemm.ragged_dot(lhs, rhs, group_sizes)    # (M, K) x (G, K, N) -> (M, N)
+
+`api.py` is the front door (validation, backend choice, group_offset), `ops.py` the
+primitive and its AD/vmap rules, `xla.py` the lax reference path, `mosaic_*.py` the
+Hopper kernels, `shapes.py` the named problem sizes shared by tests and benchmarks.
+"""
+
+from pallas_gemm.ragged_dot.api import BACKENDS, ragged_dot, ragged_dot_general
+
+__all__ = ["BACKENDS", "ragged_dot", "ragged_dot_general"]

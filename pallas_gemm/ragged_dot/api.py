@@ -1,0 +1,276 @@
+"""The front door of the grouped GEMM: `ragged_dot` and `ragged_dot_general`.
+
+    out = pallas_gemm.ragged_dot(lhs, rhs, group_sizes)     # jax.lax.ragged_dot's semantics
+
+lhs (M, K) holds the rows of G groups one after another (group g: `group_sizes[g]` rows);
+rhs (G, K, N) one matrix per group; out[rows of g] = lhs[rows of g] @ rhs[g], and rows past
+sum(group_sizes) are zeros. `group_sizes` may be traced (no host sync).
+
+`group_offset` (expert parallelism; jax 0.11.2's lax documents it but implements it on no
+platform, so these are this module's semantics, those of the megablox `gmm` the lax
+docstring comes from): a scalar (or (1,)) integer, possibly traced. `group_sizes` then
+counts every global group (G_total >= G entries, rows in global order) and rhs holds
+groups [group_offset, group_offset + G): local group i is global group group_offset + i,
+computed with rhs[i] on its global rows; every other row of the result is zero. A local
+group whose global index is outside [0, G_total) is empty. Without group_offset,
+G_total == G (lax's rule). The weight-gradient form with group_offset returns
+len(group_sizes) groups, entry i being global group group_offset + i.
+
+What reaches the kernels (H4a: `mosaic_forward.forward`, `mosaic_weight_grad.weight_grad`):
+`ops.kernel_groups` normalises every call to LOCAL sizes and a row start, so the kernels
+never see group_offset's bookkeeping:
+    group_sizes: (G,) int32, every size >= 0, G == rhs's groups (forward) / the result's;
+    4th argument `row_start`: None (group 0 starts at row 0) or an int32 scalar array
+      (shape ()): group 0's first row; group i starts at row_start + sum(sizes[:i]);
+    row_start + sum(group_sizes) <= M always (rows past M are cut before the call).
+    forward: rows outside [row_start, row_start + sum) must be written as zeros.
+    weight_grad: an empty group's (K, N) result must be zeros.
+lhs/rhs: one 16-bit dtype (bf16 or f16), M, K, N, G >= 1; out_dtype bf16, f16 or f32.
+
+Backends: "xla" (jax.lax.ragged_dot_general: the reference; on a GPU XLA lowers it through a
+dense (G, M, K) operand, G times the work), "mosaic" (the Hopper kernels; their interpreter
+on a CPU), "auto" (mosaic on an sm_90 GPU for the forms and dtypes it takes, else xla).
+float32 inputs run on xla, as lax computes them (its precision argument, TF32 by default on
+a GPU): the kernels are written for 16-bit operands.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lax.lax import canonicalize_precision  # lax's own normalisation of precision
+
+from pallas_gemm.ragged_dot import ops
+
+BACKENDS = ("auto", "xla", "mosaic")
+SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+_16BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+# The three forms a MoE layer and its gradients use (lhs (M, K) ragged along M):
+_DIMS = {
+    # rhs (G, K, N) -> (M, N)
+    "forward": jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0]),
+    # rhs (G, N, K) -> (M, N)
+    "forward_t": jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0]),
+    # rhs (M, N), ragged along the contracted M -> (G, K, N)
+    "weight_grad": jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[]),
+}
+
+
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None,
+               group_offset=None, *, backend: str = "auto", config=None):
+  """jax.lax.ragged_dot: lhs (M, K), rhs (G, K, N), group_sizes (G,) -> (M, N).
+
+  precision / preferred_element_type as jax.lax.ragged_dot; group_offset: see the module
+  docstring. backend: "auto", "xla" or "mosaic"; config: the Mosaic kernels' Config.
+  """
+  return ragged_dot_general(lhs, rhs, group_sizes, _DIMS["forward"], precision,
+                            preferred_element_type, group_offset, backend=backend,
+                            config=config)
+
+
+def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, precision=None,
+                       preferred_element_type=None, group_offset=None, *,
+                       backend: str = "auto", config=None):
+  """jax.lax.ragged_dot_general. The kernels take the three forms of `_DIMS` (lhs (M, K);
+  rhs (G, K, N), (G, N, K), or (M, N) for the ragged-contracting weight gradient); any
+  other form lax accepts runs on xla (backend "auto" or "xla"; no group_offset)."""
+  lhs_dtype, rhs_dtype = _dtype_of(lhs, "lhs"), _dtype_of(rhs, "rhs")
+  _check_group_sizes_type(group_sizes)
+  dims = ragged_dot_dimension_numbers
+  if not isinstance(dims, jax.lax.RaggedDotDimensionNumbers):
+    raise TypeError("ragged_dot_dimension_numbers must be a jax.lax.RaggedDotDimensionNumbers; "
+                    f"got {type(dims).__name__}")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+  precision = canonicalize_precision(precision)
+  form = _form(lhs, rhs, dims)
+  if form is None:
+    if group_offset is not None or backend == "mosaic":
+      what = "group_offset" if group_offset is not None else "backend='mosaic'"
+      raise ValueError(
+          f"{what} takes the forms lhs (M, K) with rhs (G, K, N), (G, N, K) or (M, N) "
+          f"(ragged along lhs's M); got ragged_dot_dimension_numbers={dims} for lhs "
+          f"{tuple(lhs.shape)}, rhs {tuple(rhs.shape)}")
+    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, precision=precision,
+                                      preferred_element_type=preferred_element_type)
+  num_groups = _check_shapes(form, lhs, rhs, group_sizes, group_offset is not None)
+  offset = None if group_offset is None else _group_offset(group_offset, group_sizes, num_groups)
+  _check_concrete_sizes(group_sizes)
+  out_dtype = _out_dtype(lhs, rhs, num_groups, dims, precision, preferred_element_type)
+  chosen = _choose_backend(backend, lhs_dtype, rhs_dtype, precision, out_dtype)
+  plan = ops.Plan(form="weight_grad" if form == "weight_grad" else "forward",
+                  num_groups=num_groups, backend=chosen, out_dtype=out_dtype,
+                  transpose_rhs=form == "forward_t", precision=precision,
+                  config=config if chosen == "mosaic" else None,
+                  interpret=chosen == "mosaic" and not _on_gpu(),
+                  offset=offset is not None)
+  shape = ops.out_shape(plan, lhs.shape, rhs.shape)
+  m, k = lhs.shape
+  if 0 in (m, k, num_groups) or 0 in shape:  # nothing for a kernel to do: all zeros
+    return jnp.zeros(shape, out_dtype)
+  args = _same_manual_axes(lhs, rhs, jnp.asarray(group_sizes), offset)
+  return ops.bind(plan, *args)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _dtype_of(x, name: str) -> np.dtype:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+  dtype = np.dtype(x.dtype)
+  if dtype not in SUPPORTED_DTYPES:
+    raise TypeError(f"{name}.dtype must be one of float32, bfloat16, float16; got {dtype}")
+  return dtype
+
+
+def _check_group_sizes_type(group_sizes):
+  if not hasattr(group_sizes, "shape") or not hasattr(group_sizes, "dtype"):
+    raise TypeError("group_sizes must be an integer array of shape (G,); got "
+                    f"{type(group_sizes).__name__}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"group_sizes.dtype must be an integer type (int32); got {group_sizes.dtype}")
+
+
+def _form(lhs, rhs, dims) -> str | None:
+  """Which of `_DIMS` the call is (the forms the kernels take), or None."""
+  if lhs.ndim != 2:
+    return None
+  for name, form_dims in _DIMS.items():
+    if (dims == form_dims and rhs.ndim == (2 if name == "weight_grad" else 3)):
+      return name
+  return None
+
+
+def _check_shapes(form: str, lhs, rhs, group_sizes, has_offset: bool) -> int:
+  """Validates the shapes of one of `_DIMS`' forms; returns G, the local groups."""
+  if group_sizes.ndim != 1:
+    raise ValueError(f"group_sizes must have shape (G,) (rank 1); got shape {tuple(group_sizes.shape)}")
+  m, k = lhs.shape
+  total = group_sizes.shape[0]
+  if form == "weight_grad":
+    if rhs.shape[0] != m:
+      raise ValueError(
+          "ragged-contracting form: lhs (M, K) and rhs (M, N) must have the same rows; got "
+          f"lhs {tuple(lhs.shape)}, rhs {tuple(rhs.shape)}")
+    return total
+  g = rhs.shape[0]
+  rhs_k = rhs.shape[2] if form == "forward_t" else rhs.shape[1]
+  if rhs_k != k:
+    layout = "(G, N, K)" if form == "forward_t" else "(G, K, N)"
+    raise ValueError(f"lhs (M, K) and rhs {layout} must share K; got lhs {tuple(lhs.shape)}, "
+                     f"rhs {tuple(rhs.shape)}")
+  if not has_offset and total != g:
+    raise ValueError(f"group_sizes must have one entry per group of rhs: shape ({g},); got "
+                     f"shape {tuple(group_sizes.shape)}")
+  if has_offset and total < g:
+    raise ValueError(f"with group_offset, group_sizes counts every global group: at least rhs's "
+                     f"{g}; got shape {tuple(group_sizes.shape)}")
+  return g
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _check_concrete_sizes(group_sizes):
+  """Negative sizes are caught where group_sizes is concrete. Traced, they cannot be
+  checked without a host sync: xla then computes what lax does (a negative size moves
+  the next group's start back), the kernels count them as 0. A sum over M is not an
+  error: lax cuts the groups at row M, and so do the kernels."""
+  if _is_concrete(group_sizes):
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+      raise ValueError(f"group_sizes must be >= 0; got {sizes.tolist()}")
+
+
+def _group_offset(group_offset, group_sizes, num_groups: int):
+  """group_offset as an int32 scalar array; checked against group_sizes where concrete."""
+  if isinstance(group_offset, (bool, np.bool_)) or not (
+      isinstance(group_offset, (int, np.integer)) or hasattr(group_offset, "dtype")):
+    raise TypeError(f"group_offset must be an integer scalar or a (1,) integer array; got "
+                    f"{type(group_offset).__name__}")
+  offset = jnp.asarray(group_offset) if not isinstance(group_offset, jax.Array) else group_offset
+  if not jnp.issubdtype(offset.dtype, jnp.integer):
+    raise TypeError(f"group_offset.dtype must be an integer type (int32); got {offset.dtype}")
+  if offset.shape not in ((), (1,)):
+    raise ValueError(f"group_offset must be a scalar or have shape (1,); got shape {offset.shape}")
+  if _is_concrete(group_offset):
+    # Traced, an offset outside this range leaves the missing global groups empty.
+    value, total = int(np.asarray(group_offset).reshape(())), group_sizes.shape[0]
+    if not 0 <= value <= max(total - num_groups, 0):
+      raise ValueError(f"group_offset must lie in [0, {max(total - num_groups, 0)}] "
+                       f"(len(group_sizes) {total} - the {num_groups} local groups); got {value}")
+  return offset.reshape(()).astype(jnp.int32)
+
+
+def _out_dtype(lhs, rhs, num_groups: int, dims, precision, preferred_element_type) -> np.dtype:
+  """lax's own result dtype (and its checks of preferred_element_type), abstractly."""
+  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
+  out = jax.eval_shape(
+      lambda a, b, s: jax.lax.ragged_dot_general(a, b, s, dims, precision=precision,
+                                                 preferred_element_type=preferred_element_type),
+      sds(lhs), sds(rhs), jax.ShapeDtypeStruct((num_groups,), jnp.int32))
+  return np.dtype(out.dtype)
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype) -> str | None:
+  """None when the Mosaic kernels can compute this call here, else why not."""
+  try:
+    importlib.import_module("pallas_gemm.ragged_dot.mosaic_forward")
+    importlib.import_module("pallas_gemm.ragged_dot.mosaic_weight_grad")
+  except ImportError as e:
+    return f"the Mosaic ragged_dot kernels cannot be imported: {e}"
+  from pallas_gemm import mosaic  # noqa: PLC0415 - the platform check is the gemm kernel's
+  reason = mosaic.unavailable_reason()
+  if reason is not None:
+    return reason
+  if lhs_dtype != rhs_dtype or lhs_dtype not in _16BIT:
+    return (f"the kernels take lhs and rhs of one 16-bit dtype (bfloat16 or float16); got "
+            f"{lhs_dtype.name} and {rhs_dtype.name}")
+  if out_dtype not in SUPPORTED_DTYPES:
+    return f"preferred_element_type {out_dtype.name}: the kernels write bfloat16, float16 or float32"
+  if isinstance(precision, (str, jax.lax.DotAlgorithmPreset)):
+    return f"precision={precision}: the kernels compute 16-bit products with f32 accumulation only"
+  return None
+
+
+def _choose_backend(backend: str, lhs_dtype, rhs_dtype, precision, out_dtype) -> str:
+  if backend == "xla":
+    return "xla"
+  reason = mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype)
+  if backend == "mosaic":
+    if reason is not None:
+      raise ValueError(f"backend='mosaic' cannot compute this call: {reason}")
+    return "mosaic"
+  # auto: the grouped kernels where they run natively. XLA's GPU ragged_dot multiplies
+  # a dense (G, M, K) operand (G times the FLOPs and memory); on a CPU the interpreter is
+  # for testing, not speed.
+  return "mosaic" if reason is None and _on_gpu() else "xla"
+
+
+def _same_manual_axes(*args):
+  """Inside jax.shard_map: every operand made to vary over the union of the manual axes
+  any of them varies over (the primitive needs one set), as lax's binary ops do."""
+  args = [x for x in args if x is not None]
+  varying = [frozenset(jax.typeof(x).mat.varying) for x in args]
+  axes = frozenset().union(*varying)
+  return [x if v == axes else jax.lax.pcast(x, tuple(sorted(axes - v)), to="varying")
+          for x, v in zip(args, varying)]

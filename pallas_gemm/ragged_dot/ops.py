@@ -1,0 +1,271 @@
+"""`ragged_dot` as a JAX primitive: what it does under AD, vmap and jit.
+
+`api.ragged_dot_general` validates, picks a backend and binds `ragged_dot_p` on one of
+two normalised forms (lhs always (M, K), rows ordered by group):
+
+- "forward":     out (M, N) = lhs[rows of g] @ rhs[g] per group, rhs (G, K, N), or
+                 (G, N, K) read transposed (`transpose_rhs`); rows in no group are 0.
+- "weight_grad": out (G, K, N) = lhs[rows of g].T @ rhs[rows of g] per group, rhs (M, N)
+                 (lax's ragged-contracting mode); an empty group gives zeros.
+
+Operands: lhs, rhs, group_sizes, and with `Plan.offset` an int32 scalar group_offset
+(see api.py for its semantics). Every rule JAX needs lives here:
+
+- JVP: the op is linear in lhs and in rhs separately, so the tangent is
+  ``f(dlhs, rhs) + f(lhs, drhs)``: two more `ragged_dot_p`, the same backend.
+- transpose: the cotangent of lhs or rhs as one `ragged_dot_p` of the same backend:
+  forward -> dlhs by the forward kernel with rhs read transposed, drhs by the
+  weight-gradient kernel; weight_grad -> two forward calls. With JVP this gives `grad`,
+  `jvp`, `linearize`, `jacfwd`/`jacrev` (a `custom_vjp` would give no forward mode).
+- batching: a vmapped axis becomes a `lax.map` of the kernel over it (each entry has its
+  own groups, so the entries do not fold into one ragged problem without copying rhs).
+- lowering: the backend call on the operands (`_kernel`); inside `jax.shard_map` it is the
+  local computation of each shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import ad, batching, mlir
+# Private but stable: the primitive/impl plumbing has no public alias (as in op.py).
+from jax._src import config as jax_config, core, dispatch
+
+FORMS = ("forward", "weight_grad")
+F32 = np.dtype(np.float32)
+_16BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Everything static about one call: hashable, the primitive's only parameter."""
+  form: str              # one of FORMS
+  num_groups: int        # G: rhs's groups (forward), the result's (weight_grad)
+  backend: str           # "xla" or "mosaic"
+  out_dtype: np.dtype
+  transpose_rhs: bool = False   # forward only: rhs is (G, N, K)
+  precision: Any = None         # as jax.lax takes it (xla); 16-bit kernels accumulate in f32
+  config: Any = None            # the Mosaic kernels' Config, or None for their default
+  interpret: bool = False       # Mosaic GPU's interpreter (CPU)
+  offset: bool = False          # a group_offset operand follows group_sizes
+
+  def __post_init__(self):
+    if self.form not in FORMS:
+      raise ValueError(f"Plan.form must be one of {FORMS}; got {self.form!r}")
+    if self.transpose_rhs and self.form != "forward":
+      raise ValueError("Plan.transpose_rhs applies to the forward form only")
+
+
+def bind(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
+  args = (lhs, rhs, group_sizes) + ((group_offset,) if plan.offset else ())
+  return ragged_dot_p.bind(*args, plan=plan)
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def local_groups(group_sizes, group_offset, num_groups: int):
+  """(sizes, row_start) of the G = num_groups local groups: local group i is global group
+  group_offset + i (size 0 where that group does not exist), and its rows follow the
+  rows of every global group before group_offset. Sizes are left as given (negative
+  ones included), as lax reads them."""
+  total = group_sizes.shape[0]
+  sizes = group_sizes.astype(jnp.int32)
+  index = group_offset + jnp.arange(num_groups, dtype=jnp.int32)
+  exists = (index >= 0) & (index < total)
+  local = jnp.where(exists, sizes[jnp.clip(index, 0, max(total - 1, 0))], 0)
+  row_start = jnp.sum(jnp.where(jnp.arange(total) < group_offset, sizes, 0))
+  return local, row_start
+
+
+def kernel_groups(group_sizes, row_start, m: int):
+  """The groups as the Mosaic kernels take them: sizes >= 0 whose rows all lie in
+  [row_start, m), and row_start in [0, m]. Rows past m are cut (as lax's dense
+  formulation has no rows past m); a negative size (only possible traced; the front door
+  rejects concrete ones) counts as 0."""
+  start = jnp.zeros((), jnp.int32) if row_start is None else jnp.clip(row_start, 0, m)
+  ends = jnp.minimum(start + jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+  sizes = jnp.diff(ends, prepend=start[None])
+  return sizes.astype(jnp.int32), (None if row_start is None else start.astype(jnp.int32))
+
+
+def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
+  """The backend call on (local) operands."""
+  m = lhs.shape[0]
+  if group_offset is not None:
+    group_sizes, row_start = local_groups(group_sizes, group_offset, plan.num_groups)
+  else:
+    row_start = None
+  if plan.backend == "xla":
+    from pallas_gemm.ragged_dot import xla as module  # noqa: PLC0415
+    kwargs = dict(precision=plan.precision)
+  else:
+    group_sizes, row_start = kernel_groups(group_sizes, row_start, m)
+    module = importlib.import_module(f"pallas_gemm.ragged_dot.{plan.backend}_{plan.form}")
+    kwargs = {}
+  common = dict(out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret, **kwargs)
+  if plan.form == "forward":
+    return module.forward(lhs, rhs, group_sizes, row_start, transpose_rhs=plan.transpose_rhs,
+                          **common)
+  return module.weight_grad(lhs, rhs, group_sizes, row_start, **common)
+
+
+def out_shape(plan: Plan, lhs_shape, rhs_shape) -> tuple[int, ...]:
+  if plan.form == "forward":
+    return (lhs_shape[0], rhs_shape[1] if plan.transpose_rhs else rhs_shape[2])
+  return (plan.num_groups, lhs_shape[1], rhs_shape[1])
+
+
+# ----------------------------------------------------------------------------- primitive
+
+ragged_dot_p = core.Primitive("pallas_gemm_ragged_dot")
+ragged_dot_p.def_impl(functools.partial(dispatch.apply_primitive, ragged_dot_p))
+
+
+@ragged_dot_p.def_effectful_abstract_eval
+def _abstract_eval(lhs, rhs, group_sizes, *rest, plan):
+  avals = (lhs, rhs, group_sizes, *rest)
+  manual = {x.manual_axis_type for x in avals}
+  if len(manual) != 1:
+    raise ValueError(
+        "ragged_dot inside jax.shard_map needs lhs, rhs, group_sizes (and group_offset) to "
+        f"vary over the same manual mesh axes; got {[x.manual_axis_type for x in avals]}")
+  shape = out_shape(plan, lhs.shape, rhs.shape)
+  spec = jax.sharding.PartitionSpec(*([None] * len(shape)))
+  out = core.ShapedArray(shape, np.dtype(plan.out_dtype), sharding=lhs.sharding.update(spec=spec),
+                         manual_axis_type=lhs.manual_axis_type)
+  plain = (core.ShapedArray(x.shape, x.dtype) for x in avals)
+  return out, _effects(plan, *plain)
+
+
+@functools.lru_cache(maxsize=256)
+def _effects(plan: Plan, *avals):
+  """None on a GPU; Mosaic GPU's interpreter (CPU) keeps its simulated GPU state through
+  ordered io_callbacks, which the primitive must declare."""
+  if not plan.interpret:
+    return core.no_effects
+  return jax.make_jaxpr(functools.partial(_kernel, plan))(*avals).effects
+
+
+def _lower(ctx, *args, plan):
+  # Inside jax.shard_map the kernel is each shard's local computation: the varying-axes
+  # check (applied to the result above) has nothing to check inside it.
+  unsharded = lambda aval: core.ShapedArray(aval.shape, aval.dtype)  # noqa: E731
+  inner = ctx.replace(avals_in=[unsharded(x) for x in ctx.avals_in],
+                      avals_out=[unsharded(x) for x in ctx.avals_out])
+  with jax_config._check_vma(False):
+    out = mlir.lower_fun(functools.partial(_kernel, plan), multiple_results=False)(inner, *args)
+  if inner.tokens_out is not None:  # Mosaic GPU's interpreter: ordered effects
+    ctx.set_tokens_out(inner.tokens_out)
+  return out
+
+
+mlir.register_lowering(ragged_dot_p, _lower)
+
+
+# ----------------------------------------------------------------------------- JVP
+
+
+def _jvp(primals, tangents, *, plan):
+  lhs, rhs, group_sizes, *offset = primals
+  dlhs, drhs = tangents[:2]
+  out = bind(plan, lhs, rhs, group_sizes, *offset)
+  terms = []
+  if type(dlhs) is not ad.Zero:
+    terms.append(bind(plan, dlhs, rhs, group_sizes, *offset))
+  if type(drhs) is not ad.Zero:
+    terms.append(bind(plan, lhs, drhs, group_sizes, *offset))
+  if not terms:
+    return out, ad.Zero(core.typeof(out).to_tangent_aval())
+  return out, functools.reduce(jnp.add, terms)
+
+
+ad.primitive_jvps[ragged_dot_p] = _jvp
+
+
+# ----------------------------------------------------------------------------- transpose
+
+
+def cotangent_backend(plan: Plan, x_dtype, y_dtype) -> tuple[str, np.dtype | None]:
+  """(backend, operand dtype) for a cotangent product of operands x, y (one of them the
+  cotangent). The Mosaic kernels take one 16-bit dtype: a float32 cotangent of bfloat16
+  operands (preferred_element_type=float32) is rounded to bfloat16 for them (bf16 keeps
+  float32's exponent range; the rounding is the one a bf16 product's output carries).
+  A float32 cotangent of float16 operands keeps its width (rounding it could overflow
+  under loss scaling) and that product runs on xla, as does anything else mosaic cannot
+  take. None: the operands go to xla as they are (lax promotes)."""
+  if plan.backend == "xla":
+    return "xla", None
+  x_dtype, y_dtype = np.dtype(x_dtype), np.dtype(y_dtype)
+  if x_dtype == y_dtype and x_dtype in _16BIT:
+    return plan.backend, x_dtype
+  narrow = {x_dtype, y_dtype} - {F32}
+  if {x_dtype, y_dtype} <= {F32, np.dtype(jnp.bfloat16)} and narrow:
+    return plan.backend, np.dtype(jnp.bfloat16)
+  return "xla", None
+
+
+def _transpose(ct, lhs, rhs, group_sizes, *offset, plan):
+  lhs_lin, rhs_lin = ad.is_undefined_primal(lhs), ad.is_undefined_primal(rhs)
+  assert not (lhs_lin and rhs_lin), "ragged_dot is bilinear: lhs and rhs cannot both be linear"
+  assert not ad.is_undefined_primal(group_sizes), "group_sizes is not differentiable"
+  rest = [None] * (1 + len(offset))
+  if type(ct) is ad.Zero:
+    return [None, None] + rest
+  lhs_aval = lhs.aval if lhs_lin else core.typeof(lhs)
+  rhs_aval = rhs.aval if rhs_lin else core.typeof(rhs)
+
+  def call(form, x, y, *, aval, transpose_rhs=False):
+    backend, dtype = cotangent_backend(plan, x.dtype, y.dtype)
+    if dtype is not None:
+      x, y = x.astype(dtype), y.astype(dtype)
+    # xla computes in the forward's output dtype and converts, as lax's transpose does;
+    # the kernels round their f32 accumulators to the operand's dtype once.
+    out_dtype = plan.out_dtype if backend == "xla" else np.dtype(aval.dtype)
+    p = dataclasses.replace(plan, form=form, transpose_rhs=transpose_rhs, backend=backend,
+                            out_dtype=out_dtype, config=None,
+                            interpret=plan.interpret and backend != "xla")
+    return bind(p, x, y, group_sizes, *offset).astype(aval.dtype)
+
+  if plan.form == "forward":
+    if lhs_lin:  # dlhs (M, K) = ct (M, N) @ rhs[g]^T: the forward kernel, rhs read transposed
+      return [call("forward", ct, rhs, aval=lhs_aval, transpose_rhs=not plan.transpose_rhs),
+              None] + rest
+    # drhs: per group lhs^T @ ct (G, K, N), or ct^T @ lhs (G, N, K) for a transposed rhs
+    x, y = (ct, lhs) if plan.transpose_rhs else (lhs, ct)
+    return [None, call("weight_grad", x, y, aval=rhs_aval)] + rest
+  # weight_grad: out[g] = lhs_g^T @ rhs_g with ct (G, K, N)
+  if lhs_lin:  # dlhs (M, K) = rhs (M, N) @ ct[g]^T
+    return [call("forward", rhs, ct, aval=lhs_aval, transpose_rhs=True), None] + rest
+  return [None, call("forward", lhs, ct, aval=rhs_aval)] + rest  # drhs (M, N) = lhs @ ct[g]
+
+
+ad.primitive_transposes[ragged_dot_p] = _transpose
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def _batch(args, dims, *, plan):
+  size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+  mapped = [d is not None for d in dims]
+  moved = [jnp.moveaxis(x, d, 0) if d is not None else x for x, d in zip(args, dims)]
+
+  def one(entries):
+    it = iter(entries)
+    return ragged_dot_p.bind(*[next(it) if bat else x for x, bat in zip(moved, mapped)],
+                             plan=plan)
+
+  if size == 0:
+    shape = out_shape(plan, *(x.shape[int(b):] for x, b in zip(moved[:2], mapped[:2])))
+    return jnp.zeros((0,) + shape, plan.out_dtype), 0
+  return jax.lax.map(one, [x for x, bat in zip(moved, mapped) if bat]), 0
+
+
+batching.primitive_batchers[ragged_dot_p] = _batch
