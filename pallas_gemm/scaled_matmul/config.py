@@ -1,0 +1,202 @@
+"""Tuning parameters of the fp8 Mosaic GPU kernel (`mosaic.scaled_gemm`) and its
+shared-memory and register budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+from pallas_gemm.mosaic.layout import _round_up
+
+# K per pipeline step, and the scale block along K: one step's products are one scale
+# block's, so promoting them into the f32 sum is one scale-multiply-add per step. 128 fp8
+# bytes are also one 128-byte swizzle row of an operand tile.
+BLOCK_K = 128
+# Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SMEM_BYTES_PER_BLOCK = 232448
+# Mosaic GPU reserves this much for cross-warp reductions (CompilerParams).
+_RESERVED_SMEM_BYTES = 128 * 4 * 4
+# Accumulator registers per thread a consumer warpgroup may hold: 232 are left to each
+# of two consumer warpgroups beside a 40-register producer; the rest holds addresses,
+# the scale vectors and loop state. The promoted K loop holds two accumulators (the
+# f32 sum and the zeroed block accumulator), the plain one one.
+_MAX_ACC_REGISTERS = {True: 192, False: 128}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Tiles and schedule of the fp8 kernel.
+
+  block_m, block_n: the CTA output tile, split among the consumer warpgroups along
+    ``wg_split``: each warpgroup owns a (wg_block_m, wg_block_n) f32 accumulator.
+    The K step is BLOCK_K (128), fixed: it is the scale block.
+  stages: depth of the TMA ring (one stage: a (block_m, 128) lhs tile, a (block_n, 128)
+    rhs tile and the step's scale vectors).
+  num_compute_wgs: consumer warpgroups (1 or 2); one producer warpgroup is added.
+  wg_split: "m" or "n", the dimension of the CTA tile split among warpgroups.
+  grid_minor_dim, grid_tile_width: output tile order (``plgpu.planar_snake``): bands
+    of ``grid_tile_width`` tiles along ``grid_minor_dim``, so CTAs running together
+    share operand tiles in L2.
+  epi_block_m, epi_block_n: the epilogue's sub-tile (registers -> shared memory ->
+    TMA store), double-buffered per consumer warpgroup.
+  wgmma_wait: wgmma groups left in flight at the end of a K step of the plain
+    (unpromoted) loop, 0 or 1; the promoted loop waits for each block's products.
+  fast_accumulation: with scales that are constant along K (per tensor, per row, per
+    column), True accumulates all of K in the tensor core's accumulator (one wgmma
+    chain, scales applied in the epilogue); False promotes every 128 of K into an f32
+    register sum as block scales do (Hopper's fp8 wgmma accumulation keeps ~14
+    mantissa bits of the running sum).
+  num_sms: CTAs of the persistent grid; None: the device's SM count (4 in interpret
+    mode).
+  """
+
+  block_m: int = 128
+  block_n: int = 128
+  stages: int = 5
+  num_compute_wgs: int = 2
+  wg_split: Literal["m", "n"] = "m"
+  grid_minor_dim: Literal["m", "n"] = "n"
+  grid_tile_width: int = 8
+  epi_block_m: int = 64
+  epi_block_n: int = 64
+  wgmma_wait: int = 1
+  fast_accumulation: bool = True
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    def fail(field, why):
+      raise ValueError(f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
+
+    for field in ("block_m", "block_n", "stages", "num_compute_wgs", "grid_tile_width",
+                  "epi_block_m", "epi_block_n"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        fail(field, "must be a positive int")
+    if self.num_compute_wgs not in (1, 2):
+      fail("num_compute_wgs", "must be 1 or 2 (one producer and at most two consumer"
+           " warpgroups fit the register file with these accumulators)")
+    if self.wg_split not in ("m", "n"):
+      fail("wg_split", "must be 'm' or 'n'")
+    if self.grid_minor_dim not in ("m", "n"):
+      fail("grid_minor_dim", "must be 'm' or 'n'")
+    if self.wgmma_wait not in (0, 1) or isinstance(self.wgmma_wait, bool):
+      fail("wgmma_wait", "must be 0 or 1")
+    if not isinstance(self.fast_accumulation, bool):
+      fail("fast_accumulation", "must be a bool")
+    if self.stages <= self.wgmma_wait:
+      fail("stages", f"must exceed wgmma_wait={self.wgmma_wait} (a stage is released"
+           " only after its wgmma completed)")
+    if self.num_sms is not None and (not isinstance(self.num_sms, int)
+                                     or isinstance(self.num_sms, bool) or self.num_sms < 1):
+      fail("num_sms", "must be None or a positive int")
+    split = self.block_m if self.wg_split == "m" else self.block_n
+    if split % self.num_compute_wgs:
+      fail(f"block_{self.wg_split}", f"must divide evenly among"
+           f" num_compute_wgs={self.num_compute_wgs} warpgroups")
+    wg_m, wg_n = self.wg_block_m, self.wg_block_n
+    if wg_m % 64:
+      fail("block_m", f"gives a warpgroup tile of {wg_m} rows; wgmma needs a multiple"
+           " of 64 rows per warpgroup")
+    if wg_n % 8 or wg_n > 256:
+      fail("block_n", f"gives a warpgroup tile of {wg_n} columns; wgmma needs a"
+           " multiple of 8, at most 256")
+    if self.block_m > 256 or self.block_n > 256:
+      fail("block_m" if self.block_m > 256 else "block_n",
+           "a TMA box dimension is at most 256 elements")
+    if self.epi_block_m % 64 or wg_m % self.epi_block_m:
+      fail("epi_block_m", f"must be a multiple of 64 (wgmma register layout) dividing"
+           f" the warpgroup tile's {wg_m} rows")
+    if self.epi_block_n % 16 or wg_n % self.epi_block_n:
+      fail("epi_block_n", f"must be a multiple of 16 (a swizzled smem row is at least"
+           f" 32 bytes) dividing the warpgroup tile's {wg_n} columns")
+
+  @property
+  def wg_block_m(self) -> int:
+    """Rows of one consumer warpgroup's accumulator."""
+    return self.block_m // self.num_compute_wgs if self.wg_split == "m" else self.block_m
+
+  @property
+  def wg_block_n(self) -> int:
+    """Columns of one consumer warpgroup's accumulator."""
+    return self.block_n // self.num_compute_wgs if self.wg_split == "n" else self.block_n
+
+  @property
+  def out_slots(self) -> int:
+    """Epilogue buffers per warpgroup (one if a single sub-tile covers it)."""
+    sub_tiles = (self.wg_block_m // self.epi_block_m) * (self.wg_block_n // self.epi_block_n)
+    return min(2, sub_tiles)
+
+  def acc_registers(self) -> int:
+    """f32 registers per thread of one warpgroup accumulator."""
+    return self.wg_block_m * self.wg_block_n // 128
+
+  replace = dataclasses.replace
+
+
+def smem_bytes(config: Config, out_dtype, *, k: int | None = None, row_scales: bool = False,
+               column_scales: bool = False) -> int:
+  """Shared memory one CTA allocates (an upper bound).
+
+  k: the problem's K, which caps the ring at ceil(K / 128) stages.
+  row_scales / column_scales: the ring also holds a (block_m,) / (block_n,) f32 scale
+    vector per stage.
+  """
+  stages = config.stages if k is None else max(1, min(config.stages, -(-k // BLOCK_K)))
+  ring = stages * (config.block_m + config.block_n) * BLOCK_K  # fp8: one byte each
+  scales = stages * 4 * (config.block_m * row_scales + config.block_n * column_scales)
+  out = (config.num_compute_wgs * config.out_slots * config.epi_block_m
+         * config.epi_block_n * jnp.dtype(out_dtype).itemsize)
+  barriers = 8 * 2 * stages
+  # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
+  return (sum(_round_up(x, 1024) for x in (ring, scales, out) if x) + barriers
+          + _RESERVED_SMEM_BYTES)
+
+
+def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
+          row_scales: bool = False, column_scales: bool = False) -> None:
+  """Raises ValueError if the config does not fit the shared memory or the registers
+  of the K loop it runs (promoted: two accumulators per warpgroup)."""
+  limit = _MAX_ACC_REGISTERS[promoted]
+  regs = config.acc_registers() * (2 if promoted else 1)
+  if regs > limit:
+    raise ValueError(
+        f"Config: a {config.wg_block_m}x{config.wg_block_n} warpgroup tile holds {regs}"
+        f" accumulator registers per thread in the {'promoted' if promoted else 'plain'}"
+        f" K loop, more than {limit} (the f32 sum and the block accumulator each take"
+        " wg_block_m * wg_block_n / 128); use smaller tiles")
+  used = smem_bytes(config, out_dtype, k=k, row_scales=row_scales,
+                    column_scales=column_scales)
+  if used > SMEM_BYTES_PER_BLOCK:
+    raise ValueError(
+        f"Config needs {used} bytes of shared memory per CTA, more than the"
+        f" {SMEM_BYTES_PER_BLOCK} of sm_90 ({config}, out {jnp.dtype(out_dtype).name});"
+        " lower stages, block_m/block_n or epi_block_m/epi_block_n")
+
+
+def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Config:
+  """The shape's default tiles.
+
+  promoted (block scales along K, or fast_accumulation=False): two 64x128 warpgroup
+  tiles of a 128x128 CTA tile (64 + 64 accumulator registers, like DeepGEMM's m64
+  warpgroups); plain accumulation: two 128x128 tiles of a 128x256 one, as the bf16
+  kernel. A short M (<= 64 rows) takes one 64-row band split by columns.
+  """
+  del k
+  if promoted:
+    if m <= 64:
+      cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5)
+    else:
+      cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)
+  else:
+    if m <= 64:
+      cfg = Config(block_m=64, block_n=256, wg_split="n", stages=6)
+    else:
+      cfg = Config(block_m=128, block_n=256, wg_split="n", stages=4)
+  if jnp.dtype(out_dtype).itemsize == 4:
+    cfg = cfg.replace(epi_block_n=32)
+  while cfg.stages > 2 and smem_bytes(cfg, out_dtype, row_scales=promoted,
+                                      column_scales=promoted) > SMEM_BYTES_PER_BLOCK:
+    cfg = cfg.replace(stages=cfg.stages - 1)
+  return cfg

@@ -1,0 +1,502 @@
+"""Scaled fp8 GEMM on Hopper (sm_90) in Pallas Mosaic GPU.
+
+``scaled_gemm(lhs, rhs, lhs_scales, rhs_scales)`` computes, per batch entry b,
+``out[b] = (lhs[b] * repeat(lhs_scales[b])) @ (rhs[b] * repeat(rhs_scales[b])).T``
+with lhs (B, M, K) and rhs (B, N, K) in float8_e4m3fn / float8_e5m2 (mixed allowed), f32
+scales, and a bf16 / f16 / f32 result. The scale layouts it reads (K_b = ceil(K / 128)):
+
+  lhs_scales  (B, M, K_b)    1x128 blocks: one scale per row and 128 of K
+              (B, M, 1)      per row
+              (B, 1, 1)      per tensor
+  rhs_scales  (B, N, K_b)    one per column of the output and 128 of K
+              (B, ceil(N/128), K_b)  128x128 blocks (DeepSeek-V3's weights)
+              (B, N, 1)      per column of the output
+              (B, 1, 1)      per tensor
+  rhs and rhs_scales may also have a batch of 1, shared by every lhs entry.
+
+Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
+  * Tiles: each CTA walks the flattened (batch, m tiles, n tiles) space strided by the
+    CTA count, in ``plgpu.planar_snake`` bands. A CTA tile is block_m x block_n, split
+    among ``num_compute_wgs`` consumer warpgroups (one wgmma accumulator each).
+  * Operands: fp8 wgmma reads both operands K-major from shared memory (only 16-bit
+    operands may be transposed), so lhs is (M, K) and rhs (N, K), and each stage of a
+    ``stages``-deep ring holds a (block_m, 128) lhs tile and a (block_n, 128) rhs tile,
+    128-byte swizzled, loaded by TMA. One warp of a producer warpgroup issues the loads
+    of every (tile, K step) of the CTA in one loop, so the next tile's loads start while
+    the consumers still run the previous tile's epilogue.
+  * Block scales (promoted K loop): one K step is one 128-wide scale block. Its wgmma
+    products go into a zeroed accumulator; the step's scale (lhs row scale x rhs column
+    or block scale) multiplies it and it is added into an f32 register sum: one
+    multiply-add per accumulator element and step, and the tensor core's accumulation
+    (~14 mantissa bits kept in fp8 wgmma) never runs longer than 128 products. The
+    lhs scales of a step, a (block_m,) vector, and per-column rhs scales, a (block_n,)
+    vector, ride in the same ring stage (TMA from scale arrays transposed to
+    (B, K_b, M) / (B, K_b, N)). A 128x128 rhs block scale is one number per
+    warpgroup and step when the warpgroup's columns lie in one 128-column block: it is
+    read from global memory (an L2-resident (B, K_b, ceil(N/128)) array) while the
+    wgmma runs; otherwise the blocks are expanded to per-column scales.
+  * Scales constant along K (per tensor, row or column): applied once in the epilogue.
+    With ``Config.fast_accumulation`` (default) and no block scale, the K loop is one
+    wgmma chain into one accumulator (the bf16 kernel's loop, wgmma_wait=1 overlaps
+    consecutive steps); fast_accumulation=False promotes every 128 of K as above.
+  * Epilogue (consumer warpgroups): the sum times the epilogue scales, cast to the
+    out dtype, written to a double-buffered shared-memory slot and stored by TMA in
+    (epi_block_m, epi_block_n) sub-tiles.
+
+Shapes and edges:
+  * Any M, N, K. TMA zero-fills out-of-bounds parts of a tile and clips stores, but
+    Mosaic GPU describes a swizzled TMA through a view of the whole array, so an
+    operand's rows must be a multiple of 8 and its K a multiple of 128: others are
+    zero-padded (`_pad_for_tma`, one copy; zero K columns add exact zeros, and a
+    partial last scale block then scales real and zero products alike). A misaligned
+    output is computed into a padded buffer and sliced (`_unpad`).
+  * NaN / Inf in an operand reach the products and propagate as in the float64
+    product of the dequantized operands (up to 0 * inf, which both make NaN).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_gemm.mosaic.layout import (_pad_for_tma, _round_up, _swizzle_transforms,
+                                        _tma_padded_shape, _tma_tile, _unpad)
+from pallas_gemm.scaled_matmul.config import BLOCK_K, Config, check, default_config
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+# SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
+_INTERPRET_NUM_SMS = 4
+# Registers per thread left to the producer warpgroup (setmaxnreg).
+_PRODUCER_REGISTERS = 40
+
+
+# ----------------------------------------------------------------------------
+# Scale layouts
+# ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+  """How the kernel applies the scales (static; derived from their shapes).
+
+  lhs_step: lhs scales per 128 of K, a (block_m,) row vector per step.
+  rhs_step: None, "column" (a (block_n,) vector per step) or "block" (one number per
+    warpgroup and step, from a (B, K_b, ceil(N/128)) array in global memory).
+  epi_scalar / epi_rows / epi_cols: the epilogue multiplies by a (B,) scalar, a
+    (B, M) row vector and / or a (B, N) column vector.
+  promoted: the K loop promotes each 128 of K into the f32 register sum.
+  rhs_shared: rhs (and its step scales) have a batch of 1, shared by every lhs entry.
+  """
+
+  lhs_step: bool
+  rhs_step: str | None
+  epi_scalar: bool
+  epi_rows: bool
+  epi_cols: bool
+  promoted: bool
+  rhs_shared: bool
+
+
+def _classify(name: str, scales, batch: int, rows: int, k_blocks: int,
+              block_rows: int | None) -> str:
+  """The layout of one operand's scales: "tensor", "row" (per row, constant along K),
+  "step" (per row and 128 of K) or "block" (per 128 rows and 128 of K, rhs only)."""
+  shape = tuple(scales.shape)
+  if jnp.dtype(scales.dtype) != jnp.float32:
+    raise TypeError(f"{name}.dtype={scales.dtype}: scales must be float32")
+  accepted = [(batch, 1, 1), (batch, rows, 1), (batch, rows, k_blocks)]
+  if block_rows is not None:
+    accepted.append((batch, block_rows, k_blocks))
+  if len(shape) != 3 or shape not in accepted:
+    raise ValueError(f"{name}.shape={shape}: expected one of {sorted(set(accepted))}"
+                     f" (K_b = ceil(K / {BLOCK_K}) = {k_blocks} blocks of 128 along K"
+                     + (", 128x128 blocks along N" if block_rows is not None else "") + ")")
+  if shape == (batch, 1, 1):
+    return "tensor"
+  if shape[2] == 1 and shape[1] == rows:  # (also K_b == 1: one block is the whole K)
+    return "row"
+  if shape[1] == rows:
+    return "step"
+  return "block"
+
+
+# ----------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------
+
+
+def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: int,
+            k_iters: int, batch: int, num_ctas: int):
+  """One persistent CTA of num_ctas.
+
+  lhs_gmem: (B, M, K) fp8; rhs_gmem: (B or 1, N, K) fp8 (K a multiple of 128).
+  refs, in order, those the plan uses, then the output:
+    lhs_step_gmem (B, K_b, M') f32, rhs_step_gmem (B or 1, K_b, N') f32 ("column") or
+    (B or 1, K_b, N_b') ("block"), epi_scalar_gmem (B,), epi_rows_gmem (B, M'),
+    epi_cols_gmem (B, N'), out_gmem (B, M_out, N_out); primed sizes cover every tile.
+  """
+  cfg = config
+  refs = list(refs)
+  lhs_step_gmem = refs.pop(0) if plan.lhs_step else None
+  rhs_step_gmem = refs.pop(0) if plan.rhs_step else None
+  epi_scalar_gmem = refs.pop(0) if plan.epi_scalar else None
+  epi_rows_gmem = refs.pop(0) if plan.epi_rows else None
+  epi_cols_gmem = refs.pop(0) if plan.epi_cols else None
+  (out_gmem,) = refs
+  out_dtype = out_gmem.dtype
+  bm, bn, bk = cfg.block_m, cfg.block_n, BLOCK_K
+  wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
+  epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
+  num_wgs = cfg.num_compute_wgs
+  m_tiles, n_tiles = pl.cdiv(m, bm), pl.cdiv(n, bn)
+  per_batch = m_tiles * n_tiles
+  # A ring deeper than K is never filled.
+  stages = min(cfg.stages, k_iters)
+  # The plain loop keeps one wgmma in flight across steps, so a stage is released one
+  # step late; with a single step there is nothing to overlap.
+  wgmma_wait = cfg.wgmma_wait if (k_iters > cfg.wgmma_wait and not plan.promoted) else 0
+  column_step = plan.rhs_step == "column"
+
+  lhs_transforms = _swizzle_transforms(bk, lhs_gmem.dtype)
+  rhs_transforms = _swizzle_transforms(bk, rhs_gmem.dtype)
+  out_transforms = _swizzle_transforms(epi_n, out_dtype)
+  loads = 2 + plan.lhs_step + column_step  # TMA copies per step
+  scoped = dict(
+      lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=lhs_transforms),
+      rhs_smem=plgpu.SMEM((stages, bn, bk), rhs_gmem.dtype, transforms=rhs_transforms),
+      produced=plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+      out_smem=plgpu.SMEM((num_wgs, cfg.out_slots, epi_m, epi_n), out_dtype,
+                          transforms=out_transforms),
+  )
+  if plan.lhs_step:
+    scoped["lhs_scale_smem"] = plgpu.SMEM((stages, bm), jnp.float32)
+  if column_step:
+    scoped["rhs_scale_smem"] = plgpu.SMEM((stages, bn), jnp.float32)
+
+  cta = lax.axis_index("sm")
+  local_tiles = lax.div(batch * per_batch - cta + num_ctas - 1, num_ctas)
+
+  def coords(j):  # the CTA's j-th tile -> (batch entry, m tile, n tile)
+    g = cta + j * num_ctas
+    bi, lin = lax.div(g, per_batch), lax.rem(g, per_batch)
+    mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles),
+                                0 if cfg.grid_minor_dim == "m" else 1, cfg.grid_tile_width)
+    return bi, mi, ni
+
+  def wg_origin(wg):  # this warpgroup's part of the CTA tile, in CTA-tile coordinates
+    return (wg * wg_m, 0) if cfg.wg_split == "m" else (0, wg * wg_n)
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(lhs_smem, rhs_smem, produced, consumed, out_smem, lhs_scale_smem=None,
+             rhs_scale_smem=None):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == num_wgs)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+      @plgpu.warp_map
+      def _per_warp(warp):
+        @pl.when(warp == 0)
+        def _loads():
+          @pl.loop(0, local_tiles)
+          def _tile(j):
+            bi, mi, ni = coords(j)
+            bb = 0 if plan.rhs_shared else bi
+            ms, ns = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
+
+            @pl.loop(0, k_iters)
+            def _k(kk):
+              step = j * k_iters + kk
+              slot = lax.rem(step, stages)
+
+              @pl.when(step >= stages)
+              def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+              ks = pl.ds(kk * bk, bk)
+              plgpu.copy_gmem_to_smem(lhs_gmem.at[bi, ms, ks], lhs_smem.at[slot],
+                                      produced.at[slot])
+              plgpu.copy_gmem_to_smem(rhs_gmem.at[bb, ns, ks], rhs_smem.at[slot],
+                                      produced.at[slot])
+              if plan.lhs_step:
+                plgpu.copy_gmem_to_smem(lhs_step_gmem.at[bi, kk, ms],
+                                        lhs_scale_smem.at[slot], produced.at[slot])
+              if column_step:
+                plgpu.copy_gmem_to_smem(rhs_step_gmem.at[bb, kk, ns],
+                                        rhs_scale_smem.at[slot], produced.at[slot])
+
+          # Wait for the last releases, so no arrival is pending when the CTA exits.
+          steps = local_tiles * k_iters
+
+          @pl.loop(jnp.maximum(steps - stages, 0), steps)
+          def _drain(step):
+            plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+
+    @pl.when(wg < num_wgs)
+    def _consumers():
+      # What the producer leaves of 512 registers per thread slot, shared by the
+      # consumer warpgroups, at most 256, a multiple of 8.
+      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
+                              action="increase")
+      wg_m0, wg_n0 = wg_origin(wg)
+      wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
+
+      def wgmma(acc_ref, slot):  # acc_ref += (wg_m, 128) @ (128, wg_n)
+        lhs_op = lhs_smem.at[slot, wg_ms] if cfg.wg_split == "m" else lhs_smem.at[slot]
+        rhs_op = rhs_smem.at[slot, wg_ns] if cfg.wg_split == "n" else rhs_smem.at[slot]
+        plgpu.wgmma(acc_ref, lhs_op, rhs_op.T)  # rhs (wg_n, 128) K-major, read as (128, wg_n)
+
+      @pl.loop(0, local_tiles)
+      def _tile(j):
+        bi, mi, ni = coords(j)
+        bb = 0 if plan.rhs_shared else bi
+        first = j * k_iters
+        if plan.promoted:
+          acc = _promoted_loop(wgmma, first, bb, ni * bn + wg_n0, wg_ms, wg_ns, stages,
+                               produced, consumed, lhs_scale_smem, rhs_scale_smem,
+                               rhs_step_gmem, plan=plan, wg_m=wg_m, wg_n=wg_n,
+                               k_iters=k_iters)
+        else:
+          acc = _plain_loop(wgmma, first, stages, produced, consumed, wg_m=wg_m, wg_n=wg_n,
+                            k_iters=k_iters, wgmma_wait=wgmma_wait)
+        _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_gmem,
+                  bi, mi * bm + wg_m0, ni * bn + wg_n0, wg, config=cfg)
+
+  del _scope  # run_scoped ran it
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _plain_loop(wgmma, first, stages, produced, consumed, *, wg_m, wg_n, k_iters,
+                wgmma_wait):
+  """All of K into one wgmma accumulator; returns the (wg_m, wg_n) f32 sum."""
+
+  @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+  def acc(acc_ref):
+    @pl.loop(0, k_iters)
+    def _k(kk):
+      slot = lax.rem(first + kk, stages)
+      plgpu.barrier_wait(produced.at[slot])
+      wgmma(acc_ref, slot)
+      plgpu.wgmma_wait(wgmma_wait)
+      if wgmma_wait == 0:
+        plgpu.barrier_arrive(consumed.at[slot])
+      else:  # the previous step's wgmma is done: its stage is free
+
+        @pl.when(kk > 0)
+        def _():
+          plgpu.barrier_arrive(consumed.at[lax.rem(first + kk - 1, stages)])
+
+    if wgmma_wait:
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(consumed.at[lax.rem(first + k_iters - 1, stages)])
+    return acc_ref[...]
+
+  return acc
+
+
+def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consumed,
+                   lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan: Plan, wg_m,
+                   wg_n, k_iters):
+  """Each 128 of K: products into a zeroed accumulator, times the step's scale, added
+  to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum."""
+  row_layout = plgpu.Layout.WGMMA.reduce(1)  # a (wg_m,) vector, one value per acc row
+  col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (wg_n,) vector, one per acc column
+
+  def step(kk, total):
+    slot = lax.rem(first + kk, stages)
+    plgpu.barrier_wait(produced.at[slot])
+
+    def block(blk_ref):
+      wgmma(blk_ref, slot)
+      # The scales are read while the products run; reading blk_ref waits for them.
+      rows = cols = scalar = None
+      if plan.lhs_step:
+        rows = plgpu.load(lhs_scale_smem.at[slot, wg_ms], layout=row_layout,
+                          optimized=False)
+      if plan.rhs_step == "column":
+        cols = plgpu.load(rhs_scale_smem.at[slot, wg_ns], layout=col_layout,
+                          optimized=False)
+      elif plan.rhs_step == "block":  # the warpgroup's columns lie in one 128-block
+        scalar = rhs_step_gmem[bb, kk, lax.div(col0, 128)]
+      return blk_ref[...], rows, cols, scalar
+
+    blk, rows, cols, scalar = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
+    plgpu.barrier_arrive(consumed.at[slot])
+    if rows is not None and scalar is not None:
+      rows, scalar = rows * scalar, None
+    if rows is not None:
+      blk = blk * lax.broadcast_in_dim(rows, (wg_m, wg_n), [0])
+    if cols is not None:
+      blk = blk * lax.broadcast_in_dim(cols, (wg_m, wg_n), [1])
+    if scalar is not None:
+      blk = blk * scalar
+    return total + blk
+
+  return lax.fori_loop(0, k_iters, step, jnp.zeros((wg_m, wg_n), jnp.float32))
+
+
+def _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_gmem,
+              bi, row0, col0, wg, *, config: Config):
+  """acc (wg_m, wg_n) times the epilogue scales, cast, stored by TMA in sub-tiles."""
+  cfg = config
+  epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
+  # This warpgroup's previous tile's stores must have read their slots.
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  scalar = None if epi_scalar_gmem is None else epi_scalar_gmem[bi]
+  sub_tiles = [(slice(i * epi_m, (i + 1) * epi_m), slice(j * epi_n, (j + 1) * epi_n))
+               for i in range(cfg.wg_block_m // epi_m) for j in range(cfg.wg_block_n // epi_n)]
+  for step, (es_m, es_n) in enumerate(sub_tiles):
+    rows, cols = pl.ds(row0 + es_m.start, epi_m), pl.ds(col0 + es_n.start, epi_n)
+    val = acc[es_m, es_n]
+    if scalar is not None:
+      val = val * scalar
+    if epi_rows_gmem is not None:  # optimized=False: vectorized loads are smem-only
+      r = plgpu.load(epi_rows_gmem.at[bi, rows], layout=plgpu.Layout.WGMMA.reduce(1),
+                     optimized=False)
+      val = val * lax.broadcast_in_dim(r, (epi_m, epi_n), [0])
+    if epi_cols_gmem is not None:
+      c = plgpu.load(epi_cols_gmem.at[bi, cols], layout=plgpu.Layout.WGMMA.reduce(0),
+                     optimized=False)
+      val = val * lax.broadcast_in_dim(c, (epi_m, epi_n), [1])
+    slot = step % cfg.out_slots
+    # The slot's store from out_slots sub-tiles ago must have read it.
+    plgpu.wait_smem_to_gmem(cfg.out_slots - 1, wait_read_only=True)
+    out_smem[wg, slot] = val.astype(out_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_gmem.at[bi, rows, cols])
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+
+
+def _num_sms(config: Config, interpret: bool) -> int:
+  if config.num_sms is not None:
+    return config.num_sms
+  if interpret:
+    return _INTERPRET_NUM_SMS
+  if jax.devices()[0].platform == "cpu":
+    raise ValueError("interpret=False needs a GPU; on the CPU pass interpret=True")
+  from pallas_gemm import tuning  # noqa: PLC0415 - the device query only
+  return tuning.num_sms()
+
+
+def _pad_to(x, size: int, axis: int = -1):
+  """x zero-padded along axis up to size (x if it is already that long)."""
+  extra = size - x.shape[axis]
+  if extra <= 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
+                config: Config | None = None, interpret: bool = False):
+  """(B, M, N) out_dtype: the scaled product of fp8 lhs (B, M, K) and rhs (B, N, K),
+  both K-major; scale layouts in the module docstring. Any M, N, K (K % 128 == 0 and
+  M, N multiples of 8 need no operand copy). The sum is f32; the result is cast once."""
+  for name, x in (("lhs", lhs), ("rhs", rhs)):
+    if jnp.dtype(x.dtype) not in FP8_DTYPES:
+      raise TypeError(f"{name}.dtype={x.dtype}: expected float8_e4m3fn or float8_e5m2")
+    if x.ndim != 3:
+      raise ValueError(f"{name}.shape={x.shape}: expected 3 dims ((B, M, K) / (B, N, K))")
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in OUT_DTYPES:
+    raise TypeError(f"out_dtype={out_dtype}: expected bfloat16, float16 or float32")
+  batch, m, k = lhs.shape
+  batch_r, n, k_r = rhs.shape
+  if k_r != k:
+    raise ValueError(f"rhs.shape={rhs.shape}: K={k_r} differs from lhs's K={k}"
+                     f" (lhs.shape={lhs.shape}; rhs is (B, N, K))")
+  if batch_r not in (1, batch):
+    raise ValueError(f"rhs.shape={rhs.shape}: batch {batch_r} must be 1 or lhs's {batch}")
+  k_blocks = -(-k // BLOCK_K)
+  n_blocks = -(-n // 128)
+  lhs_kind = _classify("lhs_scales", lhs_scales, batch, m, k_blocks, None)
+  rhs_kind = _classify("rhs_scales", rhs_scales, batch_r, n, k_blocks, n_blocks)
+  if rhs_kind == "block" and k_blocks == 1:  # one block along K: per column
+    rhs_scales, rhs_kind = jnp.repeat(rhs_scales, 128, axis=1)[:, :n], "row"
+  if 0 in (batch, m, n):
+    return jnp.zeros((batch, m, n), out_dtype)
+  if k == 0:
+    return jnp.zeros((batch, m, n), out_dtype)
+
+  step_scales = lhs_kind == "step" or rhs_kind in ("step", "block")
+  promoted = step_scales or (config is not None and not config.fast_accumulation)
+  if config is None:
+    config = default_config(m, n, k, out_dtype=out_dtype, promoted=promoted)
+  promoted = step_scales or not config.fast_accumulation
+  bm, bn = config.block_m, config.block_n
+  rhs_step = {"step": "column", "block": "block"}.get(rhs_kind)
+  if rhs_step == "block" and 128 % config.wg_block_n:
+    # A warpgroup's columns span several 128-column blocks: per-column scales.
+    rhs_scales = jnp.repeat(rhs_scales, 128, axis=1)[:, :n]
+    rhs_step = "column"
+  check(config, out_dtype, k=k, promoted=promoted, row_scales=lhs_kind == "step",
+        column_scales=rhs_step == "column")
+  plan = Plan(lhs_step=lhs_kind == "step", rhs_step=rhs_step,
+              epi_scalar=lhs_kind == "tensor" or rhs_kind == "tensor",
+              epi_rows=lhs_kind == "row", epi_cols=rhs_kind == "row", promoted=promoted,
+              rhs_shared=batch_r == 1 and batch > 1)
+
+  # Operands: rows a multiple of 8, K of 128 (the swizzled TMA view; zeros are exact).
+  tile = _tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
+  lhs, rhs = _pad_for_tma(lhs, tile, BLOCK_K), _pad_for_tma(rhs, tile, BLOCK_K)
+  k_iters = lhs.shape[2] // BLOCK_K
+  # Every tile's rows / columns lie inside the scale vectors (no gmem bounds checks).
+  m_all, n_all = _round_up(m, bm), _round_up(n, bn)
+  operands = [lhs, rhs]
+  if plan.lhs_step:  # (B, K_b, M'): one contiguous (block_m,) TMA box per step
+    operands.append(_pad_to(jnp.swapaxes(lhs_scales, 1, 2), m_all))
+  if rhs_step == "column":
+    operands.append(_pad_to(jnp.swapaxes(rhs_scales, 1, 2), n_all))
+  elif rhs_step == "block":
+    operands.append(_pad_to(jnp.swapaxes(rhs_scales, 1, 2), n_all // 128 + 1))
+  if plan.epi_scalar:
+    scalar = jnp.ones((batch,), jnp.float32)
+    if lhs_kind == "tensor":
+      scalar = scalar * lhs_scales[:, 0, 0]
+    if rhs_kind == "tensor":
+      scalar = scalar * rhs_scales[:, 0, 0]
+    operands.append(scalar)
+  if plan.epi_rows:
+    operands.append(_pad_to(lhs_scales[:, :, 0], m_all))
+  if plan.epi_cols:
+    operands.append(_pad_to(jnp.broadcast_to(rhs_scales[:, :, 0], (batch, n)), n_all))
+
+  m_out, n_out = _tma_padded_shape(m, n, _tma_tile(config.epi_block_n, out_dtype))
+  n_out = max(n_out, bn)  # as for the operands: never narrower than the block
+  num_ctas = _num_sms(config, interpret)
+  body = functools.partial(_kernel, config=config, plan=plan, m=m, n=n, k_iters=k_iters,
+                           batch=batch, num_ctas=num_ctas)
+  call = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
+      grid=(num_ctas,),
+      grid_names=("sm",),
+      num_threads=config.num_compute_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      kernel_name="pallas_gemm_scaled_fp8",
+  )
+  if interpret:
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+      out = call(*operands)
+  else:
+    out = call(*operands)
+  if (m_out, n_out) != (m, n):
+    out = _unpad(out, m, n, interpret)
+  return out
