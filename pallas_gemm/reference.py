@@ -50,6 +50,26 @@ def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose
   return out
 
 
+def scaled_reference(lhs, rhs, lhs_scales, rhs_scales):
+  """jax.nn.scaled_matmul's product in float64: einsum("bmk,bnk->bmn", lhs * ls, rhs * rs)
+  with each scale repeated over its block (rows: one per row, per 128 rows, or one per
+  tensor; K // K_s along K). 2-D arguments give a 2-D result. Host NumPy, or the device
+  in float64 for large products on a GPU (as `reference`)."""
+  xp = np
+  if math.prod(lhs.shape) * rhs.shape[-2] > 2**30 and jax.default_backend() == "gpu":
+    import jax.numpy as xp  # noqa: PLC0415 - device path only
+  with jax.enable_x64(True):
+    def dequantize(x, s):
+      x = xp.asarray(xp.asarray(x).astype(xp.float32), dtype=xp.float64)
+      s = xp.asarray(xp.asarray(s).astype(xp.float32), dtype=xp.float64)
+      rows, k = x.shape[-2:]
+      if s.shape[-2] not in (1, rows):  # blocks of 128 rows, the last one partial
+        s = xp.repeat(s, 128, axis=-2)[..., :rows, :]
+      return x * xp.repeat(s, k // s.shape[-1], axis=-1) if s.shape[-1] > 1 else x * s
+    a, b = dequantize(lhs, lhs_scales), dequantize(rhs, rhs_scales)
+    return xp.matmul(a, xp.swapaxes(b, -1, -2))
+
+
 def gated_gradient(a, b, g, activation):
   """The float64 gradient in a of sum(g * (act(a) @ b)): act'(a) * (g @ b^T), on the host."""
   with jax.enable_x64(True):
@@ -75,12 +95,20 @@ _COMPUTE_TOL = {
     # float32_f16x3: elements kept to 2^-22 (23 bits): 2e-7 on N(0,1) at 4096^3-8192^3,
     # up to 1.75x SGEMM's where a few terms dominate (the "range" inputs; H200, session 14)
     "f16x3": (2e-6, 1e-7),
+    # fp8 operands against the float64 product of the dequantized operands: the products
+    # are exact in f32, but fp8 wgmma keeps ~14 bits while it sums (DeepSeek-V3), so a
+    # kernel sums 128 products that way before adding them into f32 registers; a K loop
+    # left to the tensor core's accumulator loses ~2^-14 per step of it (xla and
+    # interpret mode: f32 throughout, ~1e-7).
+    "fp8": (2e-4, 2e-6),
 }
 # ... plus the final rounding to the output dtype (half an ulp, normwise below that).
 _OUTPUT_TOL = {"float32": 0.0, "bfloat16": 8e-3, "float16": 1e-3}
 
 
 def compute_class(dtype, precision) -> str:
+  if np.dtype(dtype).itemsize == 1:
+    return "fp8"
   if np.dtype(dtype).itemsize == 2:
     return "16bit"
   precision = precisions.effective(precisions.normalize(precision), dtype)

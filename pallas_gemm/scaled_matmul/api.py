@@ -7,10 +7,11 @@ with ls, rs the scales expanded over their blocks (see quantize.py for the layou
 This module validates, reads the layouts from the scales' shapes, and picks a backend:
   "xla"     xla.py: dequantize in float32 and one float32 dot; every layout, everywhere.
   "mosaic"  the Hopper kernel (mosaic.py): fp8 wgmma with the products of each 128 of K
-            scaled and summed in float32. It takes 1x128 / 128x128 blocks and per-tensor
-            scales; scales along K in blocks of a multiple of 128 (K itself included)
-            are handed to it repeated per 128 (the same numbers). Finer blocks (1x32)
-            run on xla. On a CPU it runs in interpret mode.
+            scaled and summed in float32. It takes 1x128 / 128x128 (rhs) blocks, and
+            per-row and per-tensor scales (applied in its epilogue); blocks along K of
+            a multiple of 128 are handed to it repeated per 128, lhs blocks of 128
+            rows repeated per row (the same numbers). Finer blocks (1x32) run on xla.
+            On a CPU it runs in interpret mode.
   "auto"    mosaic on a Hopper GPU when it takes the layout, else xla.
 """
 
@@ -110,38 +111,37 @@ def _validate(lhs, rhs, lhs_scales, rhs_scales):
 # ----------------------------------------------------------------------------- backends
 
 
-def _per_128(scales, layout: _q.ScaleLayout, shape):
-  """The scales in a layout the kernel reads: (B, 1, 1), or (B, R', ceil(K/128)) with R'
-  the operand's rows (or their blocks of 128, rhs only). None when they do not fit:
-  a block along K that 128 does not tile."""
+def _repeat_rows(s, rows: int, total: int):
+  """Scales of blocks of `rows` rows, one per row (the first `total`)."""
+  return jnp.repeat(s, rows, axis=1, total_repeat_length=s.shape[1] * rows)[:, :total]
+
+
+def _for_kernel(scales, layout: _q.ScaleLayout, shape, *, row_blocks: bool):
+  """The scales in a layout the kernel reads, or None: (B, 1, 1); (B, R, 1) (per row,
+  applied in its epilogue); (B, R, ceil(K/128)); with row_blocks (rhs),
+  (B, ceil(R/128), ceil(K/128)) too."""
   b, r, k = shape
   s = jnp.asarray(scales).astype(jnp.float32)
   if layout.per_tensor:
     return s
-  if layout.block_k != k and layout.block_k % K_BLOCK:
+  per_row = s.shape[2] == 1  # block_k == K
+  if not per_row and layout.block_k % K_BLOCK:
     return None
-  k_blocks = -(-k // K_BLOCK)
-  if s.shape[2] == 1:  # one scale per row (block_k == K)
-    s = jnp.broadcast_to(s, (b, s.shape[1], k_blocks))
-  elif layout.block_k != K_BLOCK:
-    s = jnp.repeat(s, layout.block_k // K_BLOCK, axis=2, total_repeat_length=k_blocks)
+  if not per_row and layout.block_k != K_BLOCK:
+    s = jnp.repeat(s, layout.block_k // K_BLOCK, axis=2, total_repeat_length=k // K_BLOCK)
+  if layout.rows == _q.ROW_BLOCK and (per_row or not row_blocks):
+    s = _repeat_rows(s, _q.ROW_BLOCK, r)
   return s
 
 
 def _mosaic_scales(lhs, rhs, lhs_scales, rhs_scales, lhs_layout, rhs_layout):
   """(lhs_scales, rhs_scales) as the kernel takes them, or a str saying why it cannot."""
-  ls = _per_128(lhs_scales, lhs_layout, lhs.shape)
-  rs = _per_128(rhs_scales, rhs_layout, rhs.shape)
+  ls = _for_kernel(lhs_scales, lhs_layout, lhs.shape, row_blocks=False)
+  rs = _for_kernel(rhs_scales, rhs_layout, rhs.shape, row_blocks=True)
   for name, s, layout in (("lhs", ls, lhs_layout), ("rhs", rs, rhs_layout)):
     if s is None:
       return (f"{name}_scales in {layout.describe()}: the kernel scales per {K_BLOCK} of K,"
-              f" so K blocks must be a multiple of {K_BLOCK} (or K itself)")
-  if lhs_layout.rows == _q.ROW_BLOCK and not lhs_layout.per_tensor and ls.shape[1] > 1:
-    # 128-row lhs blocks: the kernel scales lhs per row, so repeat each block's scale.
-    ls = jnp.repeat(ls, _q.ROW_BLOCK, axis=1,
-                    total_repeat_length=ls.shape[1] * _q.ROW_BLOCK)[:, :lhs.shape[1]]
-  elif lhs_layout.rows == _q.ROW_BLOCK and not lhs_layout.per_tensor:
-    ls = jnp.broadcast_to(ls, (ls.shape[0], lhs.shape[1], ls.shape[2]))
+              f" so blocks along K must be a multiple of {K_BLOCK} long (or K itself)")
   return ls, rs
 
 
