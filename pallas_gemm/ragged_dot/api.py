@@ -16,15 +16,15 @@ group whose global index is outside [0, G_total) is empty. Without group_offset,
 G_total == G (lax's rule). The weight-gradient form with group_offset returns
 len(group_sizes) groups, entry i being global group group_offset + i.
 
-What reaches the kernels (H4a: `mosaic_forward.forward`, `mosaic_weight_grad.weight_grad`):
-`ops.kernel_groups` normalises every call to LOCAL sizes and a row start, so the kernels
-never see group_offset's bookkeeping:
-    group_sizes: (G,) int32, every size >= 0, G == rhs's groups (forward) / the result's;
-    4th argument `row_start`: None (group 0 starts at row 0) or an int32 scalar array
-      (shape ()): group 0's first row; group i starts at row_start + sum(sizes[:i]);
-    row_start + sum(group_sizes) <= M always (rows past M are cut before the call).
-    forward: rows outside [row_start, row_start + sum) must be written as zeros.
-    weight_grad: an empty group's (K, N) result must be zeros.
+What reaches the kernels (`mosaic_forward.forward`, `mosaic_weight_grad.weight_grad`):
+`ops.kernel_groups` first normalises every call to the G local groups' sizes (each >= 0,
+their rows cut at M) and a row start; the kernels then get either
+    group_sizes (G,) int32 and group_offset None: group 0 starts at row 0, or
+    group_sizes (G + 1,) int32 = [row_start, local sizes...] and group_offset 1: rows
+      before row_start form a group the call does not compute,
+the same group_offset semantics as above, so no offset past the table and no negative size
+reaches a kernel. Forward: rows in no computed group are written as zeros. Weight grad: an
+empty group's (K, N) result is zeros.
 lhs/rhs: one 16-bit dtype (bf16 or f16), M, K, N, G >= 1; out_dtype bf16, f16 or f32.
 
 Backends: "xla" (jax.lax.ragged_dot_general: the reference; on a GPU XLA lowers it through a

@@ -107,6 +107,10 @@ def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
     kwargs = dict(precision=plan.precision)
   else:
     group_sizes, row_start = kernel_groups(group_sizes, row_start, m)
+    if row_start is not None:
+      # The kernels' own group_offset form: the rows before row_start become a group 0
+      # of G + 1, and the call computes groups [1, G + 1) with rhs's G matrices.
+      group_sizes, row_start = jnp.concatenate([row_start[None], group_sizes]), jnp.int32(1)
     module = importlib.import_module(f"pallas_gemm.ragged_dot.{plan.backend}_{plan.form}")
     kwargs = {}
   common = dict(out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret, **kwargs)
