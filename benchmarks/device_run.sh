@@ -1,18 +1,49 @@
 #!/usr/bin/env bash
-# Everything the GPU machine is for, in one call (see README "On the GPU machine"):
-#   bash benchmarks/device_run.sh [build] [test] [sanitize] [pair] [sharded] [mlp] [precision] [example] [cuda] [cuda_sk] [mosaic_sk] [cuda_ab] [ragged] [mosaic] [ab] [power] [triton]
-#                                 [ncu] [ncu_mosaic] [ncu_sass] [bench] [full] [tune]
-#   [dense] [step_kernels] [step_gemms] [step_tiles] [split_kernels] [gate] [ksplit]
-# (no argument = build test sanitize bench). Full logs go to $OUT; a short table prints last.
+# Everything the GPU machine is for, in one call: build, test, benchmark.
+#   bash benchmarks/device_run.sh [STAGE ...]       (no argument: build test sanitize headline)
+# Stages:
+#   build       pip install -e . (ptxas register/spill report), the backends found
+#   test        the test suite (PYTEST_ARGS, PYTEST_FILES, TEST_TIMEOUT)
+#   sanitize    compute-sanitizer memcheck / racecheck / synccheck on the cuda kernel
+#   headline    python -m benchmarks: the headline sweep vs jnp.dot (~1-2 min)
+#   mlp         python -m benchmarks --mlp: SGD and AdamW training steps, A/A check (~3-4 min)
+#   precision   python -m benchmarks --precision: float32 presets, speed and error
+#   ragged      python -m benchmarks --ragged: grouped GEMM
+#   fp8         python -m benchmarks --fp8: fp8 GEMMs with scales
+#   example     examples/flax_mlp.py --full
+#   bench       python -m benchmarks --gpu-default (square, ragged, skinny, batched; ~5 min)
+#   full        python -m benchmarks --full (~7-9 min)
+#   tune        python -m benchmarks --autotune (TUNE_ARGS, TUNE_TIMEOUT), then a cache lookup
+#   pair        2 GPUs: the K-split pair kernels' tests
+#   sharded     2+ GPUs: python -m benchmarks --sharded (SHARDED_ARGS)
+#   probes (python -m benchmarks.probe, see its --help):
+#   configs     mosaic configs vs jnp.dot and hopper_matmul_mgpu (CONFIGS_ARGS)
+#   ab          mosaic config variants vs jnp.dot, call by call (AB_ARGS, e.g. "8192 wgmma_wait=1")
+#   cuda        compiled cuda configs x transposes (CUDA_SIZES)
+#   cuda_ab     builds of cuda_sgemm.cu with different -D switches (CUDA_VARIANTS)
+#   kernels     the kernels of one MLP step and of float32_accurate (CUPTI, by name)
+#   pad         where a misaligned bf16 GEMM's time goes
+#   power       SM clock and power while GEMMs run back to back
+#   ncu ncu_mosaic ncu_sass   Nsight Compute reports of the cuda / mosaic kernels vs cuBLAS
+# Full logs go to $OUT (default /tmp/pallas_gemm_out); the short table prints last.
 set -uo pipefail
-OUT=${OUT:-/tmp/pallas_gemm_out}
+export OUT=${OUT:-/tmp/pallas_gemm_out}
 mkdir -p "$OUT"
+SUMMARY="$OUT/summary.md"
+: >"$SUMMARY"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-stages=${*:-build test sanitize bench}
+stages=${*:-build test sanitize headline}
 has() { [[ " $stages " == *" $1 "* ]]; }
 log() { echo "== $(date +%T) $*"; }
-# probe SECONDS WHAT [ARGS...]: python3 benchmarks/probe.py WHAT ARGS, logged to $OUT/WHAT_probe.log
-probe() { timeout "$1" python3 benchmarks/probe.py "${@:2}" 2>&1 | tee "$OUT/$2_probe.log"; }
+# summary TITLE: stdin goes under "### TITLE" in $SUMMARY, printed at the end.
+summary() { { echo "### $1"; cat; echo; } >>"$SUMMARY"; }
+# bench SECONDS NAME ARGS...: python3 -m benchmarks ARGS --out $OUT/NAME, logged to $OUT/NAME.log
+bench() {
+  timeout "$1" python3 -m benchmarks "${@:3}" --out "$OUT/$2" 2>&1 | tee "$OUT/$2.log"
+  echo "$2 rc=${PIPESTATUS[0]}" | summary "$2"
+}
+# probe SECONDS WHAT [ARGS...]: python3 -m benchmarks.probe WHAT ARGS, logged to $OUT/WHAT_probe.log
+probe() { timeout "$1" python3 -m benchmarks.probe "${@:2}" 2>&1 | tee -a "$OUT/$2_probe.log"; }
 
 if has build; then
   log build
@@ -23,7 +54,9 @@ if has build; then
     || { tail -40 "$OUT/build.log"; exit 1; }
   # Registers / spills / stack per kernel instance, sm_90 only.
   grep -A2 "for 'sm_90'" "$OUT/build.log" | grep -E "Compiling|registers|spill" | tail -30 || true
-  python3 -c "import pallas_gemm; print(pallas_gemm.backends())"
+  echo "$(grep -c 'spill stores' "$OUT/build.log") sm_90 kernels, $(grep 'spill stores' "$OUT/build.log" \
+    | grep -vc ' 0 bytes spill stores') with spills" | summary build
+  python3 -c "import pallas_gemm; print(pallas_gemm.backends())" | tee -a "$OUT/device.txt"
 fi
 
 if has test; then
@@ -32,6 +65,7 @@ if has test; then
   # PYTEST_FILES splits the suite over calls (the whole one-GPU suite takes longer than one).
   eval "timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rs -p no:cacheprovider --timeout 120 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests}" 2>&1 \
     | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-220 | tail -60
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -12 | summary tests
 fi
 
 if has sanitize; then
@@ -40,13 +74,71 @@ if has sanitize; then
     timeout 200 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitize_cuda.py \
       >"$OUT/sanitize_$tool.log" 2>&1
     echo "$tool rc=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -1)"
-  done
+  done | tee /dev/stderr | summary sanitize
+fi
+
+if has headline; then
+  log "headline sweep: bf16, f32 HIGHEST, float32_accurate, dense bias+gelu vs jnp.dot"
+  bench 300 headline --headline
+  grep '^|' "$OUT/headline/headline.md" | summary "headline table"
+fi
+
+if has mlp; then
+  log "MLP training steps (SGD, AdamW) and alpha/beta*C: pallas_gemm vs XLA, A/A check"
+  bench 400 mlp --mlp ${MLP_ARGS:-}
+  grep -E '^\| (bf16|f32)' "$OUT/mlp/mlp.md" | cut -d'|' -f2-10 | summary "mlp steps (dtype | M, D, H | step | variant | ms | x stock | IQR | min-max | verdict)"
+fi
+
+if has precision; then
+  log "float32 precisions (presets, float32_accurate): gemm vs jnp.dot, speed and error"
+  bench 500 precision --precision ${PRECISION_ARGS:-}
+fi
+
+if has ragged; then
+  log "grouped GEMM (ragged_dot) vs jax.lax.ragged_dot"
+  bench 400 ragged --ragged ${RAGGED_ARGS:-}
+  tail -n 20 "$OUT/ragged.log" | summary "ragged (last lines)"
+fi
+
+if has fp8; then
+  log "fp8 GEMMs with scales vs jnp"
+  bench 400 fp8 --fp8 ${FP8_ARGS:-}
+  tail -n 20 "$OUT/fp8.log" | summary "fp8 (last lines)"
+fi
+
+if has example; then
+  log "examples/flax_mlp.py --full: stock Flax vs dot_general vs fused layers"
+  timeout 400 python3 examples/flax_mlp.py --full --out "$OUT/example" 2>&1 | tee "$OUT/example.log"
+  grep -E "ms/step|loss curve" "$OUT/example.log" | summary example
+fi
+
+if has bench; then
+  log "benchmark --gpu-default"
+  bench 400 bench --gpu-default | tail -60
+  sed -n '/^## Summary/,$p' "$OUT/bench/results.md" | grep '^|' | summary "bench summary"
+fi
+
+if has full; then
+  log "benchmark --full"
+  bench 540 full --full | tail -80
+  sed -n '/^## Summary/,$p' "$OUT/full/results.md" | grep '^|' | summary "full summary"
+fi
+
+if has tune; then
+  log autotune
+  timeout ${TUNE_TIMEOUT:-300} python3 -m benchmarks --autotune ${TUNE_ARGS:-} --out "$OUT/tune" 2>&1 \
+    | tee "$OUT/tune.log" | tail -40
+  # A new process: gemm(config=None) now finds the tuned configs in the cache.
+  python3 -c "import json, pallas_gemm.tuning as t; p = t.cache_path(); e = json.loads(p.read_text())
+print('cache', p, 'entries:', len(e.get('entries', e)))
+for k in list(e.get('entries', e))[:5]: print('  ', k)"
 fi
 
 if has pair; then
   log "K split over 2 GPUs: the pair kernels' tests (mosaic.pair_gemm, and the NCCL path's)"
   timeout 300 python3 -m pytest -q -rs -p no:cacheprovider --timeout 240 tests/test_sharding.py \
       -k "exchanges or k_sharded" 2>&1 | tee "$OUT/pair_tests.log" | tail -15
+  tail -1 "$OUT/pair_tests.log" | summary pair
 fi
 
 if has sharded; then
@@ -54,75 +146,19 @@ if has sharded; then
   timeout 500 python3 -m benchmarks --sharded --out "$OUT/sharded" ${SHARDED_ARGS:-} 2>&1 | tee "$OUT/sharded.log"
 fi
 
-if has mlp; then
-  log "MLP training step and alpha/beta*C epilogue vs XLA"
-  timeout 400 python3 -m benchmarks --mlp --out "$OUT/mlp" 2>&1 | tee "$OUT/mlp.log"
+if has configs; then
+  log mosaic configs vs jnp.dot and hopper_matmul_mgpu
+  probe 400 configs ${CONFIGS_ARGS:-}
 fi
 
-if has precision; then
-  log "float32 precisions (presets, float32_accurate): gemm vs jnp.dot, speed and error"
-  timeout 500 python3 -m benchmarks --precision --out "$OUT/precision" ${PRECISION_ARGS:-} 2>&1 \
-    | tee "$OUT/precision.log"
-fi
-
-if has example; then
-  log "examples/flax_mlp.py --full: stock Flax vs dot_general vs fused layers"
-  timeout 400 python3 examples/flax_mlp.py --full --out "$OUT/example" 2>&1 | tee "$OUT/example.log"
-fi
-
-if has dense; then
-  log "bf16 MLP step: the bias + GELU epilogue written several ways, and the GEMMs XLA compiled"
-  probe 400 dense
-fi
-
-if has step_kernels; then
-  log "the kernels of one bf16 MLP step per variant (CUPTI)"
-  probe 300 step_kernels
-fi
-
-if has step_tiles; then
-  log "the mlp step's mosaic GEMMs with config variants (CUPTI)"
-  probe 500 step_tiles
-fi
-
-if has split_kernels; then
-  log "float32_accurate: its kernels and the fusions of the split pass (CUPTI, HLO)"
-  probe 200 split_kernels
-fi
-
-if has gate; then
-  log "the step's gated GEMM dz = g @ W2^T: plain / + C / * act'(C) (CUPTI)"
-  probe 200 gate
-fi
-
-if has step_gemms; then
-  log "the bf16 MLP step's GEMMs one by one (CUPTI): jnp.dot expression vs xla vs mosaic"
-  probe 300 step_gemms
-fi
-
-if has ksplit; then
-  log "K-sharded bf16 16384^3: row chunks, fewer CTAs, psum vs reduce-scatter (default XLA flags, then without command buffers)"
-  probe 280 ksplit
-  echo "-- without command buffers (CUDA graphs)"
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" OUT= timeout 280 \
-    python3 benchmarks/probe.py ksplit 2>&1 | tee "$OUT/ksplit_nocb_probe.log"
+if has ab; then
+  log mosaic config variants vs jnp.dot, called in turn
+  probe 300 ab ${AB_ARGS:-8192 wgmma_wait=1 stream_k=False}
 fi
 
 if has cuda; then
-  log cuda kernel probe
-  for n in ${CUDA_SIZES:-4096}; do
-    timeout 200 python3 benchmarks/probe.py cuda "$n" 2>&1 | tee -a "$OUT/cuda_probe.log"
-  done
-fi
-
-if has cuda_sk; then
-  log cuda kernel with stream-K on and off, called in turn with jnp.dot
-  probe 400 cuda_sk
-fi
-
-if has mosaic_sk; then
-  log mosaic default config with stream-K on and off, called in turn with jnp.dot
-  probe 400 mosaic_sk
+  log cuda kernel configs
+  for n in ${CUDA_SIZES:-4096}; do probe 200 cuda "$n"; done
 fi
 
 if has cuda_ab; then
@@ -145,35 +181,24 @@ if has cuda_ab; then
   done
   # Runs from the source tree without an install (the first build serves as the package's library).
   libs=(/tmp/cuda_ab/*.so)
-  PYTHONPATH=. PALLAS_GEMM_CUDA_LIB=${libs[0]} timeout 400 python3 benchmarks/probe.py cuda_ab "${libs[@]}" 2>&1 \
+  PYTHONPATH=. PALLAS_GEMM_CUDA_LIB=${libs[0]} timeout 400 python3 -m benchmarks.probe cuda_ab "${libs[@]}" 2>&1 \
     | tee "$OUT/cuda_ab.log"
 fi
 
-if has ragged; then
-  log where a ragged mosaic GEMM spends its time
-  probe 200 ragged 4096
+if has kernels; then
+  log "the kernels of one MLP step and of float32_accurate (CUPTI)"
+  probe 300 kernels step
+  probe 200 kernels accurate
 fi
 
-if has mosaic; then
-  log mosaic configs vs jnp.dot and hopper_matmul_mgpu
-  probe 400 mosaic
-fi
-
-if has ab; then
-  log mosaic variants vs jnp.dot, called in turn
-  probe 300 ab ${AB_ARGS:-}
+if has pad; then
+  log where a misaligned mosaic GEMM spends its time
+  probe 200 pad 4096
 fi
 
 if has power; then
   log clock and power while each GEMM runs back to back
-  for n in 4096 8192; do
-    timeout 150 python3 benchmarks/probe.py power "$n" 2>&1 | tee -a "$OUT/power_probe.log"
-  done
-fi
-
-if has triton; then
-  log triton variants at bf16 4096^3
-  probe 200 triton
+  for n in 4096 8192; do probe 150 power "$n"; done
 fi
 
 if has ncu; then
@@ -191,9 +216,9 @@ fi
 
 if has ncu_mosaic; then
   log ncu of cuBLAS and the mosaic kernel, bf16 4096^3
-  # XLA's autotuner launches cuBLAS while compiling jnp.dot: those launches (same kernel as
-  # the one it keeps, nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT, on the H200) are the
-  # first two nvjet captures; the mosaic kernel is captured from its own process.
+  # XLA's autotuner launches cuBLAS while compiling jnp.dot: those launches (the same kernel
+  # as the one it keeps) are the first nvjet captures; the mosaic kernel is captured from
+  # its own process.
   for target in "pallas_gemm_mosaic mosaic" "nvjet jnp.dot"; do
     set -- $target
     timeout 150 ncu --clock-control none -k regex:"$1" -c 2 --section SpeedOfLight \
@@ -210,7 +235,7 @@ fi
 
 if has ncu_sass; then
   log ncu: kernel, launch, issue and per-opcode instruction counts of one 4096^3 GEMM each
-  # cuBLAS SGEMM vs the cuda kernel (f32), cuBLAS vs the mosaic kernel (bf16). probe.py once
+  # cuBLAS SGEMM vs the cuda kernel (f32), cuBLAS vs the mosaic kernel (bf16). `probe once`
   # brackets one warmed-up call with cuProfilerStart/Stop, so only that call is profiled.
   mkdir -p "$OUT/ncu_sass"
   for what in ${NCU_WHAT:-dot32 cuda dot16 mosaic}; do
@@ -219,38 +244,21 @@ if has ncu_sass; then
         --section LaunchStats --section InstructionStats \
         --metrics sass__inst_executed_per_opcode,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio \
         --print-metric-instances values \
-        python3 benchmarks/probe.py once "$what" >"$OUT/ncu_sass/ncu_$what.txt" 2>&1; echo "ncu $what rc=$?"
+        python3 -m benchmarks.probe once "$what" >"$OUT/ncu_sass/ncu_$what.txt" 2>&1; echo "ncu $what rc=$?"
     grep -E "^  [a-zA-Z_0-9].*\(|Duration|SM Frequency|Registers Per|Block Size|Grid Size|Issue Slots|Executed Ipc A|Executed Instructions  |Dynamic Shared" \
         "$OUT/ncu_sass/ncu_$what.txt" | cut -c1-160 | head -24
     grep -E "sass__inst_executed_per_opcode" "$OUT/ncu_sass/ncu_$what.txt" | cut -c1-1500
     # The SASS with per-instruction execution counts (source page), for reading the main loop.
     timeout 150 ncu --clock-control none --profile-from-start off -c 1 --section SourceCounters \
-        --page source --print-source sass --csv python3 benchmarks/probe.py once "$what" \
+        --page source --print-source sass --csv python3 -m benchmarks.probe once "$what" \
         >"$OUT/ncu_sass/sass_$what.csv" 2>&1; echo "sass $what rc=$? lines $(wc -l <"$OUT/ncu_sass/sass_$what.csv")"
     gzip -f "$OUT/ncu_sass/sass_$what.csv"
   done
 fi
 
-if has bench; then
-  log benchmark
-  timeout 400 python3 -m benchmarks --gpu-default --out "$OUT/bench" 2>&1 | tee "$OUT/bench.log" | tail -60
-fi
-if has full; then
-  log full benchmark
-  timeout 540 python3 -m benchmarks --full --out "$OUT/full" 2>&1 | tee "$OUT/full.log" | tail -80
-fi
-if has tune; then
-  log autotune
-  timeout ${TUNE_TIMEOUT:-300} python3 -m benchmarks --autotune ${TUNE_ARGS:-} --out "$OUT/tune" 2>&1 \
-    | tee "$OUT/tune.log" | tail -40
-  # A new process (a "restart"): gemm(config=None) now finds the tuned configs in the cache.
-  python3 -c "import json, pallas_gemm.tuning as t; p = t.cache_path(); e = json.loads(p.read_text())
-print('cache', p, 'entries:', len(e.get('entries', e)))
-for k in list(e.get('entries', e))[:5]: print('  ', k)
-import jax.numpy as jnp, pallas_gemm.triton as tr
-print('lookup 16x8192x8192 bf16 triton ->', t.lookup_config('triton', tr.Config, 16, 8192, 8192, jnp.bfloat16, None))"
-fi
-# At most 8 files come back from $OUT: pack the result folders (plots, JSON, markdown).
-for d in bench full tune ncu_sass; do
+# Few files come back from $OUT: each result folder (JSON, markdown, plots) as one archive.
+for d in headline mlp precision ragged fp8 example bench full tune sharded ncu_sass; do
   [ -d "$OUT/$d" ] && tar -C "$OUT" -czf "$OUT/$d.tgz" "$d" && rm -rf "${OUT:?}/$d"
 done
+log "summary (full logs in $OUT)"
+cat "$SUMMARY"
