@@ -189,7 +189,7 @@ def progress_line(i, total, row) -> str:
 # ----------------------------------------------------------------------------- autotune mode
 
 # The shapes users hit most, one per regime. ~20 candidates x 1-3 s compile per backend
-# each: 3 shapes x 2-3 backends fit one 10-minute GPU session; --shapes picks others.
+# each: 3 shapes x 2-3 backends take about 4 minutes (--budget-s); --shapes picks others.
 AUTOTUNE_SHAPES = [
     (shapes_lib.Shape("square", 4096, 4096, 4096), "bf16"),
     (shapes_lib.Shape("square", 4096, 4096, 4096), "f32-default"),
