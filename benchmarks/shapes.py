@@ -1,7 +1,7 @@
 """The benchmark's problems: shape categories and dtype/precision variants (tests reuse these).
 
-`--full` (GPU) runs FULL, `--gpu-default` MEDIUM; the default run (any machine, ~1-2 min
-on a CPU) runs SMALL.
+`--full` (GPU) runs FULL, `--gpu-default` MEDIUM, `--quick` (a CPU's default run, ~1-2 min
+there) SMALL; a GPU's default run is the headline sweep (headline.py).
 Each category lists the dtype variants it is measured in: 16-bit formats and TF32 are
 what users run large GEMMs in, IEEE f32 is slow (67 TFLOP/s peak) so it gets a subset,
 and f16 mirrors bf16's kernels so it gets the square + ragged sweeps only. That keeps
@@ -81,7 +81,7 @@ FULL: dict[str, tuple[list[Shape], list[str]]] = {
                  Shape("batched", 2048, 2048, 512, batch=8)], ["f32-highest"] + HALF_AND_TF32),
 }
 
-# The default run: small enough for a laptop CPU, still covering aligned, ragged, batched.
+# --quick: small enough for a laptop CPU, still covering aligned, ragged, batched.
 SMALL: dict[str, tuple[list[Shape], list[str]]] = {
     "square": ([Shape("square", s, s, s) for s in (128, 256, 512)], ["f32-highest", "f32-default", "bf16"]),
     "ragged": ([Shape("ragged", 257, 129, 100)], ["f32-highest", "bf16"]),
