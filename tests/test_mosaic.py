@@ -1,4 +1,4 @@
-"""Tests specific to the Mosaic GPU backend (pallas_gemm/mosaic.py).
+"""Tests specific to the Mosaic GPU backend (pallas_gemm/mosaic/).
 
 Config validation, the shared-memory budget, default configs, and CPU
 interpret-mode correctness on small aligned and ragged shapes. The
@@ -40,13 +40,11 @@ Config = mosaic.Config
         (dict(epi_block_m=32), "epi_block_m"),
         (dict(epi_block_n=24), "epi_block_n"),
         (dict(wgmma_wait=2), "wgmma_wait"),
-        (dict(producer="thread"), "producer"),
         (dict(num_sms=0), "num_sms"),
         (dict(cluster_m=3), "cluster_m"),
         (dict(cluster_m=2, cluster_n=2), "cluster_n"),
         (dict(cluster_n=2, num_sms=1), "num_sms"),
         (dict(pingpong=1), "pingpong"),
-        (dict(block_m=128, block_n=128, pingpong=True, producer="warpgroup"), "pingpong"),
         (dict(block_m=128, block_n=128, pingpong=True, stream_k=True), "pingpong"),
         (dict(block_m=128, block_n=128, pingpong=True, num_compute_wgs=1), "pingpong"),
         (dict(block_m=128, block_n=256, pingpong=True), "pingpong"),  # 256 acc registers
@@ -173,10 +171,9 @@ def test_ragged_split_m_more_tiles_than_sms():
       grid_minor_dim="m"))
 
 
-@pytest.mark.parametrize("producer", ["warp", "warpgroup"])
-def test_wgmma_wait_one_deep_k(producer):
+def test_wgmma_wait_one_deep_k():
   _check(1, 150, 150, 300, config=Config(
-      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2, producer=producer))
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, num_sms=2))
 
 
 def test_cluster_m_odd_tile_count():
@@ -208,16 +205,14 @@ def test_default_tile_width_follows_the_rounds_of_tiles(size, block_n):
   assert cfg.block_n == block_n
 
 
-@pytest.mark.parametrize("producer", ["warp", "warpgroup"])
-def test_wgmma_wait_one_single_k_step(producer):
-  # K fits one block_k: the kernel must fall back to wgmma_wait=0 (the pipeline's
-  # ring shrinks to one stage, which cannot delay a release; it faulted on the H200).
+def test_wgmma_wait_one_single_k_step():
+  # K fits one block_k: the kernel must fall back to wgmma_wait=0 (the ring shrinks to
+  # one stage, which cannot delay a release).
   _check(1, 300, 300, 64, config=Config(
-      block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4,
-      producer=producer))
+      block_m=128, block_n=128, stages=3, wgmma_wait=1, cluster_n=2, num_sms=4))
 
 
-# Both producers over the shapes that stress their rings (interpret mode also checks
+# Shapes that stress the ring (interpret mode also checks
 # that every barrier phase is observed, so a ring that leaves a phase pending fails).
 _RING_CASES = [  # batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait
     (1, 512, 384, 256, 4, 3, 1, 0),   # 12 tiles over 3 CTAs
@@ -231,10 +226,10 @@ _RING_CASES = [  # batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait
 
 
 @pytest.mark.parametrize("batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait", _RING_CASES)
-def test_warp_producer_ring(batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait):
+def test_ring(batch, m, n, k, stages, num_sms, cluster_n, wgmma_wait):
   _check(batch, m, n, k, config=Config(
       block_m=128, block_n=128, block_k=64, stages=stages, cluster_n=cluster_n,
-      num_sms=num_sms, wgmma_wait=wgmma_wait, producer="warp"))
+      num_sms=num_sms, wgmma_wait=wgmma_wait))
 
 
 # Pingpong over the same rings: the warpgroups take a CTA's tiles in turn, so a CTA with an
@@ -270,30 +265,6 @@ def test_pingpong_epilogue_transposed_clusters_along_m():
 def test_pingpong_on_the_gpu(batch, m, n, k, dtype, kwargs, config):
   _check(batch, m, n, k, dtype, config=Config(pingpong=True, **config), interpret=False,
          **kwargs)
-
-
-@pytest.mark.parametrize("batch, m, n, k, stages, num_sms, cluster_n, chained", [
-    (1, 512, 384, 256, 4, 3, 1, True),   # 12 tiles over 3 CTAs: START, STEADY..., STOP
-    (1, 512, 256, 512, 2, 4, 1, True),   # 8 tiles over 4 CTAs, 8 K blocks in 2 stages
-    (2, 256, 512, 192, 3, 2, 2, True),   # clusters: the multicast stages chain too
-    (1, 640, 128, 128, 2, 4, 1, False),  # 5 tiles over 4 CTAs: some would only START
-    (1, 512, 256, 320, 2, 2, 1, False),  # 5 K blocks, 2 stages: slots used unevenly
-])
-def test_warpgroup_producer_chains_tile_pipelines(monkeypatch, batch, m, n, k, stages,
-                                                  num_sms, cluster_n, chained):
-  # producer="warpgroup": each CTA's per-tile pipelines are chained
-  # (plgpu.PipelinePipeline) when every CTA has >= 2 tiles and K blocks are a
-  # multiple of the stages. Check which path is taken and the result.
-  cfg = Config(block_m=128, block_n=128, block_k=64, stages=stages,
-               cluster_n=cluster_n, num_sms=num_sms, producer="warpgroup")
-  states = []
-  emit = mosaic.plgpu.emit_pipeline_warp_specialized
-  def spy(*args, pipeline_state=None, **kwargs):
-    states.append(pipeline_state)
-    return emit(*args, pipeline_state=pipeline_state, **kwargs)
-  monkeypatch.setattr(mosaic.plgpu, "emit_pipeline_warp_specialized", spy)
-  _check(batch, m, n, k, config=cfg)
-  assert states and any(state is not None for state in states) == chained
 
 
 # ----------------------------------------------------------------------------
@@ -405,12 +376,9 @@ def test_stream_k_on_the_gpu(monkeypatch, batch, m, n, k, dtype, kwargs, config)
   assert schedules and schedules[-1] is not None
 
 
-def test_stream_k_needs_the_warp_producer():
+def test_stream_k_is_on_unless_pingpong():
   assert Config().uses_stream_k and not Config(stream_k=False).uses_stream_k
   assert not Config(block_m=128, block_n=128, pingpong=True).uses_stream_k
-  assert not Config(producer="warpgroup").uses_stream_k  # None: off with that producer
-  with pytest.raises(ValueError, match="stream_k"):
-    Config(producer="warpgroup", stream_k=True)
 
 
 def test_stream_k_off_with_more_ctas_than_sms(monkeypatch):
