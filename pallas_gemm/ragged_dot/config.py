@@ -1,0 +1,179 @@
+"""Tile configuration of the Hopper grouped-GEMM kernels (`mosaic_forward`, `mosaic_weight_grad`).
+
+One `Config` serves both kernels; its fields keep the repo's vocabulary, read per kernel:
+
+  forward      out (M, N) = lhs (M, K) @ rhs[g] (K, N): a CTA tile is block_m rows of lhs
+               (one group's part of them) by block_n columns; the K loop steps block_k.
+  weight_grad  out[g] (K, N) = lhs[rows of g].T @ dy[rows of g]: a CTA tile is block_k rows
+               of out[g] (columns of lhs) by block_n columns; the reduction over the group's
+               rows steps block_m.
+
+In both, the CTA tile is split between ``num_compute_wgs`` consumer warpgroups along
+``wg_split`` ("m": the tile's rows, "n": its columns), each holding an f32 wgmma
+accumulator of its part, and a ``stages``-deep ring of shared-memory operand tiles is
+filled by TMA from one producer warp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+# Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+SMEM_BYTES_PER_BLOCK = 232448
+# Mosaic GPU reserves this much for cross-warp reductions.
+_RESERVED_SMEM_BYTES = 128 * 4 * 4
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """Tiles of a grouped-GEMM kernel (see the module docstring for each kernel's reading).
+
+  block_m: forward: rows of an output tile (a row tile of lhs); weight_grad: rows of lhs
+    and dy per reduction step.
+  block_n: columns of an output tile.
+  block_k: forward: K per pipeline step; weight_grad: rows of an output tile (columns of
+    lhs).
+  stages: depth of the TMA ring of operand tiles.
+  num_compute_wgs: consumer warpgroups (1 or 2); one producer warpgroup is added.
+  wg_split: "m" or "n": the output tile's dimension split among the consumer warpgroups.
+  grid_tile_width: output tiles are visited in bands of this many column tiles
+    (`plgpu.planar_snake`), so CTAs that run together share operand tiles in L2.
+  epi_block_m, epi_block_n: sub-tile of the epilogue (registers -> shared memory -> TMA),
+    double-buffered per consumer warpgroup.
+  num_sms: CTAs of the persistent grid; None: the device's SM count (4 in interpret mode).
+  """
+
+  block_m: int = 128
+  block_n: int = 256
+  block_k: int = 64
+  stages: int = 4
+  num_compute_wgs: int = 2
+  wg_split: Literal["m", "n"] = "n"
+  grid_tile_width: int = 8
+  epi_block_m: int = 64
+  epi_block_n: int = 64
+  num_sms: int | None = None
+
+  def __post_init__(self):
+    def fail(field, why):
+      raise ValueError(f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
+
+    for field in ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
+                  "grid_tile_width", "epi_block_m", "epi_block_n"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        fail(field, "must be a positive int")
+    if self.num_compute_wgs not in (1, 2):
+      fail("num_compute_wgs", "must be 1 or 2 (1 producer + at most 2 consumer warpgroups"
+           " with these accumulators fit the register file)")
+    if self.wg_split not in ("m", "n"):
+      fail("wg_split", "must be 'm' or 'n'")
+    if self.num_sms is not None and (not isinstance(self.num_sms, int)
+                                     or isinstance(self.num_sms, bool) or self.num_sms < 1):
+      fail("num_sms", "must be None or a positive int")
+    for field in ("block_m", "block_n", "block_k"):
+      if getattr(self, field) > 256:
+        fail(field, "a TMA box dimension is at most 256 elements")
+      if getattr(self, field) % 64 and field != "block_n":
+        fail(field, "must be a multiple of 64 (a wgmma row block, and a 128-byte"
+             " swizzled row of 16-bit elements)")
+    if self.block_n % 64:
+      fail("block_n", "must be a multiple of 64 (a 128-byte swizzled row of 16-bit"
+           " elements: both wgmma operands need the same swizzle)")
+    split = self.block_n if self.wg_split == "n" else None
+    if self.num_compute_wgs == 2 and self.wg_split == "n" and split % 128:
+      fail("block_n", "splits between 2 warpgroups along n on a 128-byte swizzle atom:"
+           " must be a multiple of 128")
+    if self.num_compute_wgs == 2 and self.wg_split == "m" and self.block_m % 128:
+      fail("block_m", "splits between 2 warpgroups along m: must be a multiple of 128"
+           " (64 wgmma rows each)")
+    if self.epi_block_m % 64:
+      fail("epi_block_m", "must be a multiple of 64 (the wgmma register layout)")
+    if self.epi_block_n % 16:
+      fail("epi_block_n", "must be a multiple of 16 (a swizzled smem row is at least"
+           " 32 bytes)")
+
+  def wg_tile(self, rows: int) -> tuple[int, int]:
+    """(rows, columns) of one consumer warpgroup's accumulator for a CTA tile of
+    `rows` x block_n (rows: block_m for the forward, block_k for the weight grad)."""
+    if self.num_compute_wgs == 2 and self.wg_split == "m":
+      return rows // 2, self.block_n
+    if self.num_compute_wgs == 2:
+      return rows, self.block_n // 2
+    return rows, self.block_n
+
+  def check_epilogue(self, rows: int) -> None:
+    """Raises ValueError unless (epi_block_m, epi_block_n) tiles a warpgroup's part."""
+    wg_m, wg_n = self.wg_tile(rows)
+    if wg_m % self.epi_block_m or wg_n % self.epi_block_n:
+      raise ValueError(
+          f"Config: epi_block_m x epi_block_n = {self.epi_block_m}x{self.epi_block_n} must"
+          f" divide a warpgroup's {wg_m}x{wg_n} accumulator")
+
+  replace = dataclasses.replace
+
+
+def smem_bytes(config: Config, *, a_tile: tuple[int, int], b_tile: tuple[int, int],
+               dtype, out_dtype, k_steps: int | None = None) -> int:
+  """Shared memory one CTA allocates: the ring of (a_tile, b_tile) pairs (at most
+  k_steps deep), two epilogue sub-tiles per consumer warpgroup, barriers."""
+  stages = config.stages if k_steps is None else max(1, min(config.stages, k_steps))
+  itemsize = jnp.dtype(dtype).itemsize
+  ring = stages * (a_tile[0] * a_tile[1] + b_tile[0] * b_tile[1]) * itemsize
+  epi = (config.num_compute_wgs * 2 * config.epi_block_m * config.epi_block_n
+         * jnp.dtype(out_dtype).itemsize)
+  barriers = 8 * (2 * stages + 1)
+  return (-(-ring // 1024) * 1024 + -(-epi // 1024) * 1024 + barriers
+          + _RESERVED_SMEM_BYTES)
+
+
+def check_smem(config: Config, **kwargs) -> None:
+  used = smem_bytes(config, **kwargs)
+  if used > SMEM_BYTES_PER_BLOCK:
+    raise ValueError(
+        f"Config {config} needs {used} bytes of shared memory; sm_90 allows"
+        f" {SMEM_BYTES_PER_BLOCK} per block (ring: stages * both operand tiles; epilogue:"
+        " 2 * num_compute_wgs * epi_block_m * epi_block_n). Lower stages or the tiles.")
+
+
+def default_config(m: int, n: int, k: int, g: int, dtype=jnp.bfloat16, *,
+                   out_dtype=None, weight_grad: bool = False) -> Config:
+  """Tiles for a grouped GEMM of M rows in g groups, K, N (the forward's names: the
+  weight grad's output is (g, K, N), reduced over M).
+
+  Forward: 128 x 256 tiles (two warpgroups of 128 x 128) as the dense kernel's, 128 x 128
+  where N is small enough that 256-wide tiles would leave a large ragged column (N = 768
+  is 3 tiles of 256 or 6 of 128, both whole; N = 1536 likewise): columns of 256 are kept
+  when N divides into them. Decode-like M (a few rows per group) takes 64-row tiles: the
+  rows a straddling tile wastes scale with block_m.
+  Weight grad: 128 x 256 output tiles, 64-row reduction steps (a group's first and last
+  steps are partly outside it; shorter steps waste less there).
+  """
+  del k
+  out_dtype = jnp.dtype(dtype if out_dtype is None else out_dtype)
+  if weight_grad:
+    cfg = Config(block_m=64, block_n=256 if n > 128 else 128, block_k=128, stages=4,
+                 num_compute_wgs=2, wg_split="n")
+    a_tile, b_tile = (cfg.block_m, cfg.block_k), (cfg.block_m, cfg.block_n)
+  else:
+    rows_per_group = m / max(g, 1)
+    block_m = 64 if (rows_per_group < 64 or m <= 64) else 128
+    block_n = 256 if (n % 256 == 0 or n > 1024) else 128
+    if block_m == 64:
+      # 64-row tiles: two warpgroups split the columns.
+      cfg = Config(block_m=64, block_n=block_n, block_k=64, stages=6, num_compute_wgs=2,
+                   wg_split="n")
+    else:
+      cfg = Config(block_m=128, block_n=block_n, block_k=64, stages=4, num_compute_wgs=2,
+                   wg_split="n" if block_n == 256 else "m")
+    a_tile, b_tile = (cfg.block_m, cfg.block_k), (cfg.block_k, cfg.block_n)
+  # Epilogue rows of 128 bytes (the widest swizzle): 32 columns of an f32 output.
+  cfg = cfg.replace(epi_block_n=128 // out_dtype.itemsize if out_dtype.itemsize > 2 else 64)
+  # The deepest ring that fits.
+  while cfg.stages > 2 and smem_bytes(cfg, a_tile=a_tile, b_tile=b_tile, dtype=dtype,
+                                      out_dtype=out_dtype) > SMEM_BYTES_PER_BLOCK:
+    cfg = cfg.replace(stages=cfg.stages - 1)
+  return cfg

@@ -1,0 +1,353 @@
+"""Hopper (sm_90) grouped GEMM, the forward form: out (M, N) = lhs (M, K) @ rhs[g] for the
+rows of each group g (the layout of `jax.lax.ragged_dot`), written in Pallas Mosaic GPU.
+
+Design (one CTA per SM, persistent):
+  * Work items. Rows are cut into row tiles of block_m aligned in the global row space
+    (tile i holds rows [i * block_m, (i + 1) * block_m)). The rows form consecutive
+    segments: the local groups, and rows that belong to none (past sum(group_sizes), or
+    of groups outside [group_offset, group_offset + G)), whose output is zeros. An item is
+    one (segment, row tile) pair with a non-empty intersection: a tile that straddles a
+    boundary is visited once per segment it touches. Segments are G + 2 (a zero segment
+    before and after the local groups), so there are at most ceil(M / block_m) + G + 1
+    items. `_row_items` builds the item table on the device from the traced group_sizes
+    (cumulative sums and a (items x segments) comparison, a few tiny XLA fusions: no host
+    sync). Each CTA walks (item, column tile) pairs strided by the CTA count, in
+    ``plgpu.planar_snake`` order: bands of ``grid_tile_width`` column tiles, the items in
+    row order within a band, so the CTAs that run together read a few row tiles of lhs
+    and the same group's weight tiles (mostly one expert's) out of L2.
+  * K pipeline: a ``stages``-deep ring of swizzled shared-memory tiles of lhs (block_m x
+    block_k) and of the item's expert rhs[g] (block_k x block_n, or block_n x block_k when
+    rhs is stored transposed: 16-bit wgmma reads either major order, no copy), filled by
+    TMA from one warp of a producer warpgroup that runs a single loop over all of the CTA's
+    (item, K block) steps. Zero items load nothing. ``num_compute_wgs`` consumer warpgroups
+    each own half of the CTA tile (``Config.wg_split``) and run wgmma into an f32 register
+    accumulator; a zero item's accumulator stays zero.
+  * Epilogue (consumer warpgroups, while the producer loads the next item): each
+    (epi_block_m x epi_block_n) sub-tile is cast, written to a double-buffered shared-memory
+    slot and stored by TMA, only the rows [lo, hi) of the item's segment: a straddling tile
+    never writes a neighbour group's rows. A TMA box has a static shape, so a row range of
+    r rows is stored as up to log2(epi_block_m) + 1 boxes of power-of-two heights (the
+    binary digits of r); a whole sub-tile is one box. The slot's rows are tiled (1, swizzle)
+    so that a box may start at any row. Every row of the output belongs to exactly one
+    item, so the output needs no zero fill beforehand and no extra pass.
+
+Shapes and edges: TMA zero-fills the parts of a load past the array and clips stores, so
+M, K, N need not be tile multiples. Mosaic GPU describes a swizzled TMA through a tiled
+view of the whole array, so lhs's rows must be a multiple of 8 and K (and N for rhs) of
+64 16-bit elements: operands that are not get zero-padded (`layout._pad_for_tma`, one
+read+write of that operand) and an output whose N is not a multiple of the epilogue's
+swizzle is computed wider and sliced.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_gemm import tuning
+from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
+from pallas_gemm.ragged_dot.config import Config, check_smem, default_config
+
+# SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
+_INTERPRET_NUM_SMS = 4
+# Registers per thread left to the producer warpgroup (setmaxnreg).
+_PRODUCER_REGISTERS = 40
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+# Rows of the item table (`_row_items`): the item's group (-1: rows written as zeros),
+# its row tile, and its rows [lo, hi).
+_GROUP, _TILE, _LO, _HI = range(4)
+
+
+def num_ctas(config: Config, interpret: bool) -> int:
+  if config.num_sms is not None:
+    return config.num_sms
+  return _INTERPRET_NUM_SMS if interpret else tuning.num_sms()
+
+
+def local_rows(group_sizes: jax.Array, group_offset, num_groups: int, m: int):
+  """(starts, ends) of the G local groups' rows, int32 (G,) each, clipped to [0, m].
+
+  group_sizes has G entries (rows of group 0 start at row 0; group_offset then only
+  renumbers the groups and changes no row), or more: the rows of lhs are laid out for all
+  of them, and the local groups are group_sizes[group_offset : group_offset + G] (rows of
+  the others are not computed).
+  """
+  sizes = group_sizes.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  if sizes.shape[0] != num_groups:
+    offset = jnp.int32(0) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
+    offset = jnp.reshape(offset, ())
+    starts = lax.dynamic_slice(starts, (offset,), (num_groups,))
+    ends = lax.dynamic_slice(ends, (offset,), (num_groups,))
+  return jnp.clip(starts, 0, m), jnp.clip(ends, 0, m)
+
+
+def max_row_items(m: int, num_groups: int, block_m: int) -> int:
+  """A bound on the items of `_row_items`: each of the G + 1 boundaries between its G + 2
+  segments adds at most one row tile to the ceil(m / block_m) there are."""
+  return -(-m // block_m) + num_groups + 1
+
+
+def _row_items(starts, ends, m: int, block_m: int):
+  """The item table, int32 (4, T) (rows _GROUP, _TILE, _LO, _HI; T = `max_row_items`),
+  and the number of items, int32 (1,). Items are in row order; entries past the count are
+  never read."""
+  num_groups = starts.shape[0]
+  # Segments: rows before the first local group, the local groups, rows after the last.
+  seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), starts, ends[-1:]])
+  seg_end = jnp.concatenate([starts[:1], ends, jnp.full((1,), m, jnp.int32)])
+  tiles = jnp.where(seg_end > seg_start,
+                    (seg_end - 1) // block_m - seg_start // block_m + 1, 0)
+  last = jnp.cumsum(tiles)  # one past the segment's last item
+  first = last - tiles
+  t = jnp.arange(max_row_items(m, num_groups, block_m), dtype=jnp.int32)
+  seg = jnp.minimum(jnp.sum(last[None, :] <= t[:, None], axis=1), num_groups + 1)
+  tile = seg_start[seg] // block_m + t - first[seg]
+  row0 = tile * block_m
+  group = jnp.where((seg >= 1) & (seg <= num_groups), seg - 1, -1)
+  lo = jnp.maximum(seg_start[seg], row0)
+  hi = jnp.minimum(seg_end[seg], row0 + block_m)
+  return jnp.stack([group, tile, lo, hi]).astype(jnp.int32), last[-1:]
+
+
+def _out_transforms(epi_n: int, dtype):
+  """Tiling (1, swizzle) + swizzle for an epilogue slot: any row may start a TMA box."""
+  tiling, swizzle = _swizzle_transforms(epi_n, dtype)
+  return (plgpu.TilingTransform((1, tiling.tiling[1])), swizzle)
+
+
+def store_rows(out_smem, out_gmem, *, row0, col0, lo, hi):
+  """TMA-stores the rows [lo, hi) ∩ [row0, row0 + rows) of the (rows, cols) slot out_smem
+  to out_gmem[row, col0:col0 + cols] as power-of-two boxes, one bulk group in all."""
+  rows, cols = out_smem.shape
+  start = jnp.maximum(lo, row0)
+  size = jnp.maximum(jnp.minimum(hi, row0 + rows) - start, 0)
+  offset = start - row0
+  height = rows
+  while height:
+    @pl.when((size & height) != 0)
+    def _():
+      plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(offset, height)],
+                              out_gmem.at[pl.ds(row0 + offset, height), pl.ds(col0, cols)],
+                              commit_group=False)
+    offset = offset + (size & height)
+    height //= 2
+  plgpu.commit_smem_to_gmem_group()
+
+
+def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Config,
+            k: int, n: int, transpose_rhs: bool, num_ctas: int):
+  """One persistent CTA. lhs_gmem (M', K'); rhs_gmem (G, K', N') or (G, N', K');
+  out_gmem (M, N''); items_gmem (4, T) and count_gmem (1,) from `_row_items`."""
+  cfg = config
+  dtype = lhs_gmem.dtype
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  wg_m, wg_n = cfg.wg_tile(bm)
+  epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
+  num_wgs = cfg.num_compute_wgs
+  k_iters, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
+  stages = min(cfg.stages, k_iters)
+  b_block = (bn, bk) if transpose_rhs else (bk, bn)
+
+  count = count_gmem[0]
+  cta = lax.axis_index("sm")
+  local_work = lax.div(count * n_tiles - cta + num_ctas - 1, num_ctas)
+
+  def item(j):  # the CTA's j-th work item: (group, row0, lo, hi, column tile)
+    t, ni = plgpu.planar_snake(cta + j * num_ctas, (count, n_tiles), 1, cfg.grid_tile_width)
+    row0 = items_gmem[_TILE, t] * bm  # (a multiple of bm that TMA's tiling can see)
+    return items_gmem[_GROUP, t], row0, items_gmem[_LO, t], items_gmem[_HI, t], ni
+
+  def wg_origin(wg):  # the warpgroup's part of the CTA tile: (row, column) offsets
+    return (wg * wg_m, 0) if (num_wgs == 2 and cfg.wg_split == "m") else (0, wg * wg_n)
+
+  def wgmma(acc_ref, a_smem, b_smem, wg):  # acc_ref += (wg_m, bk) @ (bk, wg_n)
+    m0, n0 = wg_origin(wg)
+    a_op = a_smem.at[pl.ds(m0, wg_m), :] if wg_m != bm else a_smem
+    if transpose_rhs:
+      b_op = (b_smem.at[pl.ds(n0, wg_n), :] if wg_n != bn else b_smem).T
+    else:
+      b_op = b_smem.at[:, pl.ds(n0, wg_n)] if wg_n != bn else b_smem
+    plgpu.wgmma(acc_ref, a_op, b_op)
+
+  scoped = dict(
+      a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=_swizzle_transforms(bk, dtype)),
+      b_smem=plgpu.SMEM((stages, *b_block), dtype,
+                        transforms=_swizzle_transforms(b_block[1], dtype)),
+      out_smem=plgpu.SMEM((num_wgs, 2, epi_m, epi_n), out_gmem.dtype,
+                          transforms=_out_transforms(epi_n, out_gmem.dtype)),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+  )
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(a_smem, b_smem, out_smem, produced, consumed):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == num_wgs)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+      @plgpu.warp_map
+      def _per_warp(warp):
+        @pl.when(warp == 0)
+        def _loads():
+          def load_item(j, step):  # step: the CTA's K steps so far (ring position)
+            group, row0, _, _, ni = item(j)
+
+            @pl.when(group >= 0)
+            def _():
+              @pl.loop(0, k_iters)
+              def _k(kk):
+                s = step + kk
+                slot = lax.rem(s, stages)
+
+                @pl.when(s >= stages)
+                def _():
+                  plgpu.barrier_wait(consumed.at[slot])
+
+                ks = pl.ds(kk * bk, bk)
+                plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), ks],  # (bm, bk)
+                                        a_smem.at[slot], produced.at[slot])
+                ns = pl.ds(ni * bn, bn)
+                rhs_tile = (rhs_gmem.at[group, ns, ks] if transpose_rhs  # (bn, bk)
+                            else rhs_gmem.at[group, ks, ns])  # (bk, bn)
+                plgpu.copy_gmem_to_smem(rhs_tile, b_smem.at[slot], produced.at[slot])
+
+            return step + jnp.where(group >= 0, k_iters, 0)
+
+          steps = lax.fori_loop(0, local_work, load_item, jnp.int32(0))
+
+          # Wait for the last releases, so that no arrival is pending when the CTA exits.
+          @pl.loop(jnp.maximum(steps - stages, 0), steps)
+          def _drain(s):
+            plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
+
+    @pl.when(wg < num_wgs)
+    def _consumers():
+      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
+                              action="increase")
+      m0, n0 = wg_origin(wg)
+
+      def mma_item(j, step):
+        group, row0, lo, hi, ni = item(j)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.when(group >= 0)  # a zero item keeps the zero accumulator
+          def _():
+            @pl.loop(0, k_iters)
+            def _k(kk):
+              slot = lax.rem(step + kk, stages)
+              plgpu.barrier_wait(produced.at[slot])
+              wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
+
+          acc = acc_ref[...]  # (wg_m, wg_n) f32
+          # The previous item's stores must have read the slots before they are rewritten.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          sub = 0
+          for i in range(wg_m // epi_m):
+            for jj in range(wg_n // epi_n):
+              slot = sub % 2
+              if sub >= 2:  # the store from two sub-tiles ago read this slot
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
+                                       jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
+              plgpu.commit_smem()
+              store_rows(out_smem.at[wg, slot], out_gmem,
+                         row0=row0 + m0 + i * epi_m, col0=ni * bn + n0 + jj * epi_n,
+                         lo=lo, hi=hi)
+              sub += 1
+
+        return step + jnp.where(group >= 0, k_iters, 0)
+
+      lax.fori_loop(0, local_work, mma_item, jnp.int32(0))
+
+  del _scope  # run_scoped ran it
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def check_operands(lhs, rhs, group_sizes, *, transpose_rhs: bool):
+  """(M, K, N, G) of a forward call; ValueError/TypeError naming a bad argument."""
+  if lhs.ndim != 2 or rhs.ndim != 3:
+    raise ValueError(f"lhs must be (M, K) and rhs (G, K, N), got lhs.shape={lhs.shape},"
+                     f" rhs.shape={rhs.shape}")
+  if jnp.dtype(lhs.dtype) not in _DTYPES or rhs.dtype != lhs.dtype:
+    raise TypeError(f"lhs and rhs must both be bfloat16 or both float16, got"
+                    f" lhs.dtype={lhs.dtype}, rhs.dtype={rhs.dtype}")
+  m, k = lhs.shape
+  g, k_rhs, n = rhs.shape
+  if transpose_rhs:
+    n, k_rhs = k_rhs, n
+  if k_rhs != k:
+    raise ValueError(f"rhs's K={k_rhs} (rhs.shape={rhs.shape}, {transpose_rhs=}) must equal"
+                     f" lhs's K={k} (lhs.shape={lhs.shape})")
+  if group_sizes.ndim != 1 or group_sizes.shape[0] < g:
+    raise ValueError(f"group_sizes must be (G,) with G >= rhs.shape[0]={g}, got"
+                     f" group_sizes.shape={group_sizes.shape}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"group_sizes must be integers, got group_sizes.dtype={group_sizes.dtype}")
+  return m, k, n, g
+
+
+def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = False,
+            out_dtype=None, config: Config | None = None, interpret: bool = False):
+  """out (M, N): out[rows of group g] = lhs[rows of g] @ rhs[g]; other rows are zeros.
+
+  lhs: (M, K) bf16/f16; rhs: (G, K, N), or (G, N, K) with transpose_rhs (read in place).
+  group_sizes: (G,) int, traced: the groups' rows are consecutive from row 0; rows past
+  their sum are zeros. With more than G entries, the rows of lhs are laid out for all of
+  them and this call computes groups [group_offset, group_offset + G) (see `local_rows`).
+  f32 accumulation; out_dtype defaults to lhs's dtype.
+  """
+  m, k, n, g = check_operands(lhs, rhs, group_sizes, transpose_rhs=transpose_rhs)
+  dtype = jnp.dtype(lhs.dtype)
+  out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+  if config is None:
+    config = default_config(m, n, k, g, dtype, out_dtype=out_dtype)
+  if m == 0 or n == 0:
+    return jnp.zeros((m, n), out_dtype)
+  if k == 0 or g == 0:
+    return jnp.zeros((m, n), out_dtype)
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  config.check_epilogue(bm)
+  check_smem(config, a_tile=(bm, bk), b_tile=(bk, bn), dtype=dtype, out_dtype=out_dtype,
+             k_steps=-(-k // bk))
+
+  starts, ends = local_rows(group_sizes, group_offset, g, m)
+  items, count = _row_items(starts, ends, m, bm)
+  lhs = _pad_for_tma(lhs, _tma_tile(bk, dtype), bk)
+  rhs_minor = bk if transpose_rhs else bn
+  rhs = _pad_for_tma(rhs, _tma_tile(rhs_minor, dtype), rhs_minor)
+  # Rows: any (the slots are tiled by single rows). Columns: whole swizzle widths, and at
+  # least one epilogue sub-tile.
+  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), config.epi_block_n)
+  ctas = num_ctas(config, interpret)
+  body = functools.partial(_kernel, config=config, k=k, n=n, transpose_rhs=transpose_rhs,
+                           num_ctas=ctas)
+  call = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype),
+      grid=(ctas,),
+      grid_names=("sm",),
+      num_threads=config.num_compute_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      kernel_name="pallas_gemm_ragged_forward",
+  )
+  if interpret:
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+      out = call(items, count, lhs, rhs)
+  else:
+    out = call(items, count, lhs, rhs)
+  return out if n_out == n else out[:, :n]

@@ -1,0 +1,274 @@
+"""The grouped-GEMM Hopper kernels called directly (pallas_gemm/ragged_dot/mosaic_*.py).
+
+The backend-independent suite (tests/test_ragged_dot.py) goes through the front door; these
+exercise the kernels' own paths by name: the work-item table, straddling row tiles, zero
+rows, transposed weights, group_offset, ragged M/K/N, both warpgroup splits. On the CPU
+they run in Mosaic GPU's interpreter, whose fresh buffers hold NaN, so a row the kernel
+never writes shows up; each kernel is also lowered for CUDA at its real tiles.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random
+from pallas_gemm.ragged_dot import mosaic_forward
+from pallas_gemm.ragged_dot.config import Config, default_config, smem_bytes
+from pallas_gemm.reference import reference, relative_error, tolerance
+
+# Small tiles for the interpreter: 64-row tiles straddle the groups of a few hundred rows.
+SMALL = Config(block_m=64, block_n=128, block_k=64, stages=2, num_compute_wgs=2,
+               wg_split="n", num_sms=3)
+SPLIT_M = Config(block_m=128, block_n=64, block_k=64, stages=3, num_compute_wgs=2,
+                 wg_split="m", grid_tile_width=2, num_sms=2)
+
+
+def _bounds(group_sizes, group_offset, num_groups, m):
+  """[(start, end)] of the computed groups' rows (the kernels' group_offset rule)."""
+  ends = np.cumsum(group_sizes)
+  starts = ends - group_sizes
+  off = 0 if len(group_sizes) == num_groups else int(group_offset)
+  return [(min(int(starts[off + i]), m), min(int(ends[off + i]), m))
+          for i in range(num_groups)]
+
+
+def forward_reference(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs=False):
+  """float64 (M, N): each computed group's rows times its matrix, zeros elsewhere."""
+  m, g = lhs.shape[0], rhs.shape[0]
+  n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+  out = np.zeros((m, n))
+  for i, (s, e) in enumerate(_bounds(np.asarray(group_sizes), group_offset, g, m)):
+    if e > s:
+      out[s:e] = reference(lhs[s:e].astype(np.float32), rhs[i].astype(np.float32),
+                           transpose_b=transpose_rhs)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(block_m=96), "block_m"),
+    (dict(block_n=96), "block_n"),
+    (dict(block_k=32), "block_k"),
+    (dict(block_n=512), "block_n"),
+    (dict(stages=0), "stages"),
+    (dict(num_compute_wgs=3), "num_compute_wgs"),
+    (dict(wg_split="k"), "wg_split"),
+    (dict(block_m=64, wg_split="m"), "block_m"),
+    (dict(epi_block_m=32), "epi_block_m"),
+    (dict(epi_block_n=24), "epi_block_n"),
+    (dict(num_sms=0), "num_sms"),
+    (dict(grid_tile_width=True), "grid_tile_width"),
+])
+def test_config_rejects_invalid_field(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    Config(**kwargs)
+
+
+def test_config_is_frozen_and_keyword_only():
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    Config().block_m = 64  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    Config(128)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("g, m, k, n", [
+    (8, 16384, 4096, 14336), (32, 32768, 7168, 2048), (128, 65536, 2048, 768),
+    (64, 32768, 4096, 1536), (8, 256, 4096, 14336), (4, 1, 1, 1)])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_default_configs_fit(g, m, k, n, out_dtype):
+  for weight_grad in (False, True):
+    cfg = default_config(m, n, k, g, jnp.bfloat16, out_dtype=out_dtype,
+                         weight_grad=weight_grad)
+    rows = cfg.block_k if weight_grad else cfg.block_m
+    cfg.check_epilogue(rows)
+    a_tile = (cfg.block_m, cfg.block_k)
+    assert smem_bytes(cfg, a_tile=a_tile, b_tile=(cfg.block_m if weight_grad else cfg.block_k,
+                                                  cfg.block_n),
+                      dtype=jnp.bfloat16, out_dtype=out_dtype) <= 232448
+
+
+# ----------------------------------------------------------------------------
+# Work items (no kernel: the table the forward kernel walks)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_row_items_cover_every_row_once(rng, block_m):
+  g, extra, m = 7, 2, 513  # 7 local groups among 9, after 2 others
+
+  @jax.jit
+  def table(sizes, offset):
+    starts, ends = mosaic_forward.local_rows(sizes, offset, g, m)
+    return mosaic_forward._row_items(starts, ends, m, block_m)
+
+  for trial in range(30):
+    sizes = rng.integers(0, 3, g + extra) * rng.integers(0, 2 * m // g, g + extra)
+    if trial % 3 == 0:
+      sizes[rng.integers(0, g + extra)] = m  # one group holds every row (and more)
+    items, count = (np.asarray(x) for x in table(jnp.asarray(sizes, jnp.int32), extra))
+    count = int(count[0])
+    assert count <= items.shape[1] == mosaic_forward.max_row_items(m, g, block_m)
+    owner = np.full(m, -2)
+    bounds = _bounds(sizes, extra, g, m)
+    for group, tile, lo, hi in items[:, :count].T:
+      assert tile * block_m <= lo < hi <= min((tile + 1) * block_m, m)
+      assert (owner[lo:hi] == -2).all(), "a row in two items"
+      owner[lo:hi] = group
+      if group >= 0:
+        assert bounds[group][0] <= lo and hi <= bounds[group][1]
+    expected = np.full(m, -1)
+    for i, (s, e) in enumerate(bounds):
+      expected[s:e] = i
+    np.testing.assert_array_equal(owner, expected)
+
+
+# ----------------------------------------------------------------------------
+# Forward, interpret mode
+# ----------------------------------------------------------------------------
+
+
+def _check_forward(rng, m, k, n, sizes, *, transpose_rhs=False, dtype=jnp.bfloat16,
+                   out_dtype=jnp.float32, config=SMALL, num_groups=None, group_offset=None):
+  sizes = np.asarray(sizes, np.int32)
+  g = len(sizes) if num_groups is None else num_groups
+  lhs = random(rng, (m, k), dtype)
+  rhs = random(rng, (g, n, k) if transpose_rhs else (g, k, n), dtype)
+  out = mosaic_forward.forward(
+      jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes),
+      None if group_offset is None else jnp.int32(group_offset),
+      transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=config, interpret=True)
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  ref = forward_reference(lhs, rhs, sizes, group_offset, transpose_rhs=transpose_rhs)
+  out = np.asarray(out.astype(jnp.float32))
+  assert not np.isnan(out).any(), "rows left unwritten"
+  zero_rows = ~np.any(ref != 0, axis=1)
+  assert (out[zero_rows] == 0).all(), "rows outside the groups must be zeros"
+  err = relative_error(out, ref)
+  assert err <= tolerance(dtype, None, k, out_dtype), err
+
+
+@pytest.mark.parametrize("sizes", [
+    [50, 0, 120, 30],       # zeros, tiles straddling boundaries, sum == M
+    [0, 200, 0],            # one group holds every row
+    [1, 1, 1, 1, 1, 60],    # groups of one row inside one tile, sum < M
+    [0, 0, 0],              # no rows: all zeros
+], ids=["mixed", "one_group", "ones_and_tail", "empty"])
+def test_forward_group_patterns(rng, sizes):
+  _check_forward(rng, 200, 70, 136, sizes)
+
+
+def test_forward_single_group_ragged_shape(rng):
+  _check_forward(rng, 130, 100, 72, [97], out_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_forward_transposed_rhs(rng, dtype):
+  _check_forward(rng, 190, 130, 100, [64, 3, 0, 90], transpose_rhs=True, dtype=dtype,
+                 out_dtype=dtype)
+
+
+def test_forward_split_m_random_sizes(rng):
+  sizes = rng.multinomial(250, np.ones(5) / 5)
+  _check_forward(rng, 300, 64, 200, sizes, config=SPLIT_M)
+
+
+def test_forward_group_offset(rng):
+  # 6 global groups, this call holds 3 of them (global 2..4): rows of groups 0, 1, 5 and
+  # past the sum are zeros.
+  _check_forward(rng, 220, 64, 128, [20, 45, 30, 0, 70, 25], num_groups=3, group_offset=2)
+
+
+def test_forward_default_tiles(rng):
+  # 128 x 256 tiles, two warpgroups split along n, 4 stages.
+  _check_forward(rng, 300, 256, 256, [100, 150, 20],
+                 config=default_config(300, 256, 256, 3, out_dtype=jnp.float32).replace(num_sms=3))
+
+
+def test_forward_rejects_bad_operands():
+  lhs = jnp.zeros((8, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="K"):
+    mosaic_forward.forward(lhs, jnp.zeros((2, 8, 8), jnp.bfloat16), jnp.zeros(2, jnp.int32),
+                           interpret=True)
+  with pytest.raises(TypeError, match="dtype"):
+    mosaic_forward.forward(lhs.astype(jnp.float32), jnp.zeros((2, 16, 8), jnp.float32),
+                           jnp.zeros(2, jnp.int32), interpret=True)
+  with pytest.raises(ValueError, match="group_sizes"):
+    mosaic_forward.forward(lhs, jnp.zeros((2, 16, 8), jnp.bfloat16), jnp.zeros(1, jnp.int32),
+                           interpret=True)
+
+
+# ----------------------------------------------------------------------------
+# CUDA lowering on the CPU at real tiles
+# ----------------------------------------------------------------------------
+
+SHAPES = {  # (G, M, K, N)
+    "mixtral": (8, 16384, 4096, 14336),
+    "deepseek": (32, 32768, 7168, 2048),
+    "qwen3": (128, 65536, 2048, 768),
+    "skewed": (64, 32768, 4096, 1536),
+    "ragged": (5, 1000, 1000, 300),
+}
+
+
+def _lower(f, *args) -> str:
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("transpose_rhs, out_dtype",
+                         [(False, jnp.bfloat16), (True, jnp.float32)])
+def test_forward_lowers_for_sm90(shape, transpose_rhs, out_dtype):
+  g, m, k, n = SHAPES[shape]
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+  cfg = default_config(m, n, k, g, out_dtype=out_dtype).replace(num_sms=132)
+  text = _lower(lambda a, b, s: mosaic_forward.forward(
+      a, b, s, None, transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=cfg,
+      interpret=False), lhs, rhs, sizes)
+  assert "mosaic_gpu" in text
+
+
+# ----------------------------------------------------------------------------
+# GPU, real sizes, NaN-poisoned outputs
+# ----------------------------------------------------------------------------
+
+
+def _poison(nbytes):
+  """Frees a NaN block of nbytes, so that the next outputs likely reuse it."""
+  jnp.full((nbytes // 4 + 1,), jnp.nan, jnp.float32).block_until_ready().delete()
+
+
+def _group_sizes(rng, g, m, *, skew=False, total=None):
+  total = m if total is None else total
+  weights = rng.pareto(1.2, g) + 0.05 if skew else np.ones(g)
+  return rng.multinomial(total, weights / weights.sum()).astype(np.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["mixtral", "deepseek", "qwen3", "skewed", "ragged"])
+@pytest.mark.parametrize("transpose_rhs", [False, True])
+def test_forward_gpu(rng, shape, transpose_rhs):
+  g, m, k, n = SHAPES[shape]
+  # Smaller M keeps the float64 reference quick; the tiles and group counts are real.
+  m = min(m, 8192)
+  sizes = _group_sizes(rng, g, m, skew=shape == "skewed", total=m - 77)
+  sizes[1] = 0
+  lhs = random(rng, (m, k), jnp.bfloat16)
+  rhs = random(rng, (g, n, k) if transpose_rhs else (g, k, n), jnp.bfloat16)
+  _poison(m * n * 2)
+  out = mosaic_forward.forward(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes), None,
+                               transpose_rhs=transpose_rhs, out_dtype=jnp.bfloat16,
+                               config=None, interpret=False)
+  out = np.asarray(out.astype(jnp.float32))
+  ref = forward_reference(lhs, rhs, sizes, transpose_rhs=transpose_rhs)
+  assert not np.isnan(out).any()
+  assert (out[m - 77:] == 0).all()
+  assert relative_error(out, ref) <= tolerance(jnp.bfloat16, None, k, jnp.bfloat16)
