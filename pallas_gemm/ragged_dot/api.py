@@ -233,15 +233,6 @@ def _on_gpu() -> bool:
 
 def mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype) -> str | None:
   """None when the Mosaic kernels can compute this call here, else why not."""
-  try:
-    importlib.import_module("pallas_gemm.ragged_dot.mosaic_forward")
-    importlib.import_module("pallas_gemm.ragged_dot.mosaic_weight_grad")
-  except ImportError as e:
-    return f"the Mosaic ragged_dot kernels cannot be imported: {e}"
-  from pallas_gemm import mosaic  # noqa: PLC0415 - the platform check is the gemm kernel's
-  reason = mosaic.unavailable_reason()
-  if reason is not None:
-    return reason
   if lhs_dtype != rhs_dtype or lhs_dtype not in _16BIT:
     return (f"the kernels take lhs and rhs of one 16-bit dtype (bfloat16 or float16); got "
             f"{lhs_dtype.name} and {rhs_dtype.name}")
@@ -249,7 +240,13 @@ def mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype) -> str | None:
     return f"preferred_element_type {out_dtype.name}: the kernels write bfloat16, float16 or float32"
   if isinstance(precision, (str, jax.lax.DotAlgorithmPreset)):
     return f"precision={precision}: the kernels compute 16-bit products with f32 accumulation only"
-  return None
+  try:
+    importlib.import_module("pallas_gemm.ragged_dot.mosaic_forward")
+    importlib.import_module("pallas_gemm.ragged_dot.mosaic_weight_grad")
+  except ImportError as e:
+    return f"the Mosaic ragged_dot kernels cannot be imported: {e}"
+  from pallas_gemm import mosaic  # noqa: PLC0415 - the platform check is the gemm kernel's
+  return mosaic.unavailable_reason()
 
 
 def _choose_backend(backend: str, lhs_dtype, rhs_dtype, precision, out_dtype) -> str:
