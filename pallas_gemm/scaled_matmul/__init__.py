@@ -5,13 +5,13 @@
     out = scaled_matmul(values, w8, scales, w_scales)       # (B, M, N) float32
     nn.Dense(features, dot_general=fp8_dot_general)         # training in fp8
 
-Modules: api.py (validation, layouts, backend choice), quantize.py (the scale layouts,
+Modules: api.py (validation, layouts, backend choice), scales.py (the scale layouts,
 quantize/dequantize), xla.py (dequantize + float32 dot: the reference and CPU path),
 mosaic.py (the Hopper kernel), layer.py (fp8_dot_general and its backward GEMMs).
 """
 
 from pallas_gemm.scaled_matmul.api import scaled_matmul
 from pallas_gemm.scaled_matmul.layer import fp8_dot_general
-from pallas_gemm.scaled_matmul.quantize import dequantize, quantize
+from pallas_gemm.scaled_matmul.scales import dequantize, quantize
 
 __all__ = ["dequantize", "fp8_dot_general", "quantize", "scaled_matmul"]

@@ -3,7 +3,7 @@
     out = scaled_matmul(lhs, rhs, lhs_scales, rhs_scales)     # (B, M, N) float32
     out[b, m, n] = sum_k lhs[b, m, k] * ls[b, m, k] * rhs[b, n, k] * rs[b, n, k]
 
-with ls, rs the scales expanded over their blocks (see quantize.py for the layouts).
+with ls, rs the scales expanded over their blocks (see scales.py for the layouts).
 This module validates, reads the layouts from the scales' shapes, and picks a backend:
   "xla"     xla.py: dequantize in float32 and one float32 dot; every layout, everywhere.
   "mosaic"  the Hopper kernel (mosaic.py): fp8 wgmma with the products of each 128 of K
@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.scaled_matmul import quantize as _q
+from pallas_gemm.scaled_matmul import scales
 from pallas_gemm.scaled_matmul import xla as _xla
 
 BACKENDS = ("xla", "mosaic")
@@ -57,16 +57,16 @@ def _operand(x, name: str) -> np.dtype:
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
   dtype = np.dtype(x.dtype)
-  if dtype not in _q.FP8_DTYPES:
+  if dtype not in scales.FP8_DTYPES:
     raise TypeError(f"{name}.dtype must be float8_e4m3fn or float8_e5m2 (quantize() makes"
                     f" them); got {dtype}")
   return dtype
 
 
-def _scales(x, name: str) -> None:
+def _check_scales(x, name: str) -> None:
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
-  if np.dtype(x.dtype) not in _q.SCALE_DTYPES:
+  if np.dtype(x.dtype) not in scales.SCALE_DTYPES:
     raise TypeError(f"{name}.dtype must be float32 (or bfloat16, float16, float8_e8m0fnu);"
                     f" got {np.dtype(x.dtype)}")
 
@@ -88,8 +88,8 @@ def _validate(lhs, rhs, lhs_scales, rhs_scales):
   """(lhs_layout, rhs_layout, squeeze): the checks, on 3-D views of 2-D arguments."""
   _operand(lhs, "lhs")
   _operand(rhs, "rhs")
-  _scales(lhs_scales, "lhs_scales")
-  _scales(rhs_scales, "rhs_scales")
+  _check_scales(lhs_scales, "lhs_scales")
+  _check_scales(rhs_scales, "rhs_scales")
   if lhs.ndim not in (2, 3) or rhs.ndim != lhs.ndim:
     raise ValueError(f"lhs and rhs must both be (B, M, K) and (B, N, K) (or both 2-D: (M, K),"
                      f" (N, K)); got shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
@@ -103,8 +103,10 @@ def _validate(lhs, rhs, lhs_scales, rhs_scales):
   if ls[0] != rs[0] or ls[2] != rs[2]:
     raise ValueError(f"lhs (B, M, K) and rhs (B, N, K) must agree in B and K (both contract"
                      f" their last dim); got shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
-  lhs_layout = _q.scale_layout(lead(lhs_scales.shape), ls, name="lhs_scales", rows_name="rows (M)")
-  rhs_layout = _q.scale_layout(lead(rhs_scales.shape), rs, name="rhs_scales", rows_name="rows (N)")
+  lhs_layout = scales.scale_layout(lead(lhs_scales.shape), ls, name="lhs_scales",
+                                   rows_name="rows (M)")
+  rhs_layout = scales.scale_layout(lead(rhs_scales.shape), rs, name="rhs_scales",
+                                   rows_name="rows (N)")
   return lhs_layout, rhs_layout, squeeze
 
 
@@ -116,12 +118,12 @@ def _repeat_rows(s, rows: int, total: int):
   return jnp.repeat(s, rows, axis=1, total_repeat_length=s.shape[1] * rows)[:, :total]
 
 
-def _for_kernel(scales, layout: _q.ScaleLayout, shape, *, row_blocks: bool):
+def _for_kernel(given, layout: scales.ScaleLayout, shape, *, row_blocks: bool):
   """The scales in a layout the kernel reads, or None: (B, 1, 1); (B, R, 1) (per row,
   applied in its epilogue); (B, R, ceil(K/128)); with row_blocks (rhs),
   (B, ceil(R/128), ceil(K/128)) too."""
   b, r, k = shape
-  s = jnp.asarray(scales).astype(jnp.float32)
+  s = jnp.asarray(given).astype(jnp.float32)
   if layout.per_tensor:
     return s
   per_row = s.shape[2] == 1  # block_k == K
@@ -129,8 +131,8 @@ def _for_kernel(scales, layout: _q.ScaleLayout, shape, *, row_blocks: bool):
     return None
   if not per_row and layout.block_k != K_BLOCK:
     s = jnp.repeat(s, layout.block_k // K_BLOCK, axis=2, total_repeat_length=k // K_BLOCK)
-  if layout.rows == _q.ROW_BLOCK and (per_row or not row_blocks):
-    s = _repeat_rows(s, _q.ROW_BLOCK, r)
+  if layout.rows == scales.ROW_BLOCK and (per_row or not row_blocks):
+    s = _repeat_rows(s, scales.ROW_BLOCK, r)
   return s
 
 

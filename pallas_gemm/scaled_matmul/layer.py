@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.scaled_matmul import api
-from pallas_gemm.scaled_matmul import quantize as _q
+from pallas_gemm.scaled_matmul import scales
 
 _BLOCK = 128
 FORWARD_DTYPE = jnp.float8_e4m3fn
@@ -58,8 +58,8 @@ def _gemm(a, b, a_block, b_block, dtypes, out_dtype, backend):
   """a (B, M, K) @ b (B, N, K)^T with K padded to 128s, each operand quantized in
   its block shape and fp8 dtype."""
   a, b = _pad_to(a, 2), _pad_to(b, 2)
-  a8, sa = _q.quantize(a, dtypes[0], a_block)
-  b8, sb = _q.quantize(b, dtypes[1], b_block)
+  a8, sa = scales.quantize(a, dtypes[0], a_block)
+  b8, sb = scales.quantize(b, dtypes[1], b_block)
   return api.scaled_matmul(a8, b8, sa, sb, out_dtype, backend=backend)
 
 
@@ -75,8 +75,8 @@ def _forward(x, w, out_dtype, grad_dtype, backend):
   del grad_dtype
   n = w.shape[1]
   # W padded on both axes: its fp8 copy is also the dgrad's operand, contracted over N.
-  w8, sw = _q.quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
-  x8, sx = _q.quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
+  w8, sw = scales.quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
+  x8, sx = scales.quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
   y = api.scaled_matmul(x8, w8[:, :n], sx, sw, out_dtype, backend=backend)
   # An empty array of w's dtype: residuals are arrays, and dW must come back in it.
   return y, (x, w8, sw, jnp.zeros((0,), w.dtype))
@@ -88,7 +88,7 @@ def _backward(out_dtype, grad_dtype, backend, residuals, dy):
   k = x.shape[2]
   # dgrad: dy (B, M, N) @ W (N, K): W^T (K, N) as the K-major rhs, its 128x128 scales
   # transposed with it: the same fp8 numbers as the forward's.
-  dy8, sdy = _q.quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
+  dy8, sdy = scales.quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
   wt8, swt = jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2)
   dx = api.scaled_matmul(dy8, wt8, sdy, swt, x.dtype, backend=backend)[:, :, :k]
   # wgrad: dW (N, K) = dy^T (N, M) @ x (M, K), both contracted over M, so both are
@@ -103,7 +103,7 @@ fp8_matmul.defvjp(_forward, _backward)
 
 def _grad_dtype(grad_dtype) -> np.dtype:
   dtype = np.dtype(grad_dtype)
-  if dtype not in _q.FP8_DTYPES:
+  if dtype not in scales.FP8_DTYPES:
     raise TypeError(f"grad_dtype must be float8_e4m3fn or float8_e5m2; got {dtype}")
   return dtype
 
@@ -125,7 +125,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
   del precision
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   for name, x in (("lhs", lhs), ("rhs", rhs)):
-    if np.dtype(x.dtype) not in _q.INPUT_DTYPES:
+    if np.dtype(x.dtype) not in scales.INPUT_DTYPES:
       raise TypeError(f"fp8_dot_general's {name}.dtype must be float32, bfloat16 or float16;"
                       f" got {np.dtype(x.dtype)}")
   out_type = jax.eval_shape(

@@ -16,21 +16,24 @@ Elsewhere (the CPU) it computes what it says, in `wide`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from pallas_gemm.scaled_matmul import quantize as _q
+from pallas_gemm.scaled_matmul import scales
 
 NAME = "xla"
 _DIMS = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
 
 
-def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, lhs_layout: _q.ScaleLayout,
-                  rhs_layout: _q.ScaleLayout, out_dtype):
+@functools.partial(jax.jit, static_argnames=("lhs_layout", "rhs_layout", "out_dtype"))
+def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, lhs_layout: scales.ScaleLayout,
+                  rhs_layout: scales.ScaleLayout, out_dtype):
   """(B, M, N): sum_k lhs[b,m,k] s_lhs[b,m,k] rhs[b,n,k] s_rhs[b,n,k] in float32, then
   cast to out_dtype. Operands 3-D, layouts from `quantize.scale_layout`."""
-  a = lhs.astype(jnp.float32) * _q.expand(lhs_scales, lhs_layout, lhs.shape)
-  b = rhs.astype(jnp.float32) * _q.expand(rhs_scales, rhs_layout, rhs.shape)
+  a = lhs.astype(jnp.float32) * scales.expand(lhs_scales, lhs_layout, lhs.shape)
+  b = rhs.astype(jnp.float32) * scales.expand(rhs_scales, rhs_layout, rhs.shape)
   out = jax.lax.dot_general(a, b, _DIMS, precision=jax.lax.Precision.HIGHEST,
                             preferred_element_type=jnp.float32)
   return out.astype(out_dtype)

@@ -19,6 +19,7 @@ The last axis is always the contraction axis.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -183,14 +184,19 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128)):
   if x.ndim not in (2, 3):
     raise ValueError(f"x must be (M, K) or (B, M, K); got shape {tuple(x.shape)}")
   dtype = _check_dtype(dtype)
-  x = jnp.asarray(x)
   squeeze = x.ndim == 2
-  x3 = x[None] if squeeze else x
+  x3 = jnp.asarray(x)[None] if squeeze else jnp.asarray(x)
+  values, scales = _quantize(x3, dtype=dtype, block=_block(block_shape, *x3.shape[1:]))
+  return (values[0], scales[0]) if squeeze else (values, scales)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block"))
+def _quantize(x3, *, dtype, block):
+  """`quantize` of a validated (B, M, K) x; block from `_block`."""
   b, m, k = x3.shape
-  rows, block_k, scale_rows, scale_cols = _block(block_shape, m, k)
+  rows, block_k, scale_rows, scale_cols = block
   if k == 0:  # no values; one scale of 1 per row block (the layout K == 0 takes)
-    values, scales = x3.astype(dtype), jnp.ones((b, scale_rows, 1), jnp.float32)
-    return (values[0], scales[0]) if squeeze else (values, scales)
+    return x3.astype(dtype), jnp.ones((b, scale_rows, 1), jnp.float32)
   fmax = float(jnp.finfo(dtype).max)
   fmax_mant, fmax_exp = np.frexp(fmax)
 
@@ -208,5 +214,4 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128)):
   inverse = _pow2(-e)  # exact too: amax < 2^128 keeps e <= 128 - fmax_exp, so -e >= -126
   scaled = blocks * inverse[:, :, None, :, None]
   values = jnp.clip(scaled, -fmax, fmax).astype(dtype)  # clip keeps NaN
-  values = values.reshape(b, padded_m, k)[:, :m]
-  return (values[0], scales[0]) if squeeze else (values, scales)
+  return values.reshape(b, padded_m, k)[:, :m], scales

@@ -1,0 +1,379 @@
+"""scaled_matmul, quantize and fp8_dot_general: one suite over the backends.
+
+Reference: the float64 product of the dequantized operands (reference.scaled_reference),
+tolerance reference.tolerance(fp8 dtype, ...). "xla" runs every case; "mosaic" runs the
+layouts its kernel takes, in interpret mode on a CPU (seconds a call, so fewer cases)
+and at real sizes on a GPU (@pytest.mark.gpu).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pallas_gemm.scaled_matmul as sm
+from conftest import ON_GPU, random
+from pallas_gemm import reference
+from pallas_gemm.scaled_matmul import api, scales
+from pallas_gemm.scaled_matmul import xla as sm_xla
+
+E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+
+
+def _skip_backend(backend):
+  """The one place this suite decides that a backend cannot run here."""
+  if backend == "mosaic" and (why := api.mosaic_unavailable_reason()) is not None:
+    pytest.skip(f"mosaic unavailable: {why}")
+
+
+# Layout name -> scale shape for an operand (b, r, k).
+def _scale_shape(layout, b, r, k):
+  return {"1x128": (b, r, k // 128), "1x32": (b, r, k // 32), "1xK": (b, r, 1),
+          "128x128": (b, -(-r // 128), k // 128), "128xK": (b, -(-r // 128), 1),
+          "tensor": (b, 1, 1)}[layout]
+
+
+def _scales(rng, shape, low=-20, high=20):
+  """float32 scales 2^u, u uniform in [low, high]: not powers of two, spanning 2^40."""
+  return np.exp2(rng.uniform(low, high, shape)).astype(np.float32)
+
+
+def _fp8(rng, shape, dtype):
+  return np.asarray(random(rng, shape, np.float32) * 8, dtype)
+
+
+def _check(out, lhs, rhs, ls, rs, out_dtype=np.float32):
+  ref = reference.scaled_reference(lhs, rhs, ls, rs)
+  tol = reference.tolerance(lhs.dtype, None, lhs.shape[-1], out_dtype)
+  assert out.dtype == out_dtype and out.shape == ref.shape
+  err = reference.relative_error(out, ref)
+  assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+
+
+def _run(rng, backend, b, m, n, k, lhs_layout, rhs_layout, lhs_dtype=E4M3, rhs_dtype=E4M3,
+         out_dtype=np.float32):
+  lhs, rhs = _fp8(rng, (b, m, k), lhs_dtype), _fp8(rng, (b, n, k), rhs_dtype)
+  # float16 results: scales that keep the products below its 65504.
+  low, high = (-6, 0) if out_dtype == np.float16 else (-20, 20)
+  ls = _scales(rng, _scale_shape(lhs_layout, b, m, k), low, high)
+  rs = _scales(rng, _scale_shape(rhs_layout, b, n, k), low, high)
+  out = sm.scaled_matmul(lhs, rhs, ls, rs, out_dtype, backend=backend)
+  _check(out, lhs, rhs, ls, rs, out_dtype)
+
+
+LAYOUTS = ("1x128", "1x32", "1xK", "128x128", "128xK", "tensor")
+
+
+@pytest.mark.parametrize("lhs_layout", LAYOUTS)
+@pytest.mark.parametrize("rhs_layout", LAYOUTS)
+def test_layouts_xla(rng, lhs_layout, rhs_layout):
+  # Ragged M and N (a partial last 128-row block), batched.
+  _run(rng, "xla", 2, 130, 200, 256, lhs_layout, rhs_layout)
+
+
+# What the kernel takes (natively or repeated per 128 / per row by api.py).
+MOSAIC_CASES = [
+    ("1x128", "128x128", (1, 136, 200, 256)),
+    ("1x128", "1x128", (2, 64, 72, 384)),
+    ("tensor", "tensor", (1, 100, 130, 200)),   # K not a multiple of 128
+    ("1xK", "128xK", (1, 64, 136, 256)),
+    ("128x128", "tensor", (1, 200, 64, 128)),
+]
+
+
+@pytest.mark.parametrize("lhs_layout, rhs_layout, shape", MOSAIC_CASES)
+def test_layouts_mosaic(rng, lhs_layout, rhs_layout, shape):
+  _skip_backend("mosaic")
+  _run(rng, "mosaic", *shape, lhs_layout, rhs_layout)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_fp8_dtypes(rng, backend):
+  # e5m2, both mixes, and the three output dtypes, in one call each.
+  _skip_backend(backend)
+  cases = [(E5M2, E5M2, np.float32), (E4M3, E5M2, jnp.bfloat16), (E5M2, E4M3, np.float16)]
+  for lhs_dtype, rhs_dtype, out_dtype in cases[:1 if backend == "mosaic" and not ON_GPU else 3]:
+    _run(rng, backend, 1, 64, 72, 256, "1x128", "128x128", lhs_dtype, rhs_dtype,
+         np.dtype(out_dtype))
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_zero_and_saturated_blocks(rng, backend):
+  _skip_backend(backend)
+  b, m, n, k = 1, 64, 136, 384
+  lhs, rhs = _fp8(rng, (b, m, k), E4M3), _fp8(rng, (b, n, k), E5M2)
+  lhs[:, :, 128:256] = 0                      # a zero block of every row
+  lhs[:, 7, :] = np.asarray(np.sign(rng.standard_normal(k)) * FMAX[E4M3], E4M3)  # saturated
+  rhs[:, 128:, 256:] = np.asarray(FMAX[E5M2], E5M2)                # saturated 128x128 block
+  ls = _scales(rng, (b, m, 3))
+  rs = _scales(rng, (b, 2, 3))
+  ls[:, 5, :] = 0.0                                                # a zero scale
+  _check(sm.scaled_matmul(lhs, rhs, ls, rs, backend=backend), lhs, rhs, ls, rs)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # inf - inf
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_nan_and_inf_propagate(rng, backend):
+  _skip_backend(backend)
+  b, m, n, k = 1, 64, 72, 256
+  lhs, rhs = _fp8(rng, (b, m, k), E4M3), _fp8(rng, (b, n, k), E5M2)
+  lhs[0, 3, 5] = np.nan                   # row 3 NaN
+  rhs[0, 9, 200] = np.inf                 # column 9 +-inf (NaN where lhs has a zero there)
+  rhs[0, 11, 17] = -np.inf
+  ls, rs = _scales(rng, (b, m, 2)), _scales(rng, (b, 1, 2))
+  out = sm.scaled_matmul(lhs, rhs, ls, rs, backend=backend)
+  ref = reference.scaled_reference(lhs, rhs, ls, rs)
+  assert np.isnan(ref[0, 3]).all() and np.isinf(ref[0, :, 9]).any()
+  _check(out, lhs, rhs, ls, rs)  # relative_error demands the same NaN / Inf elements
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 1, 128), (1, 5, 32), (3, 1, 1), (0, 4, 128),
+                                     (4, 0, 128), (4, 5, 0)])
+def test_tiny_and_empty(rng, m, n, k):
+  lhs, rhs = _fp8(rng, (2, m, k), E4M3), _fp8(rng, (2, n, k), E4M3)
+  ls, rs = _scales(rng, (2, m, 1)), _scales(rng, (2, 1, 1))
+  out = sm.scaled_matmul(lhs, rhs, ls, rs)
+  assert out.shape == (2, m, n)
+  if m * n:
+    _check(out, lhs, rhs, ls, rs)
+
+
+def test_two_d_and_jit(rng):
+  lhs, rhs = _fp8(rng, (130, 256), E4M3), _fp8(rng, (200, 256), E4M3)
+  ls, rs = _scales(rng, (130, 2)), _scales(rng, (2, 2))
+  out = jax.jit(sm.scaled_matmul)(lhs, rhs, ls, rs)
+  _check(out, lhs, rhs, ls, rs)
+
+
+def test_auto_and_mosaic_routing(rng):
+  lhs, rhs = _fp8(rng, (1, 8, 256), E4M3), _fp8(rng, (1, 8, 256), E4M3)
+  fine = _scales(rng, (1, 8, 8))  # 1x32: no kernel takes it
+  with pytest.raises(ValueError, match="lhs_scales in 1x32 blocks.*backend='xla' can"):
+    sm.scaled_matmul(lhs, rhs, fine, fine, backend="mosaic")
+  _check(sm.scaled_matmul(lhs, rhs, fine, fine), lhs, rhs, fine, fine)  # auto: xla
+  # Per-row scales stay per row (the kernel's epilogue applies them); 1x256 blocks are
+  # repeated per 128 of K; lhs 128-row blocks per row.
+  ls, rs = _scales(rng, (1, 8, 1)), _scales(rng, (1, 1, 1))
+  layout = lambda s, x: scales.scale_layout(s.shape, x.shape, name="s", rows_name="r")  # noqa: E731
+  got = api._mosaic_scales(lhs, rhs, ls, rs, layout(ls, lhs), layout(rs, rhs))
+  assert got[0].shape == (1, 8, 1) and got[1].shape == (1, 1, 1)
+  ls, rs = _scales(rng, (1, 1, 1)), _scales(rng, (1, 8, 1))
+  lhs = _fp8(rng, (1, 130, 512), E4M3)
+  rhs = _fp8(rng, (1, 8, 512), E4M3)
+  ls, rs = _scales(rng, (1, 2, 2)), _scales(rng, (1, 8, 2))
+  got = api._mosaic_scales(lhs, rhs, ls, rs, layout(ls, lhs), layout(rs, rhs))
+  np.testing.assert_array_equal(got[0], np.repeat(np.repeat(ls, 128, 1)[:, :130], 2, 2))
+  np.testing.assert_array_equal(got[1], np.repeat(rs, 2, 2))
+
+
+def test_per_tensor_pattern_computes_the_product(rng):
+  # The XLA expression the benchmark times as cuBLASLt fp8 (here, computed as written).
+  lhs, rhs = _fp8(rng, (64, 256), E4M3), _fp8(rng, (72, 256), E4M3)
+  sa, sb = np.float32(0.25), np.float32(8.0)
+  out = sm_xla.per_tensor_pattern(lhs, rhs, sa, sb, out_dtype=jnp.float32, wide=jnp.float32)
+  _check(out, lhs, rhs, sa.reshape(1, 1), sb.reshape(1, 1))
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def _exact_fp8(x, scales_full, dtype):
+  """x / scale rounded to the nearest fp8 (ml_dtypes, host), saturated."""
+  fmax = FMAX[np.dtype(dtype)]
+  return np.clip(np.asarray(x, np.float64) / scales_full, -fmax, fmax).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("block_shape, x_shape", [((1, 128), (2, 130, 256)),
+                                                  ((128, 128), (200, 384)),
+                                                  ((1, 32), (3, 64)),
+                                                  (None, (2, 33, 40)),
+                                                  ((1, 40), (5, 40))])
+def test_quantize_round_trip(rng, dtype, block_shape, x_shape):
+  x = random(rng, x_shape, np.float32) * np.exp2(rng.integers(-30, 30, x_shape[:-1] + (1,)))
+  x = x.astype(np.float32)
+  values, scales = sm.quantize(jnp.asarray(x), dtype, block_shape)
+  assert values.dtype == dtype and values.shape == x.shape
+  assert scales.dtype == np.float32 and scales.ndim == x.ndim
+  scales = np.asarray(scales)
+  # The layout scaled_matmul reads: dequantize expands it.
+  full = np.asarray(sm.dequantize(jnp.ones(x.shape, dtype), scales))
+  # Powers of two: the smallest with amax <= 2^e * max, so the block's amax lands in
+  # (max / 2, max].
+  assert np.all(np.frexp(scales)[0] == 0.5)
+  # Every element is x / scale rounded to nearest fp8: the only rounding.
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
+                                _exact_fp8(x, full, dtype).view(np.uint8))
+  # Minimal: each block's largest |value| lies in [max / 2, max] (zero blocks aside).
+  x3, s3 = x.reshape((-1,) + x.shape[-2:]), scales.reshape((-1,) + scales.shape[-2:])
+  b, r, k = np.indices(x3.shape)
+  rows = r if s3.shape[1] == x3.shape[1] else (0 * r if s3.shape[1] == 1 else r // 128)
+  top = np.zeros(s3.shape)
+  np.maximum.at(top, (b, rows, k // (x3.shape[2] // s3.shape[2])),
+                np.abs(np.asarray(values, np.float64).reshape(x3.shape)))
+  assert np.all((top >= FMAX[dtype] / 2) & (top <= FMAX[dtype]))
+
+
+def test_quantize_edges():
+  fmax = FMAX[E4M3]
+  x = np.ones((4, 256), np.float32)
+  x[0] = 0.0                                # a zero block: scale 1, values 0
+  x[1, 0], x[1, 1] = np.inf, -np.inf        # saturates to +-max * scale
+  x[2, 3] = np.nan                          # kept
+  x[3, :128] = 448.0 * 2.0**20              # amax exactly max * 2^20: scale 2^20
+  values, scales = sm.quantize(jnp.asarray(x))
+  values, scales = np.asarray(values, np.float32), np.asarray(scales)
+  assert np.all(values[0] == 0) and np.all(scales[0] == 1)
+  assert values[1, 0] == fmax and values[1, 1] == -fmax and scales[1, 0] == 2.0**-8
+  assert np.isnan(values[2, 3]) and np.isfinite(np.delete(values[2], 3)).all()
+  assert scales[3, 0] == 2.0**20 and np.all(values[3, :128] == fmax)
+  # bfloat16 / float16 inputs, and 2-D/3-D agree.
+  xb = jnp.asarray(x[2:3], jnp.bfloat16)
+  v2, s2 = sm.quantize(xb)
+  v3, s3 = sm.quantize(xb[None])
+  np.testing.assert_array_equal(np.asarray(v3[0], np.float32), np.asarray(v2, np.float32))
+  np.testing.assert_array_equal(s3[0], s2)
+
+
+def test_quantize_feeds_scaled_matmul(rng):
+  x, w = random(rng, (130, 256), np.float32), random(rng, (200, 256), np.float32)
+  x8, sx = sm.quantize(x)
+  w8, sw = sm.quantize(w, block_shape=(128, 128))
+  out = sm.scaled_matmul(x8, w8, sx, sw)
+  _check(out, x8, w8, sx, sw)
+  np.testing.assert_array_equal(sm.dequantize(x8, sx),
+                                np.asarray(x8, np.float32) * np.repeat(sx, 128, axis=1))
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_input(rng):
+  lhs, rhs = _fp8(rng, (1, 8, 256), E4M3), _fp8(rng, (1, 16, 256), E4M3)
+  ls, rs = np.ones((1, 8, 2), np.float32), np.ones((1, 16, 2), np.float32)
+  f = sm.scaled_matmul
+  with pytest.raises(TypeError, match=r"lhs.dtype must be float8_e4m3fn.*bfloat16"):
+    f(lhs.astype(jnp.bfloat16), rhs, ls, rs)
+  with pytest.raises(TypeError, match="rhs_scales.dtype must be float32"):
+    f(lhs, rhs, ls, rs.astype(np.int32))
+  with pytest.raises(TypeError, match="preferred_element_type"):
+    f(lhs, rhs, ls, rs, jnp.int8)
+  with pytest.raises(ValueError, match=r"lhs_scales has 3 rows .*Accepted: \(1, 8, K_s\)"):
+    f(lhs, rhs, np.ones((1, 3, 2), np.float32), rs)
+  with pytest.raises(ValueError, match=r"rhs_scales's last dim 3 does not divide K=256.*"
+                                       r"\(1, 1, K_s\) \(blocks of 128"):
+    f(lhs, rhs, ls, np.ones((1, 16, 3), np.float32))
+  with pytest.raises(ValueError, match="rhs_scales has batch 2"):
+    f(lhs, rhs, ls, np.ones((2, 16, 2), np.float32))
+  with pytest.raises(ValueError, match="must agree in B and K"):
+    f(lhs, rhs[:, :, :128], ls, rs)
+  with pytest.raises(ValueError, match="lhs_scales must have the operands' rank 3"):
+    f(lhs, rhs, ls[0], rs)
+  with pytest.raises(ValueError, match="backend must be"):
+    f(lhs, rhs, ls, rs, backend="cublas")
+  with pytest.raises(TypeError, match="config is the mosaic kernel's"):
+    f(lhs, rhs, ls, rs, backend="xla", config=object())
+  q = sm.quantize
+  with pytest.raises(TypeError, match="dtype must be float8"):
+    q(jnp.ones((4, 128)), jnp.int8)
+  with pytest.raises(TypeError, match="x.dtype must be float32"):
+    q(jnp.ones((4, 128), jnp.int32))
+  with pytest.raises(ValueError, match=r"cols 128 must divide x's last \(contraction\) dim 200"):
+    q(jnp.ones((4, 200)))
+  with pytest.raises(ValueError, match="rows must be 1 or 128"):
+    q(jnp.ones((4, 128)), block_shape=(64, 128))
+  with pytest.raises(ValueError, match="x must be"):
+    q(jnp.ones((128,)))
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "grad_dtype"))
+def _fp8_grads(x, w, dy, backend, grad_dtype=E4M3):
+  f = functools.partial(sm.fp8_dot_general, grad_dtype=grad_dtype, backend=backend)
+  y, vjp = jax.vjp(lambda a, b: f(a, b, (((1,), (0,)), ((), ()))), x, w)
+  return (y, *vjp(dy))
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_fp8_dot_general_gemms(rng, backend):
+  # Forward, dgrad and wgrad are the scaled products of the operands quantized as the
+  # layer's docstring says (ragged M, N and K: the layer pads them to 128s).
+  _skip_backend(backend)
+  m, k, n = (64, 128, 136) if backend == "mosaic" and not ON_GPU else (300, 200, 260)
+  x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
+  dy = random(rng, (m, n), np.float32)
+  y, dx, dw = _fp8_grads(x, w, dy, backend, E5M2)
+  pad = lambda a, rows, cols: np.pad(a, ((0, rows), (0, cols)))  # noqa: E731
+  x8, sx = sm.quantize(pad(x, 0, -k % 128))
+  w8, sw = sm.quantize(pad(w.T, -n % 128, -k % 128), block_shape=(128, 128))
+  _check(y, x8, w8[:n], sx, sw)
+  dy8, sdy = sm.quantize(pad(dy, 0, -n % 128), E5M2)
+  _check(dx, dy8, w8.T[:k], sdy, sw.T)
+  dyt8, sdyt = sm.quantize(pad(dy.T, 0, -m % 128), E5M2)
+  xt8, sxt = sm.quantize(pad(x.T, 0, -m % 128))
+  _check(dw.T, dyt8, xt8, sdyt, sxt)
+  assert dx.dtype == x.dtype and dw.dtype == w.dtype
+
+
+def test_fp8_dot_general_in_flax(rng):
+  nn = pytest.importorskip("flax.linen")
+  x = jnp.asarray(random(rng, (2, 8, 128), np.float32), jnp.bfloat16)
+  dense = nn.Dense(256, dtype=jnp.bfloat16, dot_general=sm.fp8_dot_general)
+  params = dense.init(jax.random.key(0), x)
+  y = jax.jit(dense.apply)(params, x)
+  kernel = params["params"]["kernel"]
+  direct = jax.jit(sm.fp8_dot_general, static_argnums=2)(
+      x, kernel.astype(jnp.bfloat16), (((2,), (0,)), ((), ())))
+  assert y.shape == (2, 8, 256) and y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(direct, np.float32))
+  grads = jax.jit(jax.grad(lambda p: jnp.sum(dense.apply(p, x).astype(jnp.float32) ** 2)))(
+      params)
+  assert grads["params"]["kernel"].shape == kernel.shape
+  assert np.isfinite(np.asarray(grads["params"]["kernel"])).all()
+
+
+def test_fp8_dot_general_bad_input():
+  with pytest.raises(TypeError, match="lhs.dtype must be float32"):
+    sm.fp8_dot_general(jnp.ones((4, 128), jnp.int32), jnp.ones((128, 8)),
+                       (((1,), (0,)), ((), ())))
+  with pytest.raises(TypeError, match="grad_dtype must be float8"):
+    sm.fp8_dot_general(jnp.ones((4, 128)), jnp.ones((128, 8)), (((1,), (0,)), ((), ())),
+                       grad_dtype=jnp.bfloat16)
+
+
+# ----------------------------------------------------------------------------- GPU, real sizes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(4096, 4096, 4096), (4097, 4095, 4096),
+                                     (4096, 7168, 2048)])
+@pytest.mark.parametrize("layouts", [("1x128", "128x128"), ("tensor", "tensor"),
+                                     ("1x128", "1x128")])
+def test_real_sizes_gpu(rng, m, n, k, layouts):
+  _skip_backend("mosaic")
+  _run(rng, "mosaic", 1, m, n, k, *layouts, out_dtype=np.dtype(jnp.bfloat16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["normal", "wide"])
+def test_error_vs_cublaslt_pattern_gpu(rng, family):
+  # Per-tensor scales on the same inputs: the kernel's error is no worse than the
+  # cuBLASLt fp8 GEMM XLA makes of the scaled pattern (both with float32 results).
+  _skip_backend("mosaic")
+  m = n = k = 4096
+  lo, hi = (0, 0) if family == "normal" else (-20, 20)
+  x = random(rng, (m, k), np.float32) * _scales(rng, (m, 1), lo, hi)
+  w = random(rng, (n, k), np.float32) * _scales(rng, (1, k), lo, hi)
+  x8, sx = sm.quantize(jnp.asarray(x), block_shape=None)
+  w8, sw = sm.quantize(jnp.asarray(w), block_shape=None)
+  ref = reference.scaled_reference(x8, w8, sx, sw)
+  ours = sm.scaled_matmul(x8, w8, sx, sw, backend="mosaic")
+  cublaslt = jax.jit(functools.partial(sm_xla.per_tensor_pattern, out_dtype=jnp.float32))(
+      x8, w8, sx, sw)
+  assert reference.relative_error(ours, ref) <= reference.relative_error(cublaslt, ref)
