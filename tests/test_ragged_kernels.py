@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import random
-from pallas_gemm.ragged_dot import mosaic_forward
+from pallas_gemm.ragged_dot import mosaic_forward, mosaic_weight_grad
 from pallas_gemm.ragged_dot.config import Config, default_config, smem_bytes
 from pallas_gemm.reference import reference, relative_error, tolerance
 
@@ -47,6 +47,17 @@ def forward_reference(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs
   return out
 
 
+def weight_grad_reference(lhs, dy, group_sizes, group_offset=None, *, num_groups=None):
+  """float64 (G, K, N): lhs[rows of g].T @ dy[rows of g] per computed group."""
+  g = len(group_sizes) if num_groups is None else num_groups
+  out = np.zeros((g, lhs.shape[1], dy.shape[1]))
+  for i, (s, e) in enumerate(_bounds(np.asarray(group_sizes), group_offset, g, lhs.shape[0])):
+    if e > s:
+      out[i] = reference(lhs[s:e].astype(np.float32), dy[s:e].astype(np.float32),
+                         transpose_a=True)
+  return out
+
+
 # ----------------------------------------------------------------------------
 # Config
 # ----------------------------------------------------------------------------
@@ -60,7 +71,6 @@ def forward_reference(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs
     (dict(stages=0), "stages"),
     (dict(num_compute_wgs=3), "num_compute_wgs"),
     (dict(wg_split="k"), "wg_split"),
-    (dict(block_m=64, wg_split="m"), "block_m"),
     (dict(epi_block_m=32), "epi_block_m"),
     (dict(epi_block_n=24), "epi_block_n"),
     (dict(num_sms=0), "num_sms"),
@@ -69,6 +79,15 @@ def forward_reference(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs
 def test_config_rejects_invalid_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
     Config(**kwargs)
+
+
+def test_config_tiles_per_kernel():
+  cfg = Config(block_m=64, block_k=128, wg_split="m")
+  cfg.check_tiles(cfg.block_k)  # weight grad: 128 rows of out, 64 per warpgroup
+  with pytest.raises(ValueError, match="64"):
+    cfg.check_tiles(cfg.block_m)  # forward: 32 rows per warpgroup
+  with pytest.raises(ValueError, match="epi_block"):
+    Config(epi_block_n=48).check_tiles(128)
 
 
 def test_config_is_frozen_and_keyword_only():
@@ -87,7 +106,7 @@ def test_default_configs_fit(g, m, k, n, out_dtype):
     cfg = default_config(m, n, k, g, jnp.bfloat16, out_dtype=out_dtype,
                          weight_grad=weight_grad)
     rows = cfg.block_k if weight_grad else cfg.block_m
-    cfg.check_epilogue(rows)
+    cfg.check_tiles(rows)
     a_tile = (cfg.block_m, cfg.block_k)
     assert smem_bytes(cfg, a_tile=a_tile, b_tile=(cfg.block_m if weight_grad else cfg.block_k,
                                                   cfg.block_n),
@@ -205,6 +224,80 @@ def test_forward_rejects_bad_operands():
 
 
 # ----------------------------------------------------------------------------
+# Weight grad, interpret mode
+# ----------------------------------------------------------------------------
+
+WG_SMALL = Config(block_m=64, block_n=128, block_k=128, stages=2, num_compute_wgs=2,
+                  wg_split="n", num_sms=3)
+
+
+def _check_weight_grad(rng, m, k, n, sizes, *, dtype=jnp.bfloat16, out_dtype=jnp.float32,
+                       config=WG_SMALL, num_groups=None, group_offset=None,
+                       poison_rows=()):
+  sizes = np.asarray(sizes, np.int32)
+  lhs = random(rng, (m, k), dtype)
+  dy = random(rng, (m, n), dtype)
+  for rows in poison_rows:  # rows of no computed group: must contribute nothing
+    lhs[rows] = np.nan
+    dy[rows] = np.inf
+  out = mosaic_weight_grad.weight_grad(
+      jnp.asarray(lhs), jnp.asarray(dy), jnp.asarray(sizes),
+      None if group_offset is None else jnp.int32(group_offset), num_groups=num_groups,
+      out_dtype=out_dtype, config=config, interpret=True)
+  g = len(sizes) if num_groups is None else num_groups
+  assert out.shape == (g, k, n) and out.dtype == out_dtype
+  ref = weight_grad_reference(lhs, dy, sizes, group_offset, num_groups=num_groups)
+  out = np.asarray(out.astype(jnp.float32))
+  assert not np.isnan(out).any(), "unwritten or contaminated elements"
+  for i in range(g):
+    if not ref[i].any():
+      assert (out[i] == 0).all(), f"group {i} is empty: its gradient must be zeros"
+  err = relative_error(out, ref)
+  assert err <= tolerance(dtype, None, int(sizes.max(initial=1)), out_dtype), err
+
+
+@pytest.mark.parametrize("sizes", [
+    [50, 0, 120, 10],     # boundaries inside row steps, an empty group, sum < M
+    [0, 200, 0],          # one group holds every row
+    [1, 1, 1, 0, 1],      # single rows inside one step
+], ids=["mixed", "one_group", "ones"])
+def test_weight_grad_group_patterns(rng, sizes):
+  m = 200
+  _check_weight_grad(rng, m, 136, 130, sizes, poison_rows=[slice(sum(sizes), m)])
+
+
+def test_weight_grad_all_empty(rng):
+  _check_weight_grad(rng, 100, 64, 64, [0, 0])
+
+
+def test_weight_grad_group_offset_ignores_other_groups(rng):
+  # Global groups 1..3 of 5; rows of groups 0 and 4 hold NaN / inf.
+  sizes = [30, 70, 0, 45, 40]
+  _check_weight_grad(rng, 200, 128, 192, sizes, num_groups=3, group_offset=1,
+                     poison_rows=[slice(0, 30), slice(145, 200)], out_dtype=jnp.bfloat16)
+
+
+def test_weight_grad_split_m_f16(rng):
+  cfg = Config(block_m=64, block_n=128, block_k=128, stages=3, num_compute_wgs=2,
+               wg_split="m", grid_tile_width=2, num_sms=2)
+  _check_weight_grad(rng, 260, 200, 100, [100, 60, 99], dtype=jnp.float16,
+                     out_dtype=jnp.float16, config=cfg)
+
+
+def test_weight_grad_one_warpgroup_single_group(rng):
+  cfg = Config(block_m=64, block_n=64, block_k=64, stages=2, num_compute_wgs=1, num_sms=2)
+  _check_weight_grad(rng, 150, 70, 72, [133], config=cfg)
+
+
+def test_weight_grad_traced_offset_needs_num_groups():
+  x = jnp.zeros((8, 64), jnp.bfloat16)
+  f = jax.jit(lambda off: mosaic_weight_grad.weight_grad(
+      x, x, jnp.zeros(3, jnp.int32), off, interpret=True))
+  with pytest.raises(ValueError, match="num_groups"):
+    f(jnp.int32(1))
+
+
+# ----------------------------------------------------------------------------
 # CUDA lowering on the CPU at real tiles
 # ----------------------------------------------------------------------------
 
@@ -233,6 +326,19 @@ def test_forward_lowers_for_sm90(shape, transpose_rhs, out_dtype):
   text = _lower(lambda a, b, s: mosaic_forward.forward(
       a, b, s, None, transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=cfg,
       interpret=False), lhs, rhs, sizes)
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_weight_grad_lowers_for_sm90(shape, out_dtype):
+  g, m, k, n = SHAPES[shape]
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+  cfg = default_config(m, n, k, g, out_dtype=out_dtype, weight_grad=True).replace(num_sms=132)
+  text = _lower(lambda a, b, s: mosaic_weight_grad.weight_grad(
+      a, b, s, None, out_dtype=out_dtype, config=cfg, interpret=False), lhs, dy, sizes)
   assert "mosaic_gpu" in text
 
 
@@ -272,3 +378,24 @@ def test_forward_gpu(rng, shape, transpose_rhs):
   assert not np.isnan(out).any()
   assert (out[m - 77:] == 0).all()
   assert relative_error(out, ref) <= tolerance(jnp.bfloat16, None, k, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["mixtral", "deepseek", "qwen3", "skewed", "ragged"])
+def test_weight_grad_gpu(rng, shape):
+  g, m, k, n = SHAPES[shape]
+  m = min(m, 8192)
+  sizes = _group_sizes(rng, g, m, skew=shape == "skewed", total=m - 77)
+  sizes[1] = 0
+  lhs = random(rng, (m, k), jnp.bfloat16)
+  dy = random(rng, (m, n), jnp.bfloat16)
+  lhs[m - 77:] = np.nan  # rows past the sum must not contribute
+  _poison(g * k * n * 4)
+  out = mosaic_weight_grad.weight_grad(jnp.asarray(lhs), jnp.asarray(dy), jnp.asarray(sizes),
+                                       None, out_dtype=jnp.float32, interpret=False)
+  out = np.asarray(out)
+  ref = weight_grad_reference(lhs, dy, sizes)
+  assert not np.isnan(out).any()
+  assert (out[1] == 0).all()
+  assert relative_error(out, ref) <= tolerance(jnp.bfloat16, None, int(sizes.max()),
+                                               jnp.float32)

@@ -83,13 +83,9 @@ class Config:
     if self.block_n % 64:
       fail("block_n", "must be a multiple of 64 (a 128-byte swizzled row of 16-bit"
            " elements: both wgmma operands need the same swizzle)")
-    split = self.block_n if self.wg_split == "n" else None
-    if self.num_compute_wgs == 2 and self.wg_split == "n" and split % 128:
+    if self.num_compute_wgs == 2 and self.wg_split == "n" and self.block_n % 128:
       fail("block_n", "splits between 2 warpgroups along n on a 128-byte swizzle atom:"
            " must be a multiple of 128")
-    if self.num_compute_wgs == 2 and self.wg_split == "m" and self.block_m % 128:
-      fail("block_m", "splits between 2 warpgroups along m: must be a multiple of 128"
-           " (64 wgmma rows each)")
     if self.epi_block_m % 64:
       fail("epi_block_m", "must be a multiple of 64 (the wgmma register layout)")
     if self.epi_block_n % 16:
@@ -105,9 +101,15 @@ class Config:
       return rows, self.block_n // 2
     return rows, self.block_n
 
-  def check_epilogue(self, rows: int) -> None:
-    """Raises ValueError unless (epi_block_m, epi_block_n) tiles a warpgroup's part."""
+  def check_tiles(self, rows: int) -> None:
+    """Raises ValueError unless a CTA tile of `rows` x block_n splits into warpgroup parts
+    of whole wgmma rows that the (epi_block_m, epi_block_n) sub-tiles divide."""
     wg_m, wg_n = self.wg_tile(rows)
+    if wg_m % 64:
+      raise ValueError(
+          f"Config: a {rows}-row tile split along {self.wg_split!r} among"
+          f" {self.num_compute_wgs} warpgroups gives {wg_m} rows each; wgmma needs a"
+          " multiple of 64 (use wg_split='n' or a taller tile)")
     if wg_m % self.epi_block_m or wg_n % self.epi_block_n:
       raise ValueError(
           f"Config: epi_block_m x epi_block_n = {self.epi_block_m}x{self.epi_block_n} must"

@@ -319,7 +319,7 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
   if k == 0 or g == 0:
     return jnp.zeros((m, n), out_dtype)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
-  config.check_epilogue(bm)
+  config.check_tiles(bm)
   check_smem(config, a_tile=(bm, bk), b_tile=(bk, bn), dtype=dtype, out_dtype=out_dtype,
              k_steps=-(-k // bk))
 

@@ -1,0 +1,263 @@
+"""Hopper (sm_90) grouped GEMM, the ragged-contraction form (the weight gradient of
+`jax.lax.ragged_dot`): out[g] (K, N) = lhs[rows of g].T @ dy[rows of g], in Pallas Mosaic GPU.
+
+Design (one CTA per SM, persistent):
+  * Work items: (group, K tile, N tile) of the (G, K, N) output, block_k x block_n each,
+    group-major (consecutive items share the group's rows of lhs and dy in L2), the tiles
+    of a group in ``plgpu.planar_snake`` order; CTAs take items strided by the CTA count.
+  * Reduction: over the group's rows [start, end) in steps of block_m rows aligned in the
+    global row space (rows [i * block_m, (i + 1) * block_m)), so every TMA box starts on a
+    row multiple of block_m. A step's tiles are lhs (block_m x block_k), read from lhs's
+    (M, K) storage and handed to wgmma transposed (16-bit wgmma reads an MN-major A from
+    shared memory: no copy of lhs), and dy (block_m x block_n). The group's first and last
+    steps may hold rows of neighbouring groups (or rows past sum(group_sizes)): after their
+    loads land, the consumer warpgroups zero those rows of both tiles in shared memory
+    (64-column pieces shared out among them: load, select, store, fence), meet on a
+    barrier, and only then run wgmma, so another group's rows contribute exactly zero
+    even when they hold inf or NaN. Interior steps run unmasked.
+  * The K pipeline's ring, producer warp and consumer warpgroups are the forward kernel's
+    (`mosaic_forward`): one loop over the CTA's (item, row step) pairs; an empty group
+    loads nothing and its tile is stored as zeros.
+  * Epilogue: (epi_block_m x epi_block_n) sub-tiles through double-buffered shared-memory
+    slots, stored by TMA (clipped at K and N).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
+from pallas_gemm.ragged_dot.config import Config, check_smem, default_config
+from pallas_gemm.ragged_dot.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS,
+                                                   _out_transforms, local_rows, num_ctas)
+
+# Columns of one masking piece: a 128-byte swizzle atom of 16-bit elements.
+_MASK_COLS = 64
+
+
+def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int, n: int,
+            num_groups: int, num_ctas: int):
+  """One persistent CTA. bounds_gmem (2, G) int32: the groups' [start, end) rows;
+  lhs_gmem (M', K'); dy_gmem (M', N'); out_gmem (G, K, N'')."""
+  cfg = config
+  dtype = lhs_gmem.dtype
+  bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+  wg_m, wg_n = cfg.wg_tile(bk)
+  epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
+  num_wgs = cfg.num_compute_wgs
+  k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
+  per_group = k_tiles * n_tiles
+  stages = cfg.stages
+
+  cta = lax.axis_index("sm")
+  local_work = lax.div(num_groups * per_group - cta + num_ctas - 1, num_ctas)
+
+  def item(j):  # the CTA's j-th item: (group, first row block, row steps, start, end, kt, nt)
+    w = cta + j * num_ctas
+    group = lax.div(w, per_group)
+    kt, nt = plgpu.planar_snake(lax.rem(w, per_group), (k_tiles, n_tiles), 1,
+                                cfg.grid_tile_width)
+    start, end = bounds_gmem[0, group], bounds_gmem[1, group]
+    first = lax.div(start, bm)
+    steps = jnp.where(end > start, lax.div(end - 1, bm) - first + 1, 0)
+    return group, first, steps, start, end, kt, nt
+
+  def wg_origin(wg):
+    return (wg * wg_m, 0) if (num_wgs == 2 and cfg.wg_split == "m") else (0, wg * wg_n)
+
+  def wgmma(acc_ref, a_smem, b_smem, wg):  # acc_ref += (wg_m, bm) @ (bm, wg_n)
+    m0, n0 = wg_origin(wg)
+    a_op = (a_smem.at[:, pl.ds(m0, wg_m)] if wg_m != bk else a_smem).T
+    b_op = b_smem.at[:, pl.ds(n0, wg_n)] if wg_n != bn else b_smem
+    plgpu.wgmma(acc_ref, a_op, b_op)
+
+  # The masking pieces of a step's two tiles, shared out among the consumer warpgroups.
+  pieces = ([("a", c) for c in range(0, bk, _MASK_COLS)]
+            + [("b", c) for c in range(0, bn, _MASK_COLS)])
+
+  scoped = dict(
+      a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=_swizzle_transforms(bk, dtype)),
+      b_smem=plgpu.SMEM((stages, bm, bn), dtype, transforms=_swizzle_transforms(bn, dtype)),
+      out_smem=plgpu.SMEM((num_wgs, 2, epi_m, epi_n), out_gmem.dtype,
+                          transforms=_out_transforms(epi_n, out_gmem.dtype)),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+      masked=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1),
+  )
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(a_smem, b_smem, out_smem, produced, consumed, masked):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == num_wgs)
+    def _producer():
+      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+      @plgpu.warp_map
+      def _per_warp(warp):
+        @pl.when(warp == 0)
+        def _loads():
+          def load_item(j, step):
+            _, first, steps, _, _, kt, nt = item(j)
+
+            @pl.loop(0, steps)
+            def _rows(i):
+              s = step + i
+              slot = lax.rem(s, stages)
+
+              @pl.when(s >= stages)
+              def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+              rows = pl.ds((first + i) * bm, bm)
+              plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(kt * bk, bk)],  # (bm, bk)
+                                      a_smem.at[slot], produced.at[slot])
+              plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(nt * bn, bn)],  # (bm, bn)
+                                      b_smem.at[slot], produced.at[slot])
+
+            return step + steps
+
+          steps = lax.fori_loop(0, local_work, load_item, jnp.int32(0))
+
+          @pl.loop(jnp.maximum(steps - stages, 0), steps)
+          def _drain(s):
+            plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
+
+    @pl.when(wg < num_wgs)
+    def _consumers():
+      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
+                              action="increase")
+      m0, n0 = wg_origin(wg)
+
+      def mask(slot, lo, hi):  # zero rows outside [lo, hi) of the slot's two tiles
+        for p, (which, col) in enumerate(pieces):
+          ref = (a_smem if which == "a" else b_smem).at[slot, :, pl.ds(col, _MASK_COLS)]
+
+          @pl.when(wg == p % num_wgs)
+          def _():
+            x = ref[...]  # (bm, 64)
+            rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
+            ref[...] = jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros_like(x))
+
+        plgpu.commit_smem()  # visible to wgmma (the async proxy)
+        plgpu.barrier_arrive(masked.at[0])
+        plgpu.barrier_wait(masked.at[0])
+
+      def mma_item(j, step):
+        group, first, steps, start, end, kt, nt = item(j)
+
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+        def _acc_scope(acc_ref):
+          @pl.loop(0, steps)
+          def _rows(i):
+            slot = lax.rem(step + i, stages)
+            plgpu.barrier_wait(produced.at[slot])
+            row0 = (first + i) * bm
+
+            @pl.when((row0 < start) | (row0 + bm > end))
+            def _():
+              mask(slot, start - row0, end - row0)
+
+            wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+          acc = acc_ref[...]  # (wg_m, wg_n) f32; zeros for an empty group
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          sub = 0
+          for i in range(wg_m // epi_m):
+            for jj in range(wg_n // epi_n):
+              slot = sub % 2
+              if sub >= 2:
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
+                                       jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(
+                  out_smem.at[wg, slot],
+                  out_gmem.at[group, pl.ds(kt * bk + m0 + i * epi_m, epi_m),
+                              pl.ds(nt * bn + n0 + jj * epi_n, epi_n)])
+              sub += 1
+
+        return step + steps
+
+      lax.fori_loop(0, local_work, mma_item, jnp.int32(0))
+
+  del _scope
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | None = None,
+                out_dtype=None, config: Config | None = None, interpret: bool = False):
+  """out (G, K, N): out[g] = lhs[rows of g].T @ dy[rows of g]; an empty group gives zeros.
+
+  lhs: (M, K), dy: (M, N), both bf16 or both f16. group_sizes: int, traced; its groups'
+  rows are consecutive from row 0. The G computed groups are group_sizes[group_offset :
+  group_offset + G] (`mosaic_forward.local_rows`), G = num_groups, which defaults to
+  len(group_sizes) - group_offset (group_offset then must be concrete, or None: 0).
+  Rows of no computed group never contribute. f32 accumulation; out_dtype defaults to
+  lhs's dtype.
+  """
+  if lhs.ndim != 2 or dy.ndim != 2 or lhs.shape[0] != dy.shape[0]:
+    raise ValueError(f"lhs must be (M, K) and dy (M, N) with the same M, got"
+                     f" lhs.shape={lhs.shape}, dy.shape={dy.shape}")
+  if jnp.dtype(lhs.dtype) not in _DTYPES or dy.dtype != lhs.dtype:
+    raise TypeError(f"lhs and dy must both be bfloat16 or both float16, got"
+                    f" lhs.dtype={lhs.dtype}, dy.dtype={dy.dtype}")
+  if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise ValueError(f"group_sizes must be a 1-D integer array, got shape"
+                     f" {group_sizes.shape}, dtype {group_sizes.dtype}")
+  if num_groups is None:
+    if group_offset is None:
+      num_groups = group_sizes.shape[0]
+    else:
+      try:
+        num_groups = group_sizes.shape[0] - int(group_offset)
+      except jax.errors.ConcretizationTypeError:
+        raise ValueError("weight_grad: a traced group_offset needs num_groups") from None
+  if not 0 <= num_groups <= group_sizes.shape[0]:
+    raise ValueError(f"num_groups={num_groups} must be in [0, len(group_sizes)="
+                     f"{group_sizes.shape[0]}]")
+  (m, k), n = lhs.shape, dy.shape[1]
+  dtype = jnp.dtype(lhs.dtype)
+  out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+  if config is None:
+    config = default_config(m, n, k, num_groups, dtype, out_dtype=out_dtype,
+                            weight_grad=True)
+  if min(m, k, n, num_groups) == 0:
+    return jnp.zeros((num_groups, k, n), out_dtype)
+  bm, bn, bk = config.block_m, config.block_n, config.block_k
+  config.check_tiles(bk)
+  check_smem(config, a_tile=(bm, bk), b_tile=(bm, bn), dtype=dtype, out_dtype=out_dtype)
+
+  starts, ends = local_rows(group_sizes, group_offset, num_groups, m)
+  bounds = jnp.stack([starts, ends])
+  lhs = _pad_for_tma(lhs, _tma_tile(bk, dtype), bk)
+  dy = _pad_for_tma(dy, _tma_tile(bn, dtype), bn)
+  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), config.epi_block_n)
+  ctas = num_ctas(config, interpret)
+  body = functools.partial(_kernel, config=config, k=k, n=n, num_groups=num_groups,
+                           num_ctas=ctas)
+  call = plgpu.kernel(
+      body,
+      out_type=jax.ShapeDtypeStruct((num_groups, k, n_out), out_dtype),
+      grid=(ctas,),
+      grid_names=("sm",),
+      num_threads=config.num_compute_wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      kernel_name="pallas_gemm_ragged_weight_grad",
+  )
+  if interpret:
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+      out = call(bounds, lhs, dy)
+  else:
+    out = call(bounds, lhs, dy)
+  return out if n_out == n else out[:, :, :n]
