@@ -1,0 +1,150 @@
+"""Probe of the fp8 Mosaic kernel alone (`scaled_matmul.mosaic.scaled_gemm`) on one GPU.
+
+    python -m benchmarks.fp8_kernel_probe                 # 4096^3 and 8192^3, < 2 minutes
+    python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5,128x192s4
+
+Per size, in one process: bf16 jnp.dot, the dequantize + bf16 dot path (1x128 / 128x128
+block scales applied in XLA), XLA's scaled per-tensor pattern (which it rewrites to
+cuBLASLt fp8), and the kernel with 1x128 lhs / 128x128 rhs block scales and with
+per-tensor scales (fast accumulation, and promoted every 128 of K). CUPTI kernel time
+(`jax.experimental.mosaic.gpu.profiler.measure`), median over ITERATIONS calls, of
+everything a call launches (the kernel's "alone" column: the Pallas kernel without the
+scale transposes and pads around it). Errors: normwise relative error of the first
+ERR_ROWS rows against the float64 product of the dequantized operands. --configs adds the
+block-scaled kernel at other tiles (BMxBNsS[wW], e.g. 128x192s4, w: wg_split, default m).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_gemm.reference import relative_error, scaled_reference
+from pallas_gemm.scaled_matmul import config as fp8_config
+from pallas_gemm.scaled_matmul import mosaic
+
+ITERATIONS = 20
+ERR_ROWS = 256
+KERNEL_NAME = "pallas_gemm_scaled_fp8"
+E4M3_MAX = 448.0
+
+
+def _quantize(x, rows: int, cols: int):
+  """x (R, K) f32 -> (e4m3 values, f32 scales (ceil(R/rows), K/cols) or (1, 1)): each
+  block's amax maps to 448. rows = cols = 0: one scale for the tensor, a power of two
+  (exact in bf16, so XLA's bf16 pattern below multiplies by the same scale)."""
+  r, k = x.shape
+  if rows == 0:
+    s = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(jnp.max(jnp.abs(x)), 1e-30) / E4M3_MAX)))
+    return (x / s).astype(jnp.float8_e4m3fn), s.reshape(1, 1)
+  xb = jnp.pad(x, ((0, -r % rows), (0, 0))).reshape(-1, rows, k // cols, cols)
+  s = jnp.maximum(jnp.max(jnp.abs(xb), axis=(1, 3)), 1e-30) / E4M3_MAX
+  full = jnp.repeat(jnp.repeat(s, rows, axis=0)[:r], cols, axis=1)
+  return (x / full).astype(jnp.float8_e4m3fn), s
+
+
+def _dequantized_bf16(v, s, rows: int, cols: int):
+  r, _ = v.shape
+  full = jnp.repeat(jnp.repeat(s, rows, axis=0)[:r], cols, axis=1) if rows else s
+  return (v.astype(jnp.float32) * full).astype(jnp.bfloat16)
+
+
+def _time(f, *args):
+  """(median ms of all kernels of a call, median ms of the Pallas kernel or None, out)."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 - GPU only
+
+  out = jax.block_until_ready(f(*args))
+  _, runs = profiler.measure(f, aggregate=False, iterations=ITERATIONS)(*args)
+  total = statistics.median(sum(t for _, t in run) for run in runs)
+  kernel = [sum(t for name, t in run if KERNEL_NAME in name) for run in runs]
+  return total, (statistics.median(kernel) if any(kernel) else None), out
+
+
+def _parse_config(spec: str) -> fp8_config.Config:
+  tiles, _, rest = spec.partition("s")
+  stages, _, split = rest.partition("w")
+  bm, bn = (int(v) for v in tiles.split("x"))
+  return fp8_config.Config(block_m=bm, block_n=bn, stages=int(stages),
+                           wg_split=split or "m")
+
+
+def run_size(size: int, configs: list[str]) -> list[tuple]:
+  m = n = k = size
+  flops = 2.0 * m * n * k
+  key_a, key_b = jax.random.split(jax.random.key(size))
+  a = jax.random.normal(key_a, (m, k), jnp.float32)
+  b = jax.random.normal(key_b, (n, k), jnp.float32)  # (N, K): K-major, as fp8 wgmma reads it
+  a_bf16, b_bf16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+  a8, sa = _quantize(a, 1, 128)        # 1x128 blocks
+  b8, sb = _quantize(b, 128, 128)      # 128x128 blocks
+  a8t, sat = _quantize(a, 0, 0)        # per tensor
+  b8t, sbt = _quantize(b, 0, 0)
+  dims = (((1,), (1,)), ((), ()))
+  rows = slice(0, ERR_ROWS)
+
+  def err(out, lhs, rhs, ls, rs):
+    ref = scaled_reference(lhs[rows][None], rhs[None], ls[rows][None] if ls.shape[0] > 1
+                           else ls[None], rs[None])
+    return relative_error(jnp.asarray(out)[..., rows, :].reshape(ERR_ROWS, n).astype(
+        jnp.float32), ref.reshape(ERR_ROWS, n))
+
+  cases = []
+  bf16_ms, _, _ = _time(jax.jit(lambda x, y: jax.lax.dot_general(x, y, dims)), a_bf16, b_bf16)
+  cases.append(("bf16 jnp.dot", bf16_ms, None, None))
+
+  deq = jax.jit(lambda v, s, w, t: jax.lax.dot_general(
+      _dequantized_bf16(v, s, 1, 128), _dequantized_bf16(w, t, 128, 128), dims))
+  ms, _, out = _time(deq, a8, sa, b8, sb)
+  cases.append(("dequantize + bf16 dot (blocks)", ms, None, err(out, a8, b8, sa, sb)))
+
+  xla_tensor = jax.jit(lambda v, s, w, t: jax.lax.dot_general(
+      v.astype(jnp.bfloat16) * s.astype(jnp.bfloat16),
+      w.astype(jnp.bfloat16) * t.astype(jnp.bfloat16), dims,
+      preferred_element_type=jnp.bfloat16))
+  ms, _, out = _time(xla_tensor, a8t, sat[0, 0], b8t, sbt[0, 0])
+  cases.append(("XLA scaled per-tensor (cuBLASLt)", ms, None, err(out, a8t, b8t, sat, sbt)))
+
+  def kernel(config):
+    return jax.jit(lambda v, w, s, t: mosaic.scaled_gemm(
+        v[None], w[None], s[None], t[None], out_dtype=jnp.bfloat16, config=config)[0])
+
+  blocks = [("kernel blocks 1x128/128x128 (default)", None)]
+  blocks += [(f"kernel blocks {spec}", _parse_config(spec)) for spec in configs]
+  for name, config in blocks:
+    ms, alone, out = _time(kernel(config), a8, b8, sa, sb)
+    cases.append((name, ms, alone, err(out, a8, b8, sa, sb)))
+  for name, config in [("kernel per-tensor (fast accumulation)", None),
+                       ("kernel per-tensor (promoted)",
+                        fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16,
+                                                  promoted=True).replace(
+                                                      fast_accumulation=False))]:
+    ms, alone, out = _time(kernel(config), a8t, b8t, sat, sbt)
+    cases.append((name, ms, alone, err(out, a8t, b8t, sat, sbt)))
+  return [(size, name, ms, alone, flops / ms / 1e9, bf16_ms / ms, e)
+          for name, ms, alone, e in cases]
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="4096,8192", help="M = N = K values, comma-separated")
+  parser.add_argument("--configs", default="", help="extra block-scaled kernel configs")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    raise SystemExit("fp8_kernel_probe times the kernel on a GPU (CUPTI); none here")
+  configs = [c for c in args.configs.split(",") if c]
+  print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, CUPTI median of"
+        f" {ITERATIONS}; error: first {ERR_ROWS} rows vs float64 of the dequantized operands")
+  print("| size | case | ms | kernel alone ms | TFLOP/s | x bf16 | relerr |")
+  print("|---|---|---|---|---|---|---|")
+  for size in (int(s) for s in args.sizes.split(",")):
+    for size_, name, ms, alone, tflops, ratio, e in run_size(size, configs):
+      print(f"| {size_}^3 | {name} | {ms:.3f} | {'' if alone is None else f'{alone:.3f}'} |"
+            f" {tflops:.0f} | {ratio:.2f} | {'' if e is None else f'{e:.2e}'} |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,321 @@
+"""The fp8 Mosaic GPU kernel (pallas_gemm/scaled_matmul/mosaic.py), called directly.
+
+Config validation, every scale layout the kernel reads, fp8 dtypes and their edges
+(saturated values, NaN / Inf, blocks of zeros, scales over 2^-20..2^20), ragged and
+batched shapes, against the float64 product of the dequantized operands. On the CPU in
+interpret mode (small shapes), lowered for CUDA at the real tiles, and on the GPU at
+real sizes with NaN-poisoned outputs. The front door's suite is test_scaled_matmul.py.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_gemm.reference import relative_error, scaled_reference, tolerance
+from pallas_gemm.scaled_matmul import config as fp8_config
+from pallas_gemm.scaled_matmul import mosaic
+
+Config = fp8_config.Config
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+
+# ----------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(block_m=96, num_compute_wgs=1), "block_m"),  # not 64-row wgmma
+    (dict(block_n=264, wg_split="m"), "block_n"),  # > 256
+    (dict(block_n=132, wg_split="m", epi_block_n=16), "block_n"),  # not a multiple of 8
+    (dict(stages=0), "stages"),
+    (dict(stages=1, wgmma_wait=1), "stages"),
+    (dict(num_compute_wgs=3), "num_compute_wgs"),
+    (dict(wg_split="k"), "wg_split"),
+    (dict(grid_minor_dim="x"), "grid_minor_dim"),
+    (dict(grid_tile_width=0), "grid_tile_width"),
+    (dict(epi_block_m=32), "epi_block_m"),
+    (dict(epi_block_n=24), "epi_block_n"),
+    (dict(wgmma_wait=2), "wgmma_wait"),
+    (dict(fast_accumulation=1), "fast_accumulation"),
+    (dict(num_sms=0), "num_sms"),
+])
+def test_config_rejects_invalid_field(kwargs, field):
+  with pytest.raises(ValueError, match=field):
+    Config(**kwargs)
+
+
+def test_config_is_frozen_and_keyword_only():
+  cfg = Config()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    cfg.block_m = 64  # type: ignore[misc]
+  with pytest.raises(TypeError):
+    Config(128)  # type: ignore[misc]
+
+
+def test_check_names_registers_and_shared_memory():
+  # 128x128 per warpgroup: 128 + 128 accumulator registers in the promoted loop.
+  wide = Config(block_m=128, block_n=256, wg_split="n", stages=3)
+  fp8_config.check(wide, jnp.bfloat16, promoted=False)
+  with pytest.raises(ValueError, match="registers"):
+    fp8_config.check(wide, jnp.bfloat16, promoted=True)
+  deep = Config(block_m=128, block_n=128, stages=8)
+  with pytest.raises(ValueError, match="232448"):
+    fp8_config.check(deep, jnp.float32, promoted=True, row_scales=True)
+
+
+@pytest.mark.parametrize("m", [1, 64, 4096])
+@pytest.mark.parametrize("promoted", [True, False])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_default_configs_fit(m, promoted, out_dtype):
+  cfg = fp8_config.default_config(m, 4096, 4096, out_dtype=out_dtype, promoted=promoted)
+  fp8_config.check(cfg, out_dtype, promoted=promoted, row_scales=promoted,
+                   column_scales=promoted)
+
+
+# ----------------------------------------------------------------------------
+# Inputs and the check
+# ----------------------------------------------------------------------------
+
+
+def _scales(rng, kind, batch, rows, k, exps):
+  """f32 scales of one operand: 2^e * u, e uniform in exps, u in [1, 2)."""
+  kb = -(-k // 128)
+  shape = {"tensor": (batch, 1, 1), "row": (batch, rows, 1), "step": (batch, rows, kb),
+           "block": (batch, -(-rows // 128), kb)}[kind]
+  e = rng.integers(exps[0], exps[1] + 1, shape)
+  return jnp.asarray(np.ldexp(rng.uniform(1, 2, shape), e), jnp.float32)
+
+
+def _expanded(s, rows, k):
+  """Scales repeated to one per element (rows, k): blocks of 128 (the last partial)."""
+  s = np.asarray(s, np.float64)
+  if s.shape[1] not in (1, rows):
+    s = np.repeat(s, 128, axis=1)[:, :rows]
+  if s.shape[2] not in (1, k):
+    s = np.repeat(s, 128, axis=2)[:, :, :k]
+  return np.broadcast_to(s, (s.shape[0], rows, k))
+
+
+def _operand(rng, shape, dtype):
+  return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype)
+
+
+def _check(rng, batch, m, n, k, *, lhs_kind="step", rhs_kind="block", dtypes=(E4M3, E4M3),
+           out_dtype=jnp.float32, config=None, exps=(-4, 4), batch_r=None, edit=None,
+           interpret=True):
+  """scaled_gemm against float64; edit(lhs, rhs) may change the operands (numpy f32)."""
+  batch_r = batch if batch_r is None else batch_r
+  lhs = _operand(rng, (batch, m, k), dtypes[0])
+  rhs = _operand(rng, (batch_r, n, k), dtypes[1])
+  if edit is not None:
+    lhs, rhs = (jnp.asarray(x, d) for x, d in zip(
+        edit(np.asarray(lhs, np.float32), np.asarray(rhs, np.float32)), dtypes))
+  ls = _scales(rng, lhs_kind, batch, m, k, exps)
+  rs = _scales(rng, rhs_kind, batch_r, n, k, exps)
+  if config is None and interpret:
+    promoted = "step" in (lhs_kind,) or rhs_kind in ("step", "block")
+    config = fp8_config.default_config(m, n, k, out_dtype=out_dtype, promoted=promoted)
+    config = config.replace(num_sms=3)
+  if not interpret:  # a NaN block freed last, so that the output likely reuses it
+    nbytes = batch * m * n * jnp.dtype(out_dtype).itemsize
+    jnp.full((nbytes // 4 + 1,), jnp.nan, jnp.float32).block_until_ready().delete()
+  out = mosaic.scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype, config=config,
+                           interpret=interpret)
+  assert out.shape == (batch, m, n) and out.dtype == jnp.dtype(out_dtype)
+  if k % 128 == 0:  # blocks along K are K // K_b long: the reference's own convention
+    ref = scaled_reference(lhs, rhs, ls, rs)
+  else:  # a partial last block: scales expanded per element
+    ref = scaled_reference(lhs, rhs, _expanded(ls, m, k), _expanded(rs, n, k))
+  ref = np.broadcast_to(ref, (batch, m, n)) if not hasattr(ref, "devices") else ref
+  err = relative_error(out.astype(jnp.float32), ref)
+  fast = (lhs_kind != "step" and rhs_kind not in ("step", "block")
+          and (config is None or config.fast_accumulation))
+  bound = tolerance(dtypes[0], "fast_accumulation" if fast and not interpret else None,
+                    k, out_dtype)
+  assert err <= bound, (err, bound, config)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Interpret mode (CPU)
+# ----------------------------------------------------------------------------
+
+LHS_KINDS = ["step", "row", "tensor"]
+RHS_KINDS = ["step", "block", "row", "tensor"]
+
+
+@pytest.mark.parametrize("lhs_kind", LHS_KINDS)
+@pytest.mark.parametrize("rhs_kind", RHS_KINDS)
+def test_every_scale_layout(rng, lhs_kind, rhs_kind):
+  # ragged M, N and K (a partial last scale block), two batch entries
+  _check(rng, 2, 72, 136, 300, lhs_kind=lhs_kind, rhs_kind=rhs_kind)
+
+
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E5M2, E5M2), (E4M3, E5M2), (E5M2, E4M3)],
+                         ids=["e4m3", "e5m2", "e4m3xe5m2", "e5m2xe4m3"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_dtypes(rng, dtypes, out_dtype):
+  _check(rng, 1, 64, 128, 256, dtypes=dtypes, out_dtype=out_dtype)
+
+
+def test_scales_across_2_pow_20_and_zero_blocks(rng):
+  def zero_blocks(lhs, rhs):
+    lhs[:, :, 128:256] = 0  # a whole K block of lhs
+    rhs[:, 64:, 256:] = 0   # part of rhs
+    return lhs, rhs
+
+  _check(rng, 1, 72, 192, 384, exps=(-20, 20), edit=zero_blocks)
+  _check(rng, 1, 72, 192, 384, rhs_kind="step", exps=(-20, 20), edit=zero_blocks)
+
+
+@pytest.mark.parametrize("dtypes, top", [((E4M3, E4M3), 448.0), ((E5M2, E5M2), 57344.0)],
+                         ids=["e4m3", "e5m2"])
+def test_saturated_values(rng, dtypes, top):
+  def saturate(lhs, rhs):
+    return np.where(lhs > 0, top, -top), np.where(rhs > 0.5, top, rhs)
+
+  _check(rng, 1, 64, 128, 256, dtypes=dtypes, edit=saturate)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # inf * 0 on the host
+@pytest.mark.parametrize("dtypes, bad", [((E4M3, E4M3), np.nan), ((E5M2, E5M2), np.inf),
+                                         ((E5M2, E4M3), -np.inf)], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("lhs_kind, rhs_kind", [("step", "block"), ("tensor", "tensor")])
+def test_nan_and_inf_propagate(rng, dtypes, bad, lhs_kind, rhs_kind):
+  def plant(lhs, rhs):
+    lhs[0, 3, 200] = bad  # row 3 of the output: NaN, or +-inf (NaN where rhs is 0)
+    if np.isnan(bad):
+      rhs[0, 5, 17] = np.nan  # column 5: NaN
+    else:
+      rhs[0, 5, 200] = 0.0  # (3, 5): inf * 0 = NaN
+    return lhs, rhs
+
+  out = _check(rng, 1, 64, 128, 256, dtypes=dtypes, lhs_kind=lhs_kind, rhs_kind=rhs_kind,
+               edit=plant)
+  assert not np.isfinite(np.asarray(out[0, 3])).any()
+  assert np.isfinite(np.asarray(out[0, 4])).all() == (not np.isnan(bad))
+
+
+def test_shared_rhs_batch(rng):
+  _check(rng, 3, 64, 72, 256, batch_r=1)
+  _check(rng, 2, 64, 72, 256, batch_r=1, lhs_kind="tensor", rhs_kind="row")
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 8, 16), (7, 130, 32), (65, 200, 128), (200, 72, 1000)])
+def test_ragged_and_short(rng, m, n, k):
+  _check(rng, 1, m, n, k)
+
+
+@pytest.mark.parametrize("config, rhs_kind", [
+    # several tiles per CTA: the ring wraps across tiles
+    (Config(block_m=64, block_n=128, wg_split="n", stages=3, num_sms=2), "block"),
+    # one consumer warpgroup
+    (Config(block_m=64, block_n=128, num_compute_wgs=1, stages=2, num_sms=3), "block"),
+    # 96-column warpgroups span two 128-column scale blocks: expanded per column
+    (Config(block_m=64, block_n=192, wg_split="n", stages=2, epi_block_n=32, num_sms=3),
+     "block"),
+    # per-column steps with a 256-wide tile split by columns
+    (Config(block_m=64, block_n=256, wg_split="n", stages=2, num_sms=3), "step"),
+], ids=["wrap", "one_wg", "expanded_blocks", "columns"])
+def test_configs_promoted(rng, config, rhs_kind):
+  _check(rng, 1, 130, 260, 384, rhs_kind=rhs_kind, config=config)
+
+
+@pytest.mark.parametrize("config", [
+    Config(block_m=128, block_n=256, wg_split="n", stages=2, wgmma_wait=1, num_sms=3),
+    Config(block_m=128, block_n=128, stages=3, wgmma_wait=0, num_sms=3),
+    Config(block_m=128, block_n=128, stages=3, fast_accumulation=False, num_sms=3),
+], ids=["wait1", "wait0", "promoted"])
+@pytest.mark.parametrize("lhs_kind, rhs_kind", [("tensor", "tensor"), ("row", "row")])
+def test_configs_constant_scales(rng, config, lhs_kind, rhs_kind):
+  _check(rng, 2, 130, 260, 384, lhs_kind=lhs_kind, rhs_kind=rhs_kind, config=config,
+         out_dtype=jnp.bfloat16)
+
+
+def test_empty():
+  e = jnp.zeros((1, 0, 256), E4M3)
+  out = mosaic.scaled_gemm(e, jnp.zeros((1, 64, 256), E4M3), jnp.ones((1, 1, 1)),
+                           jnp.ones((1, 1, 1)), out_dtype=jnp.bfloat16, interpret=True)
+  assert out.shape == (1, 0, 64)
+  z = jnp.zeros((1, 8, 0), E4M3)
+  out = mosaic.scaled_gemm(z, jnp.zeros((1, 16, 0), E4M3), jnp.ones((1, 1, 1)),
+                           jnp.ones((1, 1, 1)), out_dtype=jnp.float32, interpret=True)
+  assert out.shape == (1, 8, 16) and not np.asarray(out).any()
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (dict(lhs=jnp.zeros((1, 8, 256), jnp.bfloat16)), TypeError, "lhs.dtype"),
+    (dict(rhs=jnp.zeros((8, 256), E4M3)), ValueError, "rhs.shape"),
+    (dict(rhs=jnp.zeros((1, 16, 128), E4M3)), ValueError, "K=128"),
+    (dict(lhs_scales=jnp.ones((1, 8, 3))), ValueError, "lhs_scales.shape"),
+    (dict(rhs_scales=jnp.ones((1, 2, 2))), ValueError, "rhs_scales.shape"),
+    (dict(rhs_scales=jnp.ones((1, 1, 1), jnp.bfloat16)), TypeError, "rhs_scales.dtype"),
+    (dict(out_dtype=jnp.int8), TypeError, "out_dtype"),
+])
+def test_bad_input(args, error, match):
+  kwargs = dict(lhs=jnp.zeros((1, 8, 256), E4M3), rhs=jnp.zeros((1, 16, 256), E4M3),
+                lhs_scales=jnp.ones((1, 8, 2)), rhs_scales=jnp.ones((1, 1, 2)),
+                out_dtype=jnp.float32)
+  kwargs.update(args)
+  with pytest.raises(error, match=match):
+    mosaic.scaled_gemm(kwargs.pop("lhs"), kwargs.pop("rhs"), kwargs.pop("lhs_scales"),
+                       kwargs.pop("rhs_scales"), interpret=True, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Lowered for CUDA at the real tiles (on the CPU: catches lowering errors)
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m, n, k, lhs_shape, rhs_shape", [
+    (4096, 4096, 4096, (1, 4096, 32), (1, 32, 32)),     # 1x128 and 128x128 blocks
+    (4096, 4096, 4096, (1, 4096, 32), (1, 4096, 32)),   # 1x128 both
+    (4096, 4096, 4096, (1, 1, 1), (1, 1, 1)),           # per tensor, fast accumulation
+    (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1)),     # per row / column, ragged
+    (64, 7168, 2048, (1, 64, 16), (1, 56, 16)),         # short M
+])
+def test_lowers_for_cuda(m, n, k, lhs_shape, rhs_shape):
+  promoted = lhs_shape[2] > 1 or rhs_shape[2] > 1
+  cfg = fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16, promoted=promoted)
+  cfg = cfg.replace(num_sms=132)
+  args = (jax.ShapeDtypeStruct((1, m, k), E4M3), jax.ShapeDtypeStruct((1, n, k), E4M3),
+          jax.ShapeDtypeStruct(lhs_shape, jnp.float32),
+          jax.ShapeDtypeStruct(rhs_shape, jnp.float32))
+  f = lambda *a: mosaic.scaled_gemm(*a, out_dtype=jnp.bfloat16, config=cfg)
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text
+
+
+# ----------------------------------------------------------------------------
+# On the GPU, real sizes, NaN-poisoned outputs
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, m, n, k, lhs_kind, rhs_kind, out_dtype", [
+    (1, 4096, 4096, 4096, "step", "block", jnp.bfloat16),
+    (1, 4096, 4096, 4096, "tensor", "tensor", jnp.bfloat16),
+    (1, 4097, 4095, 4000, "step", "step", jnp.float32),   # ragged, partial last block
+    (2, 1000, 1300, 2048, "row", "row", jnp.float16),
+    (1, 64, 7168, 2048, "step", "block", jnp.bfloat16),   # short M
+    (1, 4096, 7168, 16384, "step", "block", jnp.bfloat16),  # DeepSeek-V3 layer shape
+])
+def test_on_the_gpu(rng, batch, m, n, k, lhs_kind, rhs_kind, out_dtype):
+  _check(rng, batch, m, n, k, lhs_kind=lhs_kind, rhs_kind=rhs_kind, out_dtype=out_dtype,
+         interpret=False)
+
+
+@pytest.mark.gpu
+def test_wide_scales_and_nan_on_the_gpu(rng):
+  def plant(lhs, rhs):
+    lhs[0, 7, 1000] = np.nan
+    lhs[0, 300:, 512:640] = 0
+    return lhs, rhs
+
+  out = _check(rng, 1, 1000, 2000, 1536, exps=(-20, 20), edit=plant, interpret=False)
+  assert np.isnan(np.asarray(out[0, 7])).all()
+  _check(rng, 1, 1000, 2000, 1536, dtypes=(E5M2, E4M3), rhs_kind="step", exps=(-20, 20),
+         interpret=False)
