@@ -1,0 +1,148 @@
+"""Probe of the grouped-GEMM Mosaic kernels alone (`ragged_dot.mosaic_forward`,
+`ragged_dot.mosaic_weight_grad`) on one GPU.
+
+    python -m benchmarks.ragged_kernel_probe                  # four MoE shapes, < 3 minutes
+    python -m benchmarks.ragged_kernel_probe --shapes qwen3 --configs 128x128x64s4wm
+
+Per shape (G groups, M rows, K, N), in one process: a dense bf16 jnp.dot of the same FLOPs
+((M, K) @ (K, N)), the forward kernel (rhs (G, K, N)), the forward with rhs read transposed
+(the dlhs form: dy (M, N) @ rhs(G, K, N)^T -> (M, K)), and the weight-gradient kernel
+((G, K, N) from lhs and dy). CUPTI kernel time (`jax.experimental.mosaic.gpu.profiler.measure`),
+median over ITERATIONS calls, of everything a call launches (the item table's small XLA
+fusions included; "alone": the Pallas kernel only). TFLOP/s count 2 * M * K * N. Errors:
+normwise relative error against `jax.lax.ragged_dot` (and its vjp for the weight grad) on
+the first CHECK_ROWS rows, where XLA's dense (G, rows, K) formulation still fits.
+--configs adds forward runs at other tiles: BMxBNxBKsS[wW] (e.g. 128x128x64s4wm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_gemm.ragged_dot import mosaic_forward, mosaic_weight_grad
+from pallas_gemm.ragged_dot.config import Config
+from pallas_gemm.reference import relative_error
+
+ITERATIONS = 10
+CHECK_ROWS = 2048
+KERNELS = ("pallas_gemm_ragged_forward", "pallas_gemm_ragged_weight_grad")
+SHAPES = {  # (G, M, K, N, group-size distribution)
+    "mixtral": (8, 16384, 4096, 14336, "uniform"),
+    "deepseek": (32, 32768, 7168, 2048, "uniform"),
+    "qwen3": (128, 65536, 2048, 768, "uniform"),
+    "skewed": (64, 32768, 4096, 1536, "pareto"),
+    "decode": (8, 256, 4096, 14336, "uniform"),
+}
+
+
+def group_sizes(g: int, m: int, kind: str, seed: int = 0) -> np.ndarray:
+  """Random sizes summing to m: multinomial with equal weights, or Pareto(1.2) weights
+  (a few experts take most rows)."""
+  rng = np.random.default_rng(seed)
+  weights = rng.pareto(1.2, g) + 0.05 if kind == "pareto" else np.ones(g)
+  return rng.multinomial(m, weights / weights.sum()).astype(np.int32)
+
+
+def _time(f, *args):
+  """(median ms of all kernels of a call, median ms of the Pallas kernel or None, out)."""
+  from jax.experimental.mosaic.gpu import profiler  # noqa: PLC0415 - GPU only
+
+  out = jax.block_until_ready(f(*args))
+  _, runs = profiler.measure(f, aggregate=False, iterations=ITERATIONS)(*args)
+  total = statistics.median(sum(t for _, t in run) for run in runs)
+  alone = [sum(t for name, t in run if any(k in name for k in KERNELS)) for run in runs]
+  return total, (statistics.median(alone) if any(alone) else None), out
+
+
+def _parse_config(spec: str) -> Config:
+  tiles, _, rest = spec.partition("s")
+  stages, _, split = rest.partition("w")
+  bm, bn, bk = (int(v) for v in tiles.split("x"))
+  return Config(block_m=bm, block_n=bn, block_k=bk, stages=int(stages), wg_split=split or "n")
+
+
+def _subset_sizes(sizes: np.ndarray, rows: int) -> np.ndarray:
+  ends = np.minimum(np.cumsum(sizes), rows)
+  return np.diff(ends, prepend=0).astype(np.int32)
+
+
+def run_shape(name: str, configs: list[str]) -> list[tuple]:
+  g, m, k, n, kind = SHAPES[name]
+  sizes_np = group_sizes(g, m, kind)
+  sizes = jnp.asarray(sizes_np)
+  flops = 2.0 * m * k * n
+  keys = jax.random.split(jax.random.key(g * m + k), 4)
+  lhs = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  rhs = jax.random.normal(keys[1], (g, k, n), jnp.bfloat16)
+  dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+  dense_b = jax.random.normal(keys[3], (k, n), jnp.bfloat16)
+
+  rows = min(CHECK_ROWS, m)
+  sub = jnp.asarray(_subset_sizes(sizes_np, rows))
+  f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+  ragged = lambda a, b: jax.lax.ragged_dot(  # noqa: E731
+      a, b, sub, precision=jax.lax.Precision.HIGHEST)
+  ref_fwd = ragged(f32(lhs[:rows]), f32(rhs))
+  ref_dlhs = ragged(f32(dy[:rows]), jnp.swapaxes(f32(rhs), 1, 2))
+  _, vjp = jax.vjp(lambda r: ragged(f32(lhs[:rows]), r), f32(rhs))
+  ref_wgrad = vjp(f32(dy[:rows]))[0]
+
+  def err(out, ref):
+    return relative_error(np.asarray(out.astype(jnp.float32)), np.asarray(ref, np.float64))
+
+  cases = []
+  dense_ms, _, _ = _time(jax.jit(jnp.dot), lhs, dense_b)
+  cases.append(("dense bf16 jnp.dot", dense_ms, None, None))
+
+  def fwd(config, transpose):
+    return jax.jit(lambda a, b, s: mosaic_forward.forward(
+        a, b, s, None, transpose_rhs=transpose, out_dtype=jnp.bfloat16, config=config))
+
+  runs = [("forward (default)", None)] + [(f"forward {c}", _parse_config(c)) for c in configs]
+  for label, config in runs:
+    ms, alone, _ = _time(fwd(config, False), lhs, rhs, sizes)
+    check = fwd(config, False)(lhs[:rows], rhs, sub)
+    cases.append((label, ms, alone, err(check, ref_fwd)))
+  # dlhs: dy (M, N) @ rhs[g]^T, rhs (G, K, N) read in place as a transposed (G, N', K')
+  # with N' = K (the output's columns) and K' = N (the contraction).
+  ms, alone, _ = _time(fwd(None, True), dy, rhs, sizes)
+  check = fwd(None, True)(dy[:rows], rhs, sub)
+  cases.append(("forward, rhs transposed (dlhs)", ms, alone, err(check, ref_dlhs)))
+
+  wgrad = jax.jit(lambda a, d, s: mosaic_weight_grad.weight_grad(
+      a, d, s, None, out_dtype=jnp.float32))
+  ms, alone, _ = _time(wgrad, lhs, dy, sizes)
+  check = wgrad(lhs[:rows], dy[:rows], sub)
+  cases.append(("weight grad", ms, alone, err(check, ref_wgrad)))
+
+  lines = [f"{name}: G={g} M={m} K={k} N={n}, sizes {kind} (max {sizes_np.max()},"
+           f" zeros {(sizes_np == 0).sum()}), device {jax.devices()[0].device_kind}"]
+  for label, ms, alone, e in cases:
+    tflops = flops / ms / 1e9
+    lines.append(f"  {label:36s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s {dense_ms / ms:6.3f}x"
+                 f" dense" + (f"  alone {alone:8.3f} ms" if alone else "")
+                 + (f"  err {e:.2e}" if e is not None else ""))
+  return lines
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--shapes", default="mixtral,deepseek,qwen3,skewed",
+                      help=f"comma-separated, of {sorted(SHAPES)}")
+  parser.add_argument("--configs", default="", help="extra forward configs, BMxBNxBKsS[wW]")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    raise SystemExit("ragged_kernel_probe needs a GPU (CUPTI timing of the Hopper kernels)")
+  configs = [c for c in args.configs.split(",") if c]
+  for name in args.shapes.split(","):
+    for line in run_shape(name, configs):
+      print(line, flush=True)
+
+
+if __name__ == "__main__":
+  main()
