@@ -106,7 +106,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   num_groups = _check_shapes(form, lhs, rhs, group_sizes, group_offset is not None)
   offset = None if group_offset is None else _group_offset(group_offset, group_sizes, num_groups)
   _check_concrete_sizes(group_sizes)
-  out_dtype = _out_dtype(lhs, rhs, num_groups, dims, precision, preferred_element_type)
+  out_dtype = _out_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
   chosen = _choose_backend(backend, lhs_dtype, rhs_dtype, precision, out_dtype)
   plan = ops.Plan(form="weight_grad" if form == "weight_grad" else "forward",
                   num_groups=num_groups, backend=chosen, out_dtype=out_dtype,
@@ -214,14 +214,15 @@ def _group_offset(group_offset, group_sizes, num_groups: int):
   return offset.reshape(()).astype(jnp.int32)
 
 
-def _out_dtype(lhs, rhs, num_groups: int, dims, precision, preferred_element_type) -> np.dtype:
-  """lax's own result dtype (and its checks of preferred_element_type), abstractly."""
-  sds = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-  out = jax.eval_shape(
-      lambda a, b, s: jax.lax.ragged_dot_general(a, b, s, dims, precision=precision,
-                                                 preferred_element_type=preferred_element_type),
-      sds(lhs), sds(rhs), jax.ShapeDtypeStruct((num_groups,), jnp.int32))
-  return np.dtype(out.dtype)
+def _out_dtype(lhs_dtype, rhs_dtype, preferred_element_type) -> np.dtype:
+  """lax's result dtype: preferred_element_type, else the operands' promoted dtype."""
+  if preferred_element_type is None:
+    return np.dtype(jnp.result_type(lhs_dtype, rhs_dtype))
+  out = np.dtype(preferred_element_type)
+  if not jnp.issubdtype(out, jnp.floating):
+    raise TypeError(f"preferred_element_type must be a floating dtype for floating inputs; got "
+                    f"{out}")
+  return out
 
 
 # ----------------------------------------------------------------------------- backends
