@@ -112,7 +112,7 @@ def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
       # of G + 1, and the call computes groups [1, G + 1) with rhs's G matrices.
       group_sizes, row_start = jnp.concatenate([row_start[None], group_sizes]), jnp.int32(1)
     module = importlib.import_module(f"pallas_gemm.ragged_dot.{plan.backend}_{plan.form}")
-    kwargs = {}
+    kwargs = {} if plan.form == "forward" else dict(num_groups=plan.num_groups)
   common = dict(out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret, **kwargs)
   if plan.form == "forward":
     return module.forward(lhs, rhs, group_sizes, row_start, transpose_rhs=plan.transpose_rhs,
