@@ -300,7 +300,8 @@ def check_operands(lhs, rhs, group_sizes, *, transpose_rhs: bool):
 
 
 def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = False,
-            out_dtype=None, config: Config | None = None, interpret: bool = False):
+            out_dtype=None, config: Config | None = None,
+            interpret: bool | plgpu.InterpretGPUParams = False):
   """out (M, N): out[rows of group g] = lhs[rows of g] @ rhs[g]; other rows are zeros.
 
   lhs: (M, K) bf16/f16; rhs: (G, K, N), or (G, N, K) with transpose_rhs (read in place).
@@ -331,7 +332,7 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
   # Rows: any (the slots are tiled by single rows). Columns: whole swizzle widths, and at
   # least one epilogue sub-tile.
   n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), config.epi_block_n)
-  ctas = num_ctas(config, interpret)
+  ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, transpose_rhs=transpose_rhs,
                            num_ctas=ctas)
   call = plgpu.kernel(
@@ -346,7 +347,10 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
       kernel_name="pallas_gemm_ragged_forward",
   )
   if interpret:
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    # interpret: True, or the interpreter's parameters (e.g. detect_races=True).
+    params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+              else plgpu.InterpretGPUParams())
+    with plgpu.force_gpu_interpret_mode(params):
       out = call(items, count, lhs, rhs)
   else:
     out = call(items, count, lhs, rhs)

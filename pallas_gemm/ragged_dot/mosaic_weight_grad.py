@@ -194,7 +194,8 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
 
 
 def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | None = None,
-                out_dtype=None, config: Config | None = None, interpret: bool = False):
+                out_dtype=None, config: Config | None = None,
+                interpret: bool | plgpu.InterpretGPUParams = False):
   """out (G, K, N): out[g] = lhs[rows of g].T @ dy[rows of g]; an empty group gives zeros.
 
   lhs: (M, K), dy: (M, N), both bf16 or both f16. group_sizes: int, traced; its groups'
@@ -241,7 +242,7 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
   lhs = _pad_for_tma(lhs, _tma_tile(bk, dtype), bk)
   dy = _pad_for_tma(dy, _tma_tile(bn, dtype), bn)
   n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), config.epi_block_n)
-  ctas = num_ctas(config, interpret)
+  ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, num_groups=num_groups,
                            num_ctas=ctas)
   call = plgpu.kernel(
@@ -256,7 +257,10 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
       kernel_name="pallas_gemm_ragged_weight_grad",
   )
   if interpret:
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    # interpret: True, or the interpreter's parameters (e.g. detect_races=True).
+    params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+              else plgpu.InterpretGPUParams())
+    with plgpu.force_gpu_interpret_mode(params):
       out = call(bounds, lhs, dy)
   else:
     out = call(bounds, lhs, dy)
