@@ -7,7 +7,7 @@
 Three models, one set of initial parameters (bf16 compute, float32 master weights in
 Adam), the same steps:
   bf16       nn.Dense layers, dtype bfloat16 (XLA's bf16 dot);
-  fp8        the same layers with `dot_general=pallas_gemm.scaled_matmul.fp8_dot_general`:
+  fp8        the same layers with `dot_general=pallas_gemm.fp8_dot_general`:
              inputs quantized per 1x128 block and weights per 128x128 block in every
              step, e4m3 forward and gradients, the three GEMMs of each layer through
              `scaled_matmul`;
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pallas_gemm.scaled_matmul import fp8_dot_general
+from pallas_gemm import fp8_dot_general
 
 SMALL = dict(batch=256, d_in=256, hidden=512, d_out=256, steps=30)
 FULL = dict(batch=8192, d_in=4096, hidden=16384, d_out=4096, steps=30)

@@ -14,11 +14,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import pallas_gemm.scaled_matmul as sm
+import pallas_gemm
 from conftest import ON_GPU, random
 from pallas_gemm import reference
 from pallas_gemm.scaled_matmul import api, scales
 from pallas_gemm.scaled_matmul import xla as sm_xla
+
+sm = pallas_gemm  # the public names: sm.scaled_matmul, sm.quantize, ...
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 FMAX = {E4M3: 448.0, E5M2: 57344.0}
