@@ -10,7 +10,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -158,18 +157,20 @@ def test_auto_and_mosaic_routing(rng):
     sm.scaled_matmul(lhs, rhs, fine, fine, backend="mosaic")
   _check(sm.scaled_matmul(lhs, rhs, fine, fine), lhs, rhs, fine, fine)  # auto: xla
   # Per-row scales stay per row (the kernel's epilogue applies them); 1x256 blocks are
-  # repeated per 128 of K; lhs 128-row blocks per row.
-  ls, rs = _scales(rng, (1, 8, 1)), _scales(rng, (1, 1, 1))
+  # repeated per 128 of K; lhs 128-row blocks per row; rhs 128-row blocks stay.
   layout = lambda s, x: scales.scale_layout(s.shape, x.shape, name="s", rows_name="r")  # noqa: E731
-  got = api._mosaic_scales(lhs, rhs, ls, rs, layout(ls, lhs), layout(rs, rhs))
-  assert got[0].shape == (1, 8, 1) and got[1].shape == (1, 1, 1)
-  ls, rs = _scales(rng, (1, 1, 1)), _scales(rng, (1, 8, 1))
-  lhs = _fp8(rng, (1, 130, 512), E4M3)
-  rhs = _fp8(rng, (1, 8, 512), E4M3)
-  ls, rs = _scales(rng, (1, 2, 2)), _scales(rng, (1, 8, 2))
-  got = api._mosaic_scales(lhs, rhs, ls, rs, layout(ls, lhs), layout(rs, rhs))
-  np.testing.assert_array_equal(got[0], np.repeat(np.repeat(ls, 128, 1)[:, :130], 2, 2))
-  np.testing.assert_array_equal(got[1], np.repeat(rs, 2, 2))
+  kernel = lambda s, x, rhs: api._for_kernel(s, layout(s, x), x.shape, row_blocks=rhs)  # noqa: E731
+  ls, rs = _scales(rng, (1, 8, 1)), _scales(rng, (1, 1, 1))
+  assert kernel(ls, lhs, False).shape == (1, 8, 1) and kernel(rs, rhs, True).shape == (1, 1, 1)
+  lhs, rhs = _fp8(rng, (1, 130, 512), E4M3), _fp8(rng, (1, 136, 512), E4M3)
+  ls, rs = _scales(rng, (1, 2, 2)), _scales(rng, (1, 2, 2))
+  np.testing.assert_array_equal(kernel(ls, lhs, False),
+                                np.repeat(np.repeat(ls, 128, 1)[:, :130], 2, 2))
+  np.testing.assert_array_equal(kernel(rs, rhs, True), np.repeat(rs, 2, 2))
+  rs = _scales(rng, (1, 2, 1))  # 128xK: per row
+  np.testing.assert_array_equal(kernel(rs, rhs, True), np.repeat(rs, 128, 1)[:, :136])
+  with pytest.raises(TypeError, match="config must be a pallas_gemm.scaled_matmul.config"):
+    sm.scaled_matmul(lhs, rhs, ls, rs, backend="mosaic", config=object())
 
 
 def test_per_tensor_pattern_computes_the_product(rng):

@@ -118,17 +118,23 @@ def _repeat_rows(s, rows: int, total: int):
   return jnp.repeat(s, rows, axis=1, total_repeat_length=s.shape[1] * rows)[:, :total]
 
 
+def _kernel_reason(layout: scales.ScaleLayout, k: int, name: str) -> str | None:
+  """Why the kernel cannot take scales in `layout`, or None."""
+  if layout.per_tensor or layout.block_k == k or layout.block_k % K_BLOCK == 0:
+    return None
+  return (f"{name} in {layout.describe()}: the kernel scales per {K_BLOCK} of K, so blocks"
+          f" along K must be a multiple of {K_BLOCK} long (or K itself)")
+
+
 def _for_kernel(given, layout: scales.ScaleLayout, shape, *, row_blocks: bool):
-  """The scales in a layout the kernel reads, or None: (B, 1, 1); (B, R, 1) (per row,
-  applied in its epilogue); (B, R, ceil(K/128)); with row_blocks (rhs),
-  (B, ceil(R/128), ceil(K/128)) too."""
-  b, r, k = shape
+  """Scales the kernel takes `_kernel_reason` None for, in a layout it reads: (B, 1, 1);
+  (B, R, 1) (per row, applied in its epilogue); (B, R, ceil(K/128)); with row_blocks
+  (rhs), (B, ceil(R/128), ceil(K/128)) too."""
+  _, r, k = shape
   s = jnp.asarray(given).astype(jnp.float32)
   if layout.per_tensor:
     return s
   per_row = s.shape[2] == 1  # block_k == K
-  if not per_row and layout.block_k % K_BLOCK:
-    return None
   if not per_row and layout.block_k != K_BLOCK:
     s = jnp.repeat(s, layout.block_k // K_BLOCK, axis=2, total_repeat_length=k // K_BLOCK)
   if layout.rows == scales.ROW_BLOCK and (per_row or not row_blocks):
@@ -136,35 +142,25 @@ def _for_kernel(given, layout: scales.ScaleLayout, shape, *, row_blocks: bool):
   return s
 
 
-def _mosaic_scales(lhs, rhs, lhs_scales, rhs_scales, lhs_layout, rhs_layout):
-  """(lhs_scales, rhs_scales) as the kernel takes them, or a str saying why it cannot."""
-  ls = _for_kernel(lhs_scales, lhs_layout, lhs.shape, row_blocks=False)
-  rs = _for_kernel(rhs_scales, rhs_layout, rhs.shape, row_blocks=True)
-  for name, s, layout in (("lhs", ls, lhs_layout), ("rhs", rs, rhs_layout)):
-    if s is None:
-      return (f"{name}_scales in {layout.describe()}: the kernel scales per {K_BLOCK} of K,"
-              f" so blocks along K must be a multiple of {K_BLOCK} long (or K itself)")
-  return ls, rs
-
-
-def _choose(backend: str, config, mosaic_scales) -> str:
+def _choose(backend: str, config, kernel_reason: str | None) -> str:
   if backend not in (*BACKENDS, "auto"):
     raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
-  if backend == "auto":
+  if backend == "auto" and config is None:
+    usable = _on_gpu() and kernel_reason is None and mosaic_unavailable_reason() is None
+    return "mosaic" if usable else "xla"
+  if backend == "xla":
     if config is not None:
-      backend = "mosaic"
-    elif (_on_gpu() and not isinstance(mosaic_scales, str)
-          and mosaic_unavailable_reason() is None):
-      return "mosaic"
-    else:
-      return "xla"
-  if backend == "mosaic":
-    reason = mosaic_unavailable_reason()
-    if reason is None and isinstance(mosaic_scales, str):
-      reason = mosaic_scales
-    if reason is not None:
-      raise ValueError(f"backend='mosaic' cannot run this call: {reason} (backend='xla' can)")
-  return backend
+      raise TypeError(f"config is the mosaic kernel's; backend='xla' takes none (got"
+                      f" {type(config).__qualname__})")
+    return backend
+  reason = mosaic_unavailable_reason() or kernel_reason
+  if reason is not None:
+    raise ValueError(f"backend='mosaic' cannot run this call: {reason} (backend='xla' can)")
+  from pallas_gemm.scaled_matmul.config import Config  # noqa: PLC0415 - with the kernel
+  if config is not None and not isinstance(config, Config):
+    raise TypeError(f"config must be a pallas_gemm.scaled_matmul.config.Config; got"
+                    f" {type(config).__module__}.{type(config).__qualname__}")
+  return "mosaic"
 
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32, *,
@@ -204,11 +200,8 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
     args = [x[None] for x in args]
   lhs, rhs, lhs_scales, rhs_scales = args
   (b, m, k), n = lhs.shape, rhs.shape[1]
-  mosaic_scales = _mosaic_scales(lhs, rhs, lhs_scales, rhs_scales, lhs_layout, rhs_layout)
-  backend = _choose(backend, config, mosaic_scales)
-  if backend == "xla" and config is not None:
-    raise TypeError(f"config is the mosaic kernel's; backend='xla' takes none (got"
-                    f" {type(config).__qualname__})")
+  backend = _choose(backend, config, _kernel_reason(lhs_layout, k, "lhs_scales")
+                    or _kernel_reason(rhs_layout, k, "rhs_scales"))
 
   if min(b, m, n) == 0 or k == 0:  # nothing to compute, or the empty sum
     out = jnp.zeros((b, m, n), out_dtype)
@@ -216,7 +209,8 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
     out = _xla.scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, lhs_layout=lhs_layout,
                              rhs_layout=rhs_layout, out_dtype=out_dtype)
   else:
-    ls, rs = mosaic_scales
+    ls = _for_kernel(lhs_scales, lhs_layout, lhs.shape, row_blocks=False)
+    rs = _for_kernel(rhs_scales, rhs_layout, rhs.shape, row_blocks=True)
     out = _mosaic().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype, config=config,
                                 interpret=not _on_gpu())
   return out[0] if squeeze else out
