@@ -1,7 +1,7 @@
 """Probe of the fp8 Mosaic kernel alone (`scaled_matmul.mosaic.scaled_gemm`) on one GPU.
 
     python -m benchmarks.fp8_kernel_probe                 # 4096^3 and 8192^3, < 2 minutes
-    python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5,128x192s4
+    python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5,128x192s4cn
 
 Per size, in one process: bf16 jnp.dot, the dequantize + bf16 dot path (1x128 / 128x128
 block scales applied in XLA), XLA's scaled per-tensor pattern (which it rewrites to
@@ -11,12 +11,14 @@ per-tensor scales (fast accumulation, and promoted every 128 of K). CUPTI kernel
 everything a call launches (the kernel's "alone" column: the Pallas kernel without the
 scale transposes and pads around it). Errors: normwise relative error of the first
 ERR_ROWS rows against the float64 product of the dequantized operands. --configs adds the
-block-scaled kernel at other tiles (BMxBNsS[wW], e.g. 128x192s4, w: wg_split, default m).
+block-scaled kernel at other tiles (BMxBNsS[wW][cC], e.g. 128x192s4; w: wg_split, default
+m; c: clusters of 2 CTAs along m or n), --tensor-configs the per-tensor kernel.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 
 import jax
@@ -65,14 +67,19 @@ def _time(f, *args):
 
 
 def _parse_config(spec: str) -> fp8_config.Config:
-  tiles, _, rest = spec.partition("s")
-  stages, _, split = rest.partition("w")
-  bm, bn = (int(v) for v in tiles.split("x"))
-  return fp8_config.Config(block_m=bm, block_n=bn, stages=int(stages),
-                           wg_split=split or "m")
+  """BMxBNsS[wW][cC] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of 2
+  CTAs along n; cm: along m)."""
+  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?", spec)
+  if match is None:
+    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn]")
+  bm, bn, stages, split, cluster = match.groups()
+  return fp8_config.Config(block_m=int(bm), block_n=int(bn), stages=int(stages),
+                           wg_split=split or "m", cluster_m=2 if cluster == "m" else 1,
+                           cluster_n=2 if cluster == "n" else 1,
+                           epi_block_n=64 if int(bn) % 64 == 0 else 32)
 
 
-def run_size(size: int, configs: list[str]) -> list[tuple]:
+def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[tuple]:
   m = n = k = size
   flops = 2.0 * m * n * k
   key_a, key_b = jax.random.split(jax.random.key(size))
@@ -114,16 +121,23 @@ def run_size(size: int, configs: list[str]) -> list[tuple]:
 
   blocks = [("kernel blocks 1x128/128x128 (default)", None)]
   blocks += [(f"kernel blocks {spec}", _parse_config(spec)) for spec in configs]
+  def run_kernel(name, config, lhs, rhs, ls, rs):
+    try:
+      ms, alone, out = _time(kernel(config), lhs, rhs, ls, rs)
+    except ValueError as e:  # a config that does not fit (registers, shared memory)
+      print(f"{name}: rejected: {e}", flush=True)
+      return
+    cases.append((name, ms, alone, err(out, lhs, rhs, ls, rs)))
+
   for name, config in blocks:
-    ms, alone, out = _time(kernel(config), a8, b8, sa, sb)
-    cases.append((name, ms, alone, err(out, a8, b8, sa, sb)))
-  for name, config in [("kernel per-tensor (fast accumulation)", None),
-                       ("kernel per-tensor (promoted)",
-                        fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16,
-                                                  promoted=True).replace(
-                                                      fast_accumulation=False))]:
-    ms, alone, out = _time(kernel(config), a8t, b8t, sat, sbt)
-    cases.append((name, ms, alone, err(out, a8t, b8t, sat, sbt)))
+    run_kernel(name, config, a8, b8, sa, sb)
+  tensor = [("kernel per-tensor (fast accumulation)", None),
+            ("kernel per-tensor (promoted)",
+             fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16,
+                                       promoted=True).replace(fast_accumulation=False))]
+  tensor += [(f"kernel per-tensor {spec}", _parse_config(spec)) for spec in tensor_configs]
+  for name, config in tensor:
+    run_kernel(name, config, a8t, b8t, sat, sbt)
   return [(size, name, ms, alone, flops / ms / 1e9, bf16_ms / ms, e)
           for name, ms, alone, e in cases]
 
@@ -132,16 +146,20 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default="4096,8192", help="M = N = K values, comma-separated")
   parser.add_argument("--configs", default="", help="extra block-scaled kernel configs")
+  parser.add_argument("--tensor-configs", default="", help="extra per-tensor kernel configs")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     raise SystemExit("fp8_kernel_probe times the kernel on a GPU (CUPTI); none here")
   configs = [c for c in args.configs.split(",") if c]
+  tensor_configs = [c for c in args.tensor_configs.split(",") if c]
+  for spec in configs + tensor_configs:
+    _parse_config(spec)  # bad specs fail before any timing
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, CUPTI median of"
         f" {ITERATIONS}; error: first {ERR_ROWS} rows vs float64 of the dequantized operands")
   print("| size | case | ms | kernel alone ms | TFLOP/s | x bf16 | relerr |")
   print("|---|---|---|---|---|---|---|")
   for size in (int(s) for s in args.sizes.split(",")):
-    for size_, name, ms, alone, tflops, ratio, e in run_size(size, configs):
+    for size_, name, ms, alone, tflops, ratio, e in run_size(size, configs, tensor_configs):
       print(f"| {size_}^3 | {name} | {ms:.3f} | {'' if alone is None else f'{alone:.3f}'} |"
             f" {tflops:.0f} | {ratio:.2f} | {'' if e is None else f'{e:.2e}'} |", flush=True)
 

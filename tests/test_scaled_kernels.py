@@ -41,6 +41,9 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
     (dict(wgmma_wait=2), "wgmma_wait"),
     (dict(fast_accumulation=1), "fast_accumulation"),
     (dict(num_sms=0), "num_sms"),
+    (dict(cluster_m=3), "cluster_m"),
+    (dict(cluster_m=2, cluster_n=2), "cluster_n"),
+    (dict(cluster_n=2, num_sms=1), "num_sms"),
 ])
 def test_config_rejects_invalid_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -219,7 +222,13 @@ def test_ragged_and_short(rng, m, n, k):
      "block"),
     # per-column steps with a 256-wide tile split by columns
     (Config(block_m=64, block_n=256, wg_split="n", stages=2, num_sms=3), "step"),
-], ids=["wrap", "one_wg", "expanded_blocks", "columns"])
+    # clusters sharing rhs tiles, an odd tile count (the last pair's second CTA idles)
+    (Config(block_m=64, block_n=128, wg_split="n", stages=3, cluster_m=2, num_sms=4),
+     "block"),
+    # clusters sharing lhs tiles, per-column steps
+    (Config(block_m=64, block_n=128, wg_split="n", stages=2, cluster_n=2, num_sms=4),
+     "step"),
+], ids=["wrap", "one_wg", "expanded_blocks", "columns", "cluster_m", "cluster_n"])
 def test_configs_promoted(rng, config, rhs_kind):
   _check(rng, 1, 130, 260, 384, rhs_kind=rhs_kind, config=config)
 
@@ -228,7 +237,8 @@ def test_configs_promoted(rng, config, rhs_kind):
     Config(block_m=128, block_n=256, wg_split="n", stages=2, wgmma_wait=1, num_sms=3),
     Config(block_m=128, block_n=128, stages=3, wgmma_wait=0, num_sms=3),
     Config(block_m=128, block_n=128, stages=3, fast_accumulation=False, num_sms=3),
-], ids=["wait1", "wait0", "promoted"])
+    Config(block_m=256, block_n=128, stages=2, cluster_n=2, num_sms=4),
+], ids=["wait1", "wait0", "promoted", "cluster_n"])
 @pytest.mark.parametrize("lhs_kind, rhs_kind", [("tensor", "tensor"), ("row", "row")])
 def test_configs_constant_scales(rng, config, lhs_kind, rhs_kind):
   _check(rng, 2, 130, 260, 384, lhs_kind=lhs_kind, rhs_kind=rhs_kind, config=config,
@@ -284,9 +294,27 @@ def test_lowers_for_cuda(m, n, k, lhs_shape, rhs_shape):
   args = (jax.ShapeDtypeStruct((1, m, k), E4M3), jax.ShapeDtypeStruct((1, n, k), E4M3),
           jax.ShapeDtypeStruct(lhs_shape, jnp.float32),
           jax.ShapeDtypeStruct(rhs_shape, jnp.float32))
-  f = lambda *a: mosaic.scaled_gemm(*a, out_dtype=jnp.bfloat16, config=cfg)
+  _lower(args, cfg)
+
+
+def _lower(args, config):
+  f = lambda *a: mosaic.scaled_gemm(*a, out_dtype=jnp.bfloat16, config=config)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("config", [
+    Config(block_m=128, block_n=192, stages=4, cluster_n=2),   # 96 + 96 registers
+    Config(block_m=128, block_n=160, stages=4, epi_block_n=32, cluster_m=2),
+    Config(block_m=64, block_n=256, wg_split="n", stages=4),  # 64x128 warpgroups by n
+], ids=["128x192", "128x160", "64x256"])
+def test_probe_configs_lower_for_cuda(config):
+  # Tiles benchmarks/fp8_kernel_probe.py sweeps: blocks straddling 128-column scale blocks.
+  m = n = k = 4096
+  args = (jax.ShapeDtypeStruct((1, m, k), E4M3), jax.ShapeDtypeStruct((1, n, k), E4M3),
+          jax.ShapeDtypeStruct((1, m, 32), jnp.float32),
+          jax.ShapeDtypeStruct((1, 32, 32), jnp.float32))
+  _lower(args, config.replace(num_sms=132))
 
 
 # ----------------------------------------------------------------------------

@@ -18,6 +18,8 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
   * Tiles: each CTA walks the flattened (batch, m tiles, n tiles) space strided by the
     CTA count, in ``plgpu.planar_snake`` bands. A CTA tile is block_m x block_n, split
     among ``num_compute_wgs`` consumer warpgroups (one wgmma accumulator each).
+    Optionally CTAs pair up in clusters of 2 that compute adjacent tiles and multicast
+    the operand tile they share (``Config.cluster_m`` / ``cluster_n``).
   * Operands: fp8 wgmma reads both operands K-major from shared memory (only 16-bit
     operands may be transposed), so lhs is (M, K) and rhs (N, K), and each stage of a
     ``stages``-deep ring holds a (block_m, 128) lhs tile and a (block_n, 128) rhs tile,
@@ -156,8 +158,12 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
   epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
   num_wgs = cfg.num_compute_wgs
-  m_tiles, n_tiles = pl.cdiv(m, bm), pl.cdiv(n, bn)
-  per_batch = m_tiles * n_tiles
+  # The tile loop walks clusters of (cluster_m x cluster_n) adjacent CTA tiles. With an
+  # odd tile count the last cluster's second CTA gets a tile past the edge: its TMA
+  # loads read zeros (it still takes part in the multicast) and its stores are clipped.
+  m_iters = pl.cdiv(pl.cdiv(m, bm), cfg.cluster_m)
+  n_iters = pl.cdiv(pl.cdiv(n, bn), cfg.cluster_n)
+  per_batch = m_iters * n_iters
   # A ring deeper than K is never filled.
   stages = min(cfg.stages, k_iters)
   # The plain loop keeps one wgmma in flight across steps, so a stage is released one
@@ -169,11 +175,19 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   rhs_transforms = _swizzle_transforms(bk, rhs_gmem.dtype)
   out_transforms = _swizzle_transforms(epi_n, out_dtype)
   loads = 2 + plan.lhs_step + column_step  # TMA copies per step
+  lhs_multicast = ("cluster",) if cfg.cluster_n > 1 else None
+  rhs_multicast = ("cluster",) if cfg.cluster_m > 1 else None
+  if cfg.cluster_size > 1:
+    # Loads into both CTAs of a cluster: a stage is free once both CTAs released it.
+    consumed = plgpu.ClusterBarrier(collective_axes=("cluster",), num_arrivals=num_wgs,
+                                    num_barriers=stages)
+  else:
+    consumed = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
   scoped = dict(
       lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=lhs_transforms),
       rhs_smem=plgpu.SMEM((stages, bn, bk), rhs_gmem.dtype, transforms=rhs_transforms),
       produced=plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+      consumed=consumed,
       out_smem=plgpu.SMEM((num_wgs, cfg.out_slots, epi_m, epi_n), out_dtype,
                           transforms=out_transforms),
   )
@@ -182,14 +196,18 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   if column_step:
     scoped["rhs_scale_smem"] = plgpu.SMEM((stages, bn), jnp.float32)
 
-  cta = lax.axis_index("sm")
+  cta = lax.axis_index("sm")  # the CTA, or the cluster: both CTAs run the same tiles
   local_tiles = lax.div(batch * per_batch - cta + num_ctas - 1, num_ctas)
 
   def coords(j):  # the CTA's j-th tile -> (batch entry, m tile, n tile)
     g = cta + j * num_ctas
     bi, lin = lax.div(g, per_batch), lax.rem(g, per_batch)
-    mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles),
+    mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters),
                                 0 if cfg.grid_minor_dim == "m" else 1, cfg.grid_tile_width)
+    if cfg.cluster_size > 1:  # this CTA's tile of the cluster tile
+      rank = lax.axis_index("cluster")
+      mi, ni = mi * cfg.cluster_m, ni * cfg.cluster_n
+      mi, ni = (mi + rank, ni) if cfg.cluster_m > 1 else (mi, ni + rank)
     return bi, mi, ni
 
   def wg_origin(wg):  # this warpgroup's part of the CTA tile, in CTA-tile coordinates
@@ -225,9 +243,9 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
 
               ks = pl.ds(kk * bk, bk)
               plgpu.copy_gmem_to_smem(lhs_gmem.at[bi, ms, ks], lhs_smem.at[slot],
-                                      produced.at[slot])
+                                      produced.at[slot], collective_axes=lhs_multicast)
               plgpu.copy_gmem_to_smem(rhs_gmem.at[bb, ns, ks], rhs_smem.at[slot],
-                                      produced.at[slot])
+                                      produced.at[slot], collective_axes=rhs_multicast)
               if plan.lhs_step:
                 plgpu.copy_gmem_to_smem(lhs_step_gmem.at[bi, kk, ms],
                                         lhs_scale_smem.at[slot], produced.at[slot])
@@ -235,7 +253,8 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
                 plgpu.copy_gmem_to_smem(rhs_step_gmem.at[bb, kk, ns],
                                         rhs_scale_smem.at[slot], produced.at[slot])
 
-          # Wait for the last releases, so no arrival is pending when the CTA exits.
+          # Wait for the last releases, so no arrival (from this CTA or the cluster
+          # peer) is pending when the CTA exits.
           steps = local_tiles * k_iters
 
           @pl.loop(jnp.maximum(steps - stages, 0), steps)
@@ -456,7 +475,8 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   lhs, rhs = _pad_for_tma(lhs, tile, BLOCK_K), _pad_for_tma(rhs, tile, BLOCK_K)
   k_iters = lhs.shape[2] // BLOCK_K
   # Every tile's rows / columns lie inside the scale vectors (no gmem bounds checks).
-  m_all, n_all = _round_up(m, bm), _round_up(n, bn)
+  m_all = _round_up(m, bm * config.cluster_m)
+  n_all = _round_up(n, bn * config.cluster_n)
   operands = [lhs, rhs]
   if plan.lhs_step:  # (B, K_b, M'): one contiguous (block_m,) TMA box per step
     operands.append(_pad_to(jnp.swapaxes(lhs_scales, 1, 2), m_all))
@@ -478,14 +498,18 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
 
   m_out, n_out = _tma_padded_shape(m, n, _tma_tile(config.epi_block_n, out_dtype))
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
-  num_ctas = _num_sms(config, interpret)
+  # One CTA (or cluster of CTAs) per SM (or SM pair).
+  num_ctas = _num_sms(config, interpret) // config.cluster_size
   body = functools.partial(_kernel, config=config, plan=plan, m=m, n=n, k_iters=k_iters,
                            batch=batch, num_ctas=num_ctas)
+  cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
+             if config.cluster_size > 1 else {})
   call = plgpu.kernel(
       body,
       out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
       grid=(num_ctas,),
       grid_names=("sm",),
+      **cluster,
       num_threads=config.num_compute_wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
