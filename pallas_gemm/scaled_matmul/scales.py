@@ -95,7 +95,7 @@ def expand(scales, layout: ScaleLayout, operand_shape):
   return s
 
 
-def dequantize(values, scales, *, name: str = "values"):
+def dequantize(values, scales):
   """values * scales (expanded over their blocks) in float32: the operand a (values,
   scales) pair stands for. values (B, R, K) or (R, K), scales in a layout of the module
   docstring (with values' rank)."""
@@ -103,7 +103,7 @@ def dequantize(values, scales, *, name: str = "values"):
   squeeze = values.ndim == 2
   if squeeze:
     values, scales = values[None], scales[None]
-  layout = scale_layout(scales.shape, values.shape, name=f"{name}'s scales", rows_name="rows")
+  layout = scale_layout(scales.shape, values.shape, name="scales", rows_name="rows")
   out = values.astype(jnp.float32) * expand(scales, layout, values.shape)
   return out[0] if squeeze else out
 
