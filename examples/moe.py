@@ -41,7 +41,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-import pallas_gemm.ragged_dot
+import pallas_gemm
 
 SMALL = dict(tokens=256, d_model=64, hidden=128, experts=8, top_k=2, steps=20,
              dtype="bfloat16")
@@ -58,7 +58,7 @@ def ragged_fn(impl: str, backend: str = "auto"):
   """The grouped GEMM of `impl`: (lhs (M, K), rhs (G, K, N), group_sizes) -> (M, N)."""
   if impl == "lax":
     return jax.lax.ragged_dot
-  return functools.partial(pallas_gemm.ragged_dot.ragged_dot, backend=backend)
+  return functools.partial(pallas_gemm.ragged_dot, backend=backend)
 
 
 # ----------------------------------------------------------------------------- the block
@@ -140,7 +140,7 @@ def moe_expert_parallel(params, x, *, top_k: int, mesh, axis: str, backend: str 
     raise ValueError(f"experts ({num_experts}) and tokens ({x.shape[0]}) must divide over "
                      f"the {d_count} devices of mesh axis {axis!r}")
   local_experts = num_experts // d_count
-  ragged = functools.partial(pallas_gemm.ragged_dot.ragged_dot, backend=backend)
+  ragged = functools.partial(pallas_gemm.ragged_dot, backend=backend)
 
   def shard(router, w_gate, w_up, w_down, x):
     weights, experts = route(x, router, top_k)
