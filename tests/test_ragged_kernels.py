@@ -137,8 +137,8 @@ def test_row_items_cover_every_row_once(rng, block_m):
     assert count <= items.shape[1] == mosaic_forward.max_row_items(m, g, block_m)
     owner = np.full(m, -2)
     bounds = _bounds(sizes, extra, g, m)
-    for group, tile, lo, hi in items[:, :count].T:
-      assert tile * block_m <= lo < hi <= min((tile + 1) * block_m, m)
+    for group, row8, lo, hi in items[:, :count].T:
+      assert 8 * row8 <= lo < hi <= min(8 * row8 + block_m, m)
       assert (owner[lo:hi] == -2).all(), "a row in two items"
       owner[lo:hi] = group
       if group >= 0:

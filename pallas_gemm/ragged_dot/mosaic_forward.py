@@ -2,19 +2,22 @@
 rows of each group g (the layout of `jax.lax.ragged_dot`), written in Pallas Mosaic GPU.
 
 Design (one CTA per SM, persistent):
-  * Work items. Rows are cut into row tiles of block_m aligned in the global row space
-    (tile i holds rows [i * block_m, (i + 1) * block_m)). The rows form consecutive
-    segments: the local groups, and rows that belong to none (past sum(group_sizes), or
-    of groups outside [group_offset, group_offset + G)), whose output is zeros. An item is
-    one (segment, row tile) pair with a non-empty intersection: a tile that straddles a
-    boundary is visited once per segment it touches. Segments are G + 2 (a zero segment
-    before and after the local groups), so there are at most ceil(M / block_m) + G + 1
-    items. `_row_items` builds the item table on the device from the traced group_sizes
-    (cumulative sums and a (items x segments) comparison, a few tiny XLA fusions: no host
-    sync). Each CTA walks (item, column tile) pairs strided by the CTA count, in
-    ``plgpu.planar_snake`` order: bands of ``grid_tile_width`` column tiles, the items in
-    row order within a band, so the CTAs that run together read a few row tiles of lhs
-    and the same group's weight tiles (mostly one expert's) out of L2.
+  * Work items. The rows form consecutive segments: the local groups, and rows that
+    belong to none (past sum(group_sizes), or of groups outside [group_offset,
+    group_offset + G)), whose output is zeros. A segment is cut into row tiles of block_m
+    from its first row rounded down to a multiple of 8 (a TMA box of the 8-row-tiled lhs
+    starts on such a row): an item is one row tile of one segment, its rows [lo, hi) the
+    segment's part of the tile. Only a segment's first tile (at most 7 rows early) and its
+    last reach into a neighbour's rows, which the item computes and never stores; a
+    segment's last tile is partly wasted work, half a tile on average (tiles aligned in
+    the global row space would waste a whole one per boundary: both tiles a boundary
+    straddles are partial). Segments are G + 2 (a zero segment before and after the local
+    groups). `_row_items` builds the item table on the device from the traced
+    group_sizes (cumulative sums and an (items x segments) comparison, a few tiny XLA
+    fusions: no host sync). Each CTA walks (item, column tile) pairs strided by the CTA
+    count, in ``plgpu.planar_snake`` order: bands of ``grid_tile_width`` column tiles, the
+    items in row order within a band, so the CTAs that run together read a few row tiles
+    of lhs and the same group's weight tiles (mostly one expert's) out of L2.
   * K pipeline: a ``stages``-deep ring of swizzled shared-memory tiles of lhs (block_m x
     block_k) and of the item's expert rhs[g] (block_k x block_n, or block_n x block_k when
     rhs is stored transposed: 16-bit wgmma reads either major order, no copy), filled by
@@ -60,8 +63,10 @@ _PRODUCER_REGISTERS = 40
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # Rows of the item table (`_row_items`): the item's group (-1: rows written as zeros),
-# its row tile, and its rows [lo, hi).
-_GROUP, _TILE, _LO, _HI = range(4)
+# its row tile's first row / 8, and its rows [lo, hi).
+_GROUP, _ROW8, _LO, _HI = range(4)
+# Row tiles start on multiples of this (the lhs tile's TMA tiling).
+_ROW_ALIGN = 8
 
 
 def num_ctas(config: Config, interpret: bool) -> int:
@@ -90,31 +95,32 @@ def local_rows(group_sizes: jax.Array, group_offset, num_groups: int, m: int):
 
 
 def max_row_items(m: int, num_groups: int, block_m: int) -> int:
-  """A bound on the items of `_row_items`: each of the G + 1 boundaries between its G + 2
-  segments adds at most one row tile to the ceil(m / block_m) there are."""
-  return -(-m // block_m) + num_groups + 1
+  """A bound on the items of `_row_items`: a segment of r rows has ceil((r + a) / block_m)
+  tiles, a < 8 its rows before the aligned start, so the S = G + 2 segments have at most
+  (m + S * (block_m + 6)) / block_m."""
+  segments = num_groups + 2
+  return -(-(m + segments * (_ROW_ALIGN - 2)) // block_m) + segments
 
 
 def _row_items(starts, ends, m: int, block_m: int):
-  """The item table, int32 (4, T) (rows _GROUP, _TILE, _LO, _HI; T = `max_row_items`),
+  """The item table, int32 (4, T) (rows _GROUP, _ROW8, _LO, _HI; T = `max_row_items`),
   and the number of items, int32 (1,). Items are in row order; entries past the count are
   never read."""
   num_groups = starts.shape[0]
   # Segments: rows before the first local group, the local groups, rows after the last.
   seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), starts, ends[-1:]])
   seg_end = jnp.concatenate([starts[:1], ends, jnp.full((1,), m, jnp.int32)])
-  tiles = jnp.where(seg_end > seg_start,
-                    (seg_end - 1) // block_m - seg_start // block_m + 1, 0)
+  seg_row0 = seg_start // _ROW_ALIGN * _ROW_ALIGN
+  tiles = jnp.where(seg_end > seg_start, (seg_end - seg_row0 + block_m - 1) // block_m, 0)
   last = jnp.cumsum(tiles)  # one past the segment's last item
   first = last - tiles
   t = jnp.arange(max_row_items(m, num_groups, block_m), dtype=jnp.int32)
   seg = jnp.minimum(jnp.sum(last[None, :] <= t[:, None], axis=1), num_groups + 1)
-  tile = seg_start[seg] // block_m + t - first[seg]
-  row0 = tile * block_m
+  row0 = seg_row0[seg] + (t - first[seg]) * block_m
   group = jnp.where((seg >= 1) & (seg <= num_groups), seg - 1, -1)
   lo = jnp.maximum(seg_start[seg], row0)
   hi = jnp.minimum(seg_end[seg], row0 + block_m)
-  return jnp.stack([group, tile, lo, hi]).astype(jnp.int32), last[-1:]
+  return (jnp.stack([group, row0 // _ROW_ALIGN, lo, hi]).astype(jnp.int32), last[-1:])
 
 
 def _out_transforms(epi_n: int, dtype):
@@ -162,7 +168,8 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
 
   def item(j):  # the CTA's j-th work item: (group, row0, lo, hi, column tile)
     t, ni = plgpu.planar_snake(cta + j * num_ctas, (count, n_tiles), 1, cfg.grid_tile_width)
-    row0 = items_gmem[_TILE, t] * bm  # (a multiple of bm that TMA's tiling can see)
+    # (a multiple of 8 that the TMA tiling's divisibility check can see)
+    row0 = items_gmem[_ROW8, t] * _ROW_ALIGN
     return items_gmem[_GROUP, t], row0, items_gmem[_LO, t], items_gmem[_HI, t], ni
 
   def wg_origin(wg):  # the warpgroup's part of the CTA tile: (row, column) offsets

@@ -5,12 +5,12 @@ Design (one CTA per SM, persistent):
   * Work items: (group, K tile, N tile) of the (G, K, N) output, block_k x block_n each,
     group-major (consecutive items share the group's rows of lhs and dy in L2), the tiles
     of a group in ``plgpu.planar_snake`` order; CTAs take items strided by the CTA count.
-  * Reduction: over the group's rows [start, end) in steps of block_m rows aligned in the
-    global row space (rows [i * block_m, (i + 1) * block_m)), so every TMA box starts on a
-    row multiple of block_m. A step's tiles are lhs (block_m x block_k), read from lhs's
+  * Reduction: over the group's rows [start, end) in steps of block_m rows from start
+    rounded down to a multiple of 8 (a TMA box of the 8-row-tiled operands starts on such
+    a row), ceil((end - that row) / block_m) steps. A step's tiles are lhs (block_m x block_k), read from lhs's
     (M, K) storage and handed to wgmma transposed (16-bit wgmma reads an MN-major A from
-    shared memory: no copy of lhs), and dy (block_m x block_n). The group's first and last
-    steps may hold rows of neighbouring groups (or rows past sum(group_sizes)): after their
+    shared memory: no copy of lhs), and dy (block_m x block_n). The group's first step (up
+    to 7 rows early) and its last may hold rows of neighbouring groups (or rows past sum(group_sizes)): after their
     loads land, the consumer warpgroups zero those rows of both tiles in shared memory
     (64-column pieces shared out among them: load, select, store, fence), meet on a
     barrier, and only then run wgmma, so another group's rows contribute exactly zero
@@ -34,7 +34,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
 from pallas_gemm.ragged_dot.config import Config, check_smem, default_config
-from pallas_gemm.ragged_dot.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS,
+from pallas_gemm.ragged_dot.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS, _ROW_ALIGN,
                                                    _out_transforms, local_rows, num_ctas)
 
 # Columns of one masking piece: a 128-byte swizzle atom of 16-bit elements.
@@ -55,17 +55,22 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
   per_group = k_tiles * n_tiles
   stages = cfg.stages
 
+  step8 = bm // _ROW_ALIGN
+
+  def step_row0(first, i):  # first row of step i, a multiple of 8 the TMA tiling can see
+    return (first + i * step8) * _ROW_ALIGN
+
   cta = lax.axis_index("sm")
   local_work = lax.div(num_groups * per_group - cta + num_ctas - 1, num_ctas)
 
-  def item(j):  # the CTA's j-th item: (group, first row block, row steps, start, end, kt, nt)
+  def item(j):  # the CTA's j-th item: (group, first row / 8, row steps, start, end, kt, nt)
     w = cta + j * num_ctas
     group = lax.div(w, per_group)
     kt, nt = plgpu.planar_snake(lax.rem(w, per_group), (k_tiles, n_tiles), 1,
                                 cfg.grid_tile_width)
     start, end = bounds_gmem[0, group], bounds_gmem[1, group]
-    first = lax.div(start, bm)
-    steps = jnp.where(end > start, lax.div(end - 1, bm) - first + 1, 0)
+    first = lax.div(start, _ROW_ALIGN)  # the first step's first row / 8
+    steps = jnp.where(end > start, lax.div(end - first * _ROW_ALIGN + bm - 1, bm), 0)
     return group, first, steps, start, end, kt, nt
 
   def wg_origin(wg):
@@ -115,7 +120,7 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
               def _():
                 plgpu.barrier_wait(consumed.at[slot])
 
-              rows = pl.ds((first + i) * bm, bm)
+              rows = pl.ds(step_row0(first, i), bm)
               plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(kt * bk, bk)],  # (bm, bk)
                                       a_smem.at[slot], produced.at[slot])
               plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(nt * bn, bn)],  # (bm, bn)
@@ -158,7 +163,7 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
           def _rows(i):
             slot = lax.rem(step + i, stages)
             plgpu.barrier_wait(produced.at[slot])
-            row0 = (first + i) * bm
+            row0 = step_row0(first, i)
 
             @pl.when((row0 < start) | (row0 + bm > end))
             def _():
