@@ -217,8 +217,13 @@ def test_ragged_and_short(rng, m, n, k):
     (Config(block_m=64, block_n=128, wg_split="n", stages=3, num_sms=2), "block"),
     # one consumer warpgroup
     (Config(block_m=64, block_n=128, num_compute_wgs=1, stages=2, num_sms=3), "block"),
-    # 96-column warpgroups span two 128-column scale blocks: expanded per column
+    # 96-column warpgroups straddle 128-column scale blocks: three 32-column pieces
     (Config(block_m=64, block_n=192, wg_split="n", stages=2, epi_block_n=32, num_sms=3),
+     "block"),
+    # 192-column warpgroups: three 64-column pieces
+    (Config(block_m=128, block_n=192, stages=2, num_sms=3), "block"),
+    # 160-column warpgroups: five 32-column pieces, in clusters sharing lhs tiles
+    (Config(block_m=128, block_n=160, stages=2, epi_block_n=32, cluster_n=2, num_sms=4),
      "block"),
     # per-column steps with a 256-wide tile split by columns
     (Config(block_m=64, block_n=256, wg_split="n", stages=2, num_sms=3), "step"),
@@ -228,7 +233,8 @@ def test_ragged_and_short(rng, m, n, k):
     # clusters sharing lhs tiles, per-column steps
     (Config(block_m=64, block_n=128, wg_split="n", stages=2, cluster_n=2, num_sms=4),
      "step"),
-], ids=["wrap", "one_wg", "expanded_blocks", "columns", "cluster_m", "cluster_n"])
+], ids=["wrap", "one_wg", "pieces96", "pieces192", "pieces160", "columns", "cluster_m",
+        "cluster_n"])
 def test_configs_promoted(rng, config, rhs_kind):
   _check(rng, 1, 130, 260, 384, rhs_kind=rhs_kind, config=config)
 

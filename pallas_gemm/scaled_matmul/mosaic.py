@@ -33,10 +33,11 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
     (~14 mantissa bits kept in fp8 wgmma) never runs longer than 128 products. The
     lhs scales of a step, a (block_m,) vector, and per-column rhs scales, a (block_n,)
     vector, ride in the same ring stage (TMA from scale arrays transposed to
-    (B, K_b, M) / (B, K_b, N)). A 128x128 rhs block scale is one number per
-    warpgroup and step when the warpgroup's columns lie in one 128-column block: it is
-    read from global memory (an L2-resident (B, K_b, ceil(N/128)) array) while the
-    wgmma runs; otherwise the blocks are expanded to per-column scales.
+    (B, K_b, M) / (B, K_b, N)). A 128x128 rhs block scale is one number per step for
+    each column piece of the warpgroup tile lying in one 128-column block (the whole
+    tile when its width divides 128; `_block_pieces`), read from global memory (an
+    L2-resident (B, K_b, ceil(N/128)) array) while the wgmma runs and folded into the
+    row scales, so block scales too cost one multiply-add per element.
   * Scales constant along K (per tensor, row or column): applied once in the epilogue.
     With ``Config.fast_accumulation`` (default) and no block scale, the K loop is one
     wgmma chain into one accumulator (the bf16 kernel's loop, wgmma_wait=1 overlaps
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 from jax import lax
@@ -91,7 +93,8 @@ class Plan:
 
   lhs_step: lhs scales per 128 of K, a (block_m,) row vector per step.
   rhs_step: None, "column" (a (block_n,) vector per step) or "block" (one number per
-    warpgroup and step, from a (B, K_b, ceil(N/128)) array in global memory).
+    warpgroup, or 64-column piece of it, and step, from a (B, K_b, ceil(N/128)) array
+    in global memory).
   epi_scalar / epi_rows / epi_cols: the epilogue multiplies by a (B,) scalar, a
     (B, M) row vector and / or a (B, N) column vector.
   promoted: the K loop promotes each 128 of K into the f32 register sum.
@@ -323,13 +326,28 @@ def _plain_loop(wgmma, first, stages, produced, consumed, *, wg_m, wg_n, k_iters
   return acc
 
 
+def _block_pieces(wg_n: int) -> int:
+  """Column pieces of a warpgroup tile that each lie in one 128-column block of the rhs
+  block scales: pieces gcd(wg_n, 128) wide. A warpgroup's first column is a multiple of
+  wg_n (tiles are multiples of it), so each piece starts at a multiple of its width,
+  which divides 128. One piece when wg_n divides 128."""
+  return wg_n // math.gcd(wg_n, 128)
+
+
 def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consumed,
                    lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan: Plan, wg_m,
                    wg_n, k_iters):
   """Each 128 of K: products into a zeroed accumulator, times the step's scale, added
-  to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum."""
+  to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum.
+
+  The step's scale is rows[r] (lhs) x cols[c] or the 128x128 block's number (rhs). A
+  block scale is folded into the row vector (a few multiplies per thread), so the
+  accumulator takes one multiply-add per element; per-column rhs scales take two.
+  """
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a (wg_m,) vector, one value per acc row
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (wg_n,) vector, one per acc column
+  pieces = _block_pieces(wg_n) if plan.rhs_step == "block" else 1
+  piece_n = wg_n // pieces
 
   def step(kk, total):
     slot = lax.rem(first + kk, stages)
@@ -338,28 +356,38 @@ def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consu
     def block(blk_ref):
       wgmma(blk_ref, slot)
       # The scales are read while the products run; reading blk_ref waits for them.
-      rows = cols = scalar = None
+      rows = cols = None
+      blocks = []
       if plan.lhs_step:
         rows = plgpu.load(lhs_scale_smem.at[slot, wg_ms], layout=row_layout,
                           optimized=False)
       if plan.rhs_step == "column":
         cols = plgpu.load(rhs_scale_smem.at[slot, wg_ns], layout=col_layout,
                           optimized=False)
-      elif plan.rhs_step == "block":  # the warpgroup's columns lie in one 128-block
-        scalar = rhs_step_gmem[bb, kk, lax.div(col0, 128)]
-      return blk_ref[...], rows, cols, scalar
+      elif plan.rhs_step == "block":  # one number per column piece (L2-resident array)
+        blocks = [rhs_step_gmem[bb, kk, lax.div(col0 + p * piece_n, 128)]
+                  for p in range(pieces)]
+      return blk_ref[...], rows, cols, blocks
 
-    blk, rows, cols, scalar = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
+    blk, rows, cols, blocks = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
     plgpu.barrier_arrive(consumed.at[slot])
-    if rows is not None and scalar is not None:
-      rows, scalar = rows * scalar, None
-    if rows is not None:
-      blk = blk * lax.broadcast_in_dim(rows, (wg_m, wg_n), [0])
     if cols is not None:
       blk = blk * lax.broadcast_in_dim(cols, (wg_m, wg_n), [1])
-    if scalar is not None:
-      blk = blk * scalar
-    return total + blk
+    if not blocks:
+      if rows is not None:
+        blk = blk * lax.broadcast_in_dim(rows, (wg_m, wg_n), [0])
+      return total + blk
+
+    def scaled(piece, number):  # piece * rows * number, one multiply per element
+      if rows is None:
+        return piece * number
+      return piece * lax.broadcast_in_dim(rows * number, piece.shape, [0])
+
+    if pieces == 1:
+      return total + scaled(blk, blocks[0])
+    return total + jnp.concatenate(
+        [scaled(blk[:, p * piece_n:(p + 1) * piece_n], number)
+         for p, number in enumerate(blocks)], axis=1)
 
   return lax.fori_loop(0, k_iters, step, jnp.zeros((wg_m, wg_n), jnp.float32))
 
@@ -459,10 +487,6 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   promoted = step_scales or not config.fast_accumulation
   bm, bn = config.block_m, config.block_n
   rhs_step = {"step": "column", "block": "block"}.get(rhs_kind)
-  if rhs_step == "block" and 128 % config.wg_block_n:
-    # A warpgroup's columns span several 128-column blocks: per-column scales.
-    rhs_scales = jnp.repeat(rhs_scales, 128, axis=1)[:, :n]
-    rhs_step = "column"
   check(config, out_dtype, k=k, promoted=promoted, row_scales=lhs_kind == "step",
         column_scales=rhs_step == "column")
   plan = Plan(lhs_step=lhs_kind == "step", rhs_step=rhs_step,
