@@ -2,16 +2,21 @@
 `jax.lax.ragged_dot`): out[g] (K, N) = lhs[rows of g].T @ dy[rows of g], in Pallas Mosaic GPU.
 
 Design (one CTA per SM, persistent):
-  * Work items: (group, K tile, N tile) of the (G, K, N) output, block_k x block_n each,
-    group-major (consecutive items share the group's rows of lhs and dy in L2), the tiles
-    of a group in ``plgpu.planar_snake`` order; CTAs take items strided by the CTA count.
+  * Work items: (group, K tile, N tile) of the (G, K, N) output, block_k x block_n each.
+    An item's work is its group's row steps, so the items are ordered by group size,
+    largest first (one small argsort in XLA), group-major (consecutive items share the
+    group's rows of lhs and dy in L2), a group's tiles in ``plgpu.planar_snake`` order; in
+    round r the CTAs take the next num_ctas items, in reverse CTA order every other round.
+    Dealing sorted work back and forth this way evens out the CTAs' totals where groups
+    differ a lot in size (taken round-robin, a CTA could get two tiles of the largest
+    group and another one).
   * Reduction: over the group's rows [start, end) in steps of block_m rows from start
     rounded down to a multiple of 8 (a TMA box of the 8-row-tiled operands starts on such
-    a row), ceil((end - that row) / block_m) steps. A step's tiles are lhs (block_m x block_k), read from lhs's
-    (M, K) storage and handed to wgmma transposed (16-bit wgmma reads an MN-major A from
-    shared memory: no copy of lhs), and dy (block_m x block_n). The group's first step (up
-    to 7 rows early) and its last may hold rows of neighbouring groups (or rows past sum(group_sizes)): after their
-    loads land, the consumer warpgroups zero those rows of both tiles in shared memory
+    a row), ceil((end - that row) / block_m) steps. A step's tiles are lhs (block_m x
+    block_k), read from lhs's (M, K) storage and handed to wgmma transposed (16-bit wgmma
+    reads an MN-major A from shared memory: no copy of lhs), and dy (block_m x block_n).
+    The group's first step (up to 7 rows early) and its last may hold rows of neighbouring
+    groups (or rows past sum(group_sizes)): after their loads land, the consumer warpgroups zero those rows of both tiles in shared memory
     (64-column pieces shared out among them: load, select, store, fence), meet on a
     barrier, and only then run wgmma, so another group's rows contribute exactly zero
     even when they hold inf or NaN. Interior steps run unmasked.
@@ -39,11 +44,14 @@ from pallas_gemm.ragged_dot.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS,
 
 # Columns of one masking piece: a 128-byte swizzle atom of 16-bit elements.
 _MASK_COLS = 64
+# Rows of the group table (`_kernel`'s bounds_gmem).
+_GROUP, _START, _END = range(3)
 
 
 def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int, n: int,
             num_groups: int, num_ctas: int):
-  """One persistent CTA. bounds_gmem (2, G) int32: the groups' [start, end) rows;
+  """One persistent CTA. bounds_gmem (3, G) int32: the groups by size, largest first
+  (rows _GROUP, _START, _END: the group and its [start, end) rows);
   lhs_gmem (M', K'); dy_gmem (M', N'); out_gmem (G, K, N'')."""
   cfg = config
   dtype = lhs_gmem.dtype
@@ -61,14 +69,19 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
     return (first + i * step8) * _ROW_ALIGN
 
   cta = lax.axis_index("sm")
-  local_work = lax.div(num_groups * per_group - cta + num_ctas - 1, num_ctas)
+  # Round r deals items [r * num_ctas, (r + 1) * num_ctas) to the CTAs, in reverse CTA
+  # order when r is odd; the last, partial round reaches the first `rest` CTAs in its order.
+  rounds, rest = divmod(num_groups * per_group, num_ctas)
+  turn = cta if rounds % 2 == 0 else num_ctas - 1 - cta  # the CTA's place in that round
+  local_work = rounds + (turn < rest).astype(jnp.int32)
 
   def item(j):  # the CTA's j-th item: (group, first row / 8, row steps, start, end, kt, nt)
-    w = cta + j * num_ctas
-    group = lax.div(w, per_group)
+    w = j * num_ctas + jnp.where(lax.rem(j, 2) == 0, cta, num_ctas - 1 - cta)
+    rank = lax.div(w, per_group)  # the group's place by size
     kt, nt = plgpu.planar_snake(lax.rem(w, per_group), (k_tiles, n_tiles), 1,
                                 cfg.grid_tile_width)
-    start, end = bounds_gmem[0, group], bounds_gmem[1, group]
+    group = bounds_gmem[_GROUP, rank]
+    start, end = bounds_gmem[_START, rank], bounds_gmem[_END, rank]
     first = lax.div(start, _ROW_ALIGN)  # the first step's first row / 8
     steps = jnp.where(end > start, lax.div(end - first * _ROW_ALIGN + bm - 1, bm), 0)
     return group, first, steps, start, end, kt, nt
@@ -243,7 +256,8 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
   check_smem(config, a_tile=(bm, bk), b_tile=(bm, bn), dtype=dtype, out_dtype=out_dtype)
 
   starts, ends = local_rows(group_sizes, group_offset, num_groups, m)
-  bounds = jnp.stack([starts, ends])
+  order = jnp.argsort(starts - ends, stable=True).astype(jnp.int32)  # largest first
+  bounds = jnp.stack([order, starts[order], ends[order]])
   lhs = _pad_for_tma(lhs, _tma_tile(bk, dtype), bk)
   dy = _pad_for_tma(dy, _tma_tile(bn, dtype), bn)
   n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), config.epi_block_n)
