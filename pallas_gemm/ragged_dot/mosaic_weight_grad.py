@@ -16,10 +16,11 @@ Design (one CTA per SM, persistent):
     block_k), read from lhs's (M, K) storage and handed to wgmma transposed (16-bit wgmma
     reads an MN-major A from shared memory: no copy of lhs), and dy (block_m x block_n).
     The group's first step (up to 7 rows early) and its last may hold rows of neighbouring
-    groups (or rows past sum(group_sizes)): after their loads land, the consumer warpgroups zero those rows of both tiles in shared memory
-    (64-column pieces shared out among them: load, select, store, fence), meet on a
-    barrier, and only then run wgmma, so another group's rows contribute exactly zero
-    even when they hold inf or NaN. Interior steps run unmasked.
+    groups (or rows past sum(group_sizes)): after their loads land, the consumer
+    warpgroups zero those rows of both tiles in shared memory (64-column pieces shared out
+    among them: load, select, store, fence), meet on a barrier, and only then run wgmma,
+    so another group's rows contribute exactly zero even when they hold inf or NaN.
+    Interior steps run unmasked.
   * The K pipeline's ring, producer warp and consumer warpgroups are the forward kernel's
     (`mosaic_forward`): one loop over the CTA's (item, row step) pairs; an empty group
     loads nothing and its tile is stored as zeros.
