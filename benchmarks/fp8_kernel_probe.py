@@ -11,8 +11,9 @@ per-tensor scales (fast accumulation, and promoted every 128 of K). CUPTI kernel
 everything a call launches (the kernel's "alone" column: the Pallas kernel without the
 scale transposes and pads around it). Errors: normwise relative error of the first
 ERR_ROWS rows against the float64 product of the dequantized operands. --configs adds the
-block-scaled kernel at other tiles (BMxBNsS[wW][cC], e.g. 128x192s4; w: wg_split, default
-m; c: clusters of 2 CTAs along m or n), --tensor-configs the per-tensor kernel.
+block-scaled kernel at other tiles (BMxBNsS[wW][cC][o], e.g. 128x192s4; w: wg_split,
+default m; c: clusters of 2 CTAs along m or n; o: promotion_overlap), --tensor-configs the
+per-tensor kernel.
 """
 
 from __future__ import annotations
@@ -67,16 +68,17 @@ def _time(f, *args):
 
 
 def _parse_config(spec: str) -> fp8_config.Config:
-  """BMxBNsS[wW][cC] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of 2
-  CTAs along n; cm: along m)."""
-  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?", spec)
+  """BMxBNsS[wW][cC][o] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of
+  2 CTAs along n; cm: along m), 128x128s5cno (and promotion_overlap)."""
+  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?(o)?", spec)
   if match is None:
-    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn]")
-  bm, bn, stages, split, cluster = match.groups()
+    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][o]")
+  bm, bn, stages, split, cluster, overlap = match.groups()
   return fp8_config.Config(block_m=int(bm), block_n=int(bn), stages=int(stages),
                            wg_split=split or "m", cluster_m=2 if cluster == "m" else 1,
                            cluster_n=2 if cluster == "n" else 1,
-                           epi_block_n=64 if int(bn) % 64 == 0 else 32)
+                           epi_block_n=64 if int(bn) % 64 == 0 else 32,
+                           promotion_overlap=overlap == "o")
 
 
 def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[tuple]:

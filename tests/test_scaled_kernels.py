@@ -41,6 +41,7 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
     (dict(wgmma_wait=2), "wgmma_wait"),
     (dict(fast_accumulation=1), "fast_accumulation"),
     (dict(num_sms=0), "num_sms"),
+    (dict(promotion_overlap=None), "promotion_overlap"),
     (dict(cluster_m=3), "cluster_m"),
     (dict(cluster_m=2, cluster_n=2), "cluster_n"),
     (dict(cluster_n=2, num_sms=1), "num_sms"),
@@ -64,6 +65,11 @@ def test_check_names_registers_and_shared_memory():
   fp8_config.check(wide, jnp.bfloat16, promoted=False)
   with pytest.raises(ValueError, match="registers"):
     fp8_config.check(wide, jnp.bfloat16, promoted=True)
+  # promotion_overlap: a third accumulator; 64x128 warpgroups fit, 64x192 do not.
+  fp8_config.check(Config(promotion_overlap=True), jnp.bfloat16, promoted=True)
+  with pytest.raises(ValueError, match="promotion_overlap=False"):
+    fp8_config.check(Config(block_n=192, stages=4, promotion_overlap=True), jnp.bfloat16,
+                     promoted=True)
   deep = Config(block_m=128, block_n=128, stages=8)
   with pytest.raises(ValueError, match="232448"):
     fp8_config.check(deep, jnp.float32, promoted=True, row_scales=True)
@@ -251,6 +257,12 @@ def test_configs_constant_scales(rng, config, lhs_kind, rhs_kind):
          out_dtype=jnp.bfloat16)
 
 
+def test_promotion_overlap_needs_a_gpu(rng):
+  # The interpreter cannot re-zero wgmma accumulators; the GPU tests run it.
+  with pytest.raises(ValueError, match="promotion_overlap"):
+    _check(rng, 1, 64, 128, 256, config=Config(promotion_overlap=True, num_sms=2))
+
+
 def test_empty():
   e = jnp.zeros((1, 0, 256), E4M3)
   out = mosaic.scaled_gemm(e, jnp.zeros((1, 64, 256), E4M3), jnp.ones((1, 1, 1)),
@@ -313,7 +325,9 @@ def _lower(args, config):
     Config(block_m=128, block_n=192, stages=4, cluster_n=2),   # 96 + 96 registers
     Config(block_m=128, block_n=160, stages=4, epi_block_n=32, cluster_m=2),
     Config(block_m=64, block_n=256, wg_split="n", stages=4),  # 64x128 warpgroups by n
-], ids=["128x192", "128x160", "64x256"])
+    Config(block_m=128, block_n=128, stages=5, cluster_n=2, promotion_overlap=True),
+    Config(block_m=64, block_n=256, wg_split="n", stages=4, promotion_overlap=True),
+], ids=["128x192", "128x160", "64x256", "overlap", "overlap_64x256"])
 def test_probe_configs_lower_for_cuda(config):
   # Tiles benchmarks/fp8_kernel_probe.py sweeps: blocks straddling 128-column scale blocks.
   m = n = k = 4096
@@ -339,6 +353,20 @@ def test_probe_configs_lower_for_cuda(config):
 ])
 def test_on_the_gpu(rng, batch, m, n, k, lhs_kind, rhs_kind, out_dtype):
   _check(rng, batch, m, n, k, lhs_kind=lhs_kind, rhs_kind=rhs_kind, out_dtype=out_dtype,
+         interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, m, n, k, rhs_kind, config", [
+    # odd and even step counts (the last step is retired alone), ragged, batched
+    (2, 1000, 1300, 1152, "block", Config(promotion_overlap=True, cluster_n=2)),
+    (1, 4096, 4096, 4096, "block", Config(promotion_overlap=True, cluster_n=2)),
+    (1, 777, 4095, 1024, "step", Config(block_m=64, block_n=256, wg_split="n", stages=4,
+                                        promotion_overlap=True)),
+    (1, 300, 500, 128, "block", Config(promotion_overlap=True)),  # one step
+])
+def test_promotion_overlap_on_the_gpu(rng, batch, m, n, k, rhs_kind, config):
+  _check(rng, batch, m, n, k, rhs_kind=rhs_kind, config=config, out_dtype=jnp.bfloat16,
          interpret=False)
 
 

@@ -21,7 +21,8 @@ _RESERVED_SMEM_BYTES = 128 * 4 * 4
 # Accumulator registers per thread a consumer warpgroup may hold: 232 are left to each
 # of two consumer warpgroups beside a 40-register producer; the rest holds addresses,
 # the scale vectors and loop state. The promoted K loop holds two accumulators (the
-# f32 sum and the zeroed block accumulator), the plain one one.
+# f32 sum and the zeroed block accumulator; three with promotion_overlap), the plain
+# one one.
 _MAX_ACC_REGISTERS = {True: 192, False: 128}
 
 
@@ -48,6 +49,11 @@ class Config:
     chain, scales applied in the epilogue); False promotes every 128 of K into an f32
     register sum as block scales do (Hopper's fp8 wgmma accumulation keeps ~14
     mantissa bits of the running sum).
+  promotion_overlap: in the promoted K loop, issue the next step's wgmma (into a second
+    block accumulator) before promoting the current one, so a warpgroup's products
+    continue through its own promotion; costs a third accumulator's registers. Off:
+    each warpgroup waits for its products and promotes them while the other consumer
+    warpgroup's wgmma runs (DeepGEMM's schedule).
   cluster_m, cluster_n: CTAs per cluster along m or n (1 or 2, not both 2). The two
     CTAs of a cluster_m=2 cluster compute vertically adjacent tiles that share their rhs
     tiles: each CTA loads half of every rhs tile and TMA multicasts it to both, halving
@@ -67,6 +73,7 @@ class Config:
   epi_block_n: int = 64
   wgmma_wait: int = 1
   fast_accumulation: bool = True
+  promotion_overlap: bool = False
   cluster_m: int = 1
   cluster_n: int = 1
   num_sms: int | None = None
@@ -89,8 +96,9 @@ class Config:
       fail("grid_minor_dim", "must be 'm' or 'n'")
     if self.wgmma_wait not in (0, 1) or isinstance(self.wgmma_wait, bool):
       fail("wgmma_wait", "must be 0 or 1")
-    if not isinstance(self.fast_accumulation, bool):
-      fail("fast_accumulation", "must be a bool")
+    for field in ("fast_accumulation", "promotion_overlap"):
+      if not isinstance(getattr(self, field), bool):
+        fail(field, "must be a bool")
     if self.stages <= self.wgmma_wait:
       fail("stages", f"must exceed wgmma_wait={self.wgmma_wait} (a stage is released"
            " only after its wgmma completed)")
@@ -174,13 +182,15 @@ def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
   """Raises ValueError if the config does not fit the shared memory or the registers
   of the K loop it runs (promoted: two accumulators per warpgroup)."""
   limit = _MAX_ACC_REGISTERS[promoted]
-  regs = config.acc_registers() * (2 if promoted else 1)
+  accumulators = (3 if config.promotion_overlap else 2) if promoted else 1
+  regs = config.acc_registers() * accumulators
   if regs > limit:
     raise ValueError(
         f"Config: a {config.wg_block_m}x{config.wg_block_n} warpgroup tile holds {regs}"
         f" accumulator registers per thread in the {'promoted' if promoted else 'plain'}"
-        f" K loop, more than {limit} (the f32 sum and the block accumulator each take"
-        " wg_block_m * wg_block_n / 128); use smaller tiles")
+        f" K loop, more than {limit} ({accumulators} accumulator(s): the f32 sum and the"
+        " block accumulators each take wg_block_m * wg_block_n / 128); use smaller tiles"
+        + (" or promotion_overlap=False" if config.promotion_overlap and promoted else ""))
   used = smem_bytes(config, out_dtype, k=k, row_scales=row_scales,
                     column_scales=column_scales)
   if used > SMEM_BYTES_PER_BLOCK:

@@ -287,7 +287,7 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
           acc = _promoted_loop(wgmma, first, bb, ni * bn + wg_n0, wg_ms, wg_ns, stages,
                                produced, consumed, lhs_scale_smem, rhs_scale_smem,
                                rhs_step_gmem, plan=plan, wg_m=wg_m, wg_n=wg_n,
-                               k_iters=k_iters)
+                               k_iters=k_iters, overlap=cfg.promotion_overlap)
         else:
           acc = _plain_loop(wgmma, first, stages, produced, consumed, wg_m=wg_m, wg_n=wg_n,
                             k_iters=k_iters, wgmma_wait=wgmma_wait)
@@ -336,41 +336,42 @@ def _block_pieces(wg_n: int) -> int:
 
 def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consumed,
                    lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan: Plan, wg_m,
-                   wg_n, k_iters):
+                   wg_n, k_iters, overlap: bool):
   """Each 128 of K: products into a zeroed accumulator, times the step's scale, added
   to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum.
 
   The step's scale is rows[r] (lhs) x cols[c] or the 128x128 block's number (rhs). A
   block scale is folded into the row vector (a few multiplies per thread), so the
   accumulator takes one multiply-add per element; per-column rhs scales take two.
+
+  overlap (Config.promotion_overlap): two block accumulators take the steps in turn, and
+  step s + 1's wgmma is issued before step s is promoted, so the warpgroup's tensor-core
+  work continues through its own promotion (a third accumulator's registers).
   """
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a (wg_m,) vector, one value per acc row
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (wg_n,) vector, one per acc column
   pieces = _block_pieces(wg_n) if plan.rhs_step == "block" else 1
   piece_n = wg_n // pieces
+  slot_of = lambda kk: lax.rem(first + kk, stages)  # noqa: E731
 
-  def step(kk, total):
-    slot = lax.rem(first + kk, stages)
-    plgpu.barrier_wait(produced.at[slot])
+  def issue(kk, acc_ref):  # waits for step kk's stage, starts its products
+    plgpu.barrier_wait(produced.at[slot_of(kk)])
+    wgmma(acc_ref, slot_of(kk))
 
-    def block(blk_ref):
-      wgmma(blk_ref, slot)
-      # The scales are read while the products run; reading blk_ref waits for them.
-      rows = cols = None
-      blocks = []
-      if plan.lhs_step:
-        rows = plgpu.load(lhs_scale_smem.at[slot, wg_ms], layout=row_layout,
-                          optimized=False)
-      if plan.rhs_step == "column":
-        cols = plgpu.load(rhs_scale_smem.at[slot, wg_ns], layout=col_layout,
-                          optimized=False)
-      elif plan.rhs_step == "block":  # one number per column piece (L2-resident array)
-        blocks = [rhs_step_gmem[bb, kk, lax.div(col0 + p * piece_n, 128)]
-                  for p in range(pieces)]
-      return blk_ref[...], rows, cols, blocks
+  def scales(kk):  # step kk's (rows, cols, block numbers), read from its stage / L2
+    slot = slot_of(kk)
+    rows = cols = None
+    blocks = []
+    if plan.lhs_step:
+      rows = plgpu.load(lhs_scale_smem.at[slot, wg_ms], layout=row_layout, optimized=False)
+    if plan.rhs_step == "column":
+      cols = plgpu.load(rhs_scale_smem.at[slot, wg_ns], layout=col_layout, optimized=False)
+    elif plan.rhs_step == "block":  # one number per column piece
+      blocks = [rhs_step_gmem[bb, kk, lax.div(col0 + p * piece_n, 128)]
+                for p in range(pieces)]
+    return rows, cols, blocks
 
-    blk, rows, cols, blocks = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
-    plgpu.barrier_arrive(consumed.at[slot])
+  def promote(total, blk, rows, cols, blocks):
     if cols is not None:
       blk = blk * lax.broadcast_in_dim(cols, (wg_m, wg_n), [1])
     if not blocks:
@@ -389,7 +390,52 @@ def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consu
         [scaled(blk[:, p * piece_n:(p + 1) * piece_n], number)
          for p, number in enumerate(blocks)], axis=1)
 
-  return lax.fori_loop(0, k_iters, step, jnp.zeros((wg_m, wg_n), jnp.float32))
+  zeros = jnp.zeros((wg_m, wg_n), jnp.float32)
+  if not overlap:
+    def step(kk, total):
+      def block(blk_ref):
+        issue(kk, blk_ref)
+        # The scales are read while the products run; reading blk_ref waits for them.
+        step_scales = scales(kk)
+        return blk_ref[...], step_scales
+
+      blk, step_scales = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
+      plgpu.barrier_arrive(consumed.at[slot_of(kk)])
+      return promote(total, blk, *step_scales)
+
+    return lax.fori_loop(0, k_iters, step, zeros)
+
+  def overlapped(acc_a, acc_b):
+    def retire(kk, acc_ref, total, in_flight):
+      """Promotes step kk from acc_ref once at most in_flight later groups run."""
+      step_scales = scales(kk)
+      blk = plgpu.wgmma_accumulator_load(acc_ref, wait_n=in_flight)
+      plgpu.barrier_arrive(consumed.at[slot_of(kk)])
+      total = promote(total, blk, *step_scales)
+      acc_ref[...] = zeros  # ready for the step after next
+      return total
+
+    # Steps with a successor run in pairs (even steps in acc_a, odd in acc_b), each
+    # retired after its successor was issued; the last step is retired alone.
+    def pair(i, total):
+      kk = 2 * i
+      issue(kk + 1, acc_b)
+      total = retire(kk, acc_a, total, 1)
+      issue(kk + 2, acc_a)
+      return retire(kk + 1, acc_b, total, 1)
+
+    issue(0, acc_a)
+    with_successor = k_iters - 1
+    total = lax.fori_loop(0, with_successor // 2, pair, zeros)
+    last = acc_a
+    if with_successor % 2:
+      issue(with_successor, acc_b)
+      total = retire(with_successor - 1, acc_a, total, 1)
+      last = acc_b
+    return retire(k_iters - 1, last, total, 0)
+
+  return pl.run_scoped(overlapped, plgpu.ACC((wg_m, wg_n), jnp.float32),
+                       plgpu.ACC((wg_m, wg_n), jnp.float32))
 
 
 def _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_gmem,
@@ -485,6 +531,10 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   if config is None:
     config = default_config(m, n, k, out_dtype=out_dtype, promoted=promoted)
   promoted = step_scales or not config.fast_accumulation
+  if interpret and promoted and config.promotion_overlap:
+    raise ValueError("Config.promotion_overlap=True: interpret mode cannot run it (its"
+                     " interpreter does not store into wgmma accumulators, jax 0.11.2,"
+                     " which re-zeroing the block accumulators needs); run it on a GPU")
   bm, bn = config.block_m, config.block_n
   rhs_step = {"step": "column", "block": "block"}.get(rhs_kind)
   check(config, out_dtype, k=k, promoted=promoted, row_scales=lhs_kind == "step",
