@@ -115,7 +115,7 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   status = backends()
   if isinstance(precision, (str, jax.lax.DotAlgorithmPreset)):
     # The fastest backend that keeps the precision's promise (benchmarks --precision,
-    # H100, session 11, TFLOP/s at 4096^3 / 8192^3 / 4097^3, error at 4096^3). Mosaic's
+    # H100, TFLOP/s at 4096^3 / 8192^3 / 4097^3, error at 4096^3). Mosaic's
     # bf16 pieces with X6 (float32_accurate too): 103 / 114 / 85, error 2.0e-7, where
     # XLA's X6 runs 84 / 99 / 32 at 4.4e-6 and IEEE SGEMM 52 / 52 / 45 at 1.15e-6. X9:
     # XLA's errs 2.9e-4 (not 9 products), mosaic's 2.0e-7: mosaic at every size. X3 and
@@ -143,8 +143,8 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   # An epilogue (beta * C, a bias, an activation) with 16-bit inputs: the mosaic kernel
   # applies it to its f32 accumulator before the single store (C through TMA), where XLA
   # writes the product and reads it back in a fusion (or a cuBLASLt bias epilogue).
-  # beta * C: bf16 4096^3 1.10-1.18x, 8192^3 1.06-1.12x the jnp.dot expression (H100,
-  # session 9, four runs; 1.086x at 4096^3 on the H200), 0.87x at 2048^3. Bias (+ GELU):
+  # beta * C: bf16 4096^3 1.10-1.18x, 8192^3 1.06-1.12x the jnp.dot expression (H100;
+  # 1.086x at 4096^3 on the H200), 0.87x at 2048^3. Bias (+ GELU):
   # the MLP layer x(8192x4096) @ W1 + b1 1.13x (1.06x) jnp.dot + b1 (+ jax.nn.gelu),
   # CUPTI. Under a training step's grad it is a wash (wall clock 0.95-1.00x the jnp.dot
   # step across runs, kernel time 0.96x: XLA fuses the bias into cuBLASLt there too, and
@@ -161,16 +161,13 @@ def _auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   ieee_f32 = dtype == np.float32 and precision == jax.lax.Precision.HIGHEST
   # IEEE f32 with a full wave of the cuda kernel's 128x128 tiles (2 blocks per SM) or
   # more and a long K: its stream-K tail evens out the part-full last wave that cuBLAS
-  # leaves (H200, session 5: 3000^3 1.12x, 4097^3 1.07x, 4096^3 1.01x, 8192^3 1.02x);
+  # leaves (H200: 3000^3 1.12x, 4097^3 1.07x, 4096^3 1.01x, 8192^3 1.02x);
   # below a wave or with a short K it lost (2048^3 0.98x, 2047x8191x1023 0.84x), and
   # its layout with both operands K-contiguous (transpose_b alone) runs 0.91x at 4096^3.
   # Not batched: unmeasured. (A backward pass reuses the forward's backend, so the
   # gradient a @ b^T of a cuda forward does run in that layout.)
-  from pallas_gemm import cuda, tuning  # noqa: PLC0415 - imported late, as in _resolve_config
-  tile = cuda.CONFIGS[1]  # 128x128, two blocks per SM
-  full_wave = -(-m // tile.block_m) * -(-n // tile.block_n) >= 2 * tuning.num_sms()
-  if (ieee_f32 and batch == 1 and k >= 2048 and full_wave and (transpose_a or not transpose_b)
-      and status["cuda"] is None):
+  if (ieee_f32 and batch == 1 and k >= 2048 and (transpose_a or not transpose_b)
+      and status["cuda"] is None and _backend_module("cuda").full_wave(m, n)):
     return "cuda"
   # TF32 pays for a transposed copy of B besides the pads: at 997x1009x1013 that lost
   # (0.88x), from 2047x8191x1023 (1.5x) up it wins.

@@ -1,4 +1,7 @@
-"""The "cuda" backend: the seeds' register-tiled SGEMM as an XLA FFI custom call.
+"""The "cuda" backend: a register-tiled SGEMM as an XLA FFI custom call.
+
+The kernel follows the register-tiled SGEMM of "Matrix Multiplication on GPU, Part 2: Tiling" (lawmurray/gpu-gemm),
+generalised to any shape, layout and batch.
 
 Python twin of ``cuda_sgemm.cu`` (read its header for the kernel design). The shared
 library ``_cuda_sgemm.so`` is built by CMake at install time when nvcc is present;
@@ -45,7 +48,7 @@ _CONFIG_FIELDS = (
 # (block_m, block_n, block_k, warp_m, warp_n, thread_m, thread_n, stages); the
 # library exports the same list (tests/test_cuda_plumbing.py checks they agree).
 _TILED = (
-    (256, 128, 8, 64, 64, 8, 16, 4),  # the seeds' kernel: 8 warps, 1 block per SM
+    (256, 128, 8, 64, 64, 8, 16, 4),  # the original design's tile: 8 warps, 1 block per SM
     (128, 128, 8, 64, 64, 8, 16, 4),  # its warp/thread tiles: 4 warps, 2 blocks per SM
     (128, 64, 8, 64, 32, 8, 8, 4),    # 4 warps, 3 blocks per SM
 )
@@ -63,7 +66,7 @@ class Config:
   thread (registers); stages: depth of the cp.async pipeline.
 
   Fields left out are filled from the first compiled configuration that matches the
-  given ones (``Config()`` is the seeds' 256×128 kernel, ``Config(block_m=128,
+  given ones (``Config()`` is the 256×128 kernel, ``Config(block_m=128,
   block_n=64)`` the 128×64 one); ``TEXTBOOK`` is the textbook 32×32 kernel.
 
   stream_k: where a grid of whole tiles would leave some of the GPU's resident block
@@ -132,18 +135,31 @@ CONFIGS = tuple(Config(**dict(zip(_CONFIG_FIELDS, c))) for c in _TILED)
 TEXTBOOK = Config(**dict(zip(_CONFIG_FIELDS, _TEXTBOOK)))
 
 
-def default_config(m: int, n: int, k: int, dtype) -> Config:
+# Autotuning candidates (tuning.default_candidates): the template instances compiled into
+# cuda_sgemm.cu (compiled_configs()).
+TUNING_GRID = {"f32": {("block_m", "block_n"): ((256, 128), (128, 128), (128, 64))}}
+
+
+def full_wave(m: int, n: int) -> bool:
+  """Whether an m x n output fills a whole wave of the 128x128 tiles at two blocks per SM,
+  from where stream-K evens out the part-full last wave (api's backend choice)."""
+  tile = CONFIGS[1]
+  return -(-m // tile.block_m) * -(-n // tile.block_n) >= 2 * tuning.num_sms()
+
+
+def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None, c_dtype=None,
+                   precision=None) -> Config:
   """128x128 where its tiles number at least 0.9x the SMs (0.45 of a wave at 2 blocks per
   SM), else 128x64 (more, smaller tiles for small outputs).
 
   From a full wave of 128x128 tiles up, stream-K (the default) evens out the part-full
-  last wave that used to make 128x64 the better tile for e.g. 4097^3 (4.1 waves): 1.07x
-  jnp.dot vs 1.02x on the H200. Below a wave the kernel runs whole tiles (see
-  MakeSchedule in cuda_sgemm.cu). The seeds' 256x128 is not a default: the 128x128 block
+  last wave, which makes 128x128 beat 128x64 for e.g. 4097^3 (4.1 waves): 1.07x jnp.dot
+  vs 1.02x on the H200. Below a wave the kernel runs whole tiles (see MakeSchedule in
+  cuda_sgemm.cu). The 256x128 tile is not a default: the 128x128 block
   with the same warp and thread tiles ran 5-16% faster for NN and NT at 2048^3 and 4096^3
   on the H200 (4% slower for TT).
   """
-  del k, dtype  # the tile choice depends only on the output grid; dtype is f32
+  del k, dtype, out_dtype, c_dtype, precision  # the tile depends only on the output grid
   tile, small = CONFIGS[1], CONFIGS[2]  # 128x128, 128x64
   blocks = math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n)
   return tile if blocks >= 0.9 * tuning.num_sms() else small
@@ -341,13 +357,13 @@ def _nt_copy(batch: int, m: int, n: int, k: int, batch_b: int) -> str | None:
   "a", "b" or None.
 
   The kernel runs NT at 0.913x cuBLAS at 4096^3 where TT (a copied to (K, M)) runs 1.022x
-  and NN (b copied to (K, N)) 1.007x (H200, session 5, `probe.py cuda`); no issue-step
+  and NN (b copied to (K, N)) 1.007x (H200); no issue-step
   variant closed the gap. NT is the layout of a backward pass's g @ W^T, e.g. the MLP
   step's dh = g_y @ W2^T (one of its five f32 GEMMs; the step ran 0.98x jnp.dot's).
   A copy of a moves 8*M*K bytes (about 66.7/N of the GEMM's time at 50 TFLOP/s and
   3 TB/s) to save 9%: the smaller operand is copied when its ratio is below 3%.
-  Measured (H100, session 10): NT through the copy 1.001x jnp.dot at 4096^3 (TT 1.019x,
-  NN 1.002x in the same run); the f32 HIGHEST MLP step went from 0.98x to 0.995-0.997x.
+  Measured (H100): NT through the copy 1.001x jnp.dot at 4096^3 (TT 1.019x, NN 1.002x
+  alongside); the f32 HIGHEST MLP step runs 0.995-0.997x jnp.dot's (0.98x without it).
   """
   a_elems, b_elems = batch * m * k, batch_b * n * k
   if a_elems <= b_elems and n >= _NT_COPY_MIN_OTHER_DIM:

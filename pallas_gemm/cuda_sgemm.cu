@@ -4,8 +4,9 @@
 // where op(A) is M×K, op(B) is K×N, and every matrix is row-major (C order).
 // The Python twin is pallas_gemm/cuda.py.
 //
-// Design (the seeds' kernel, seed 000, generalised to any shape, layout and batch):
-//   * A thread block computes BM×BN output tiles (256×128 in the seeds' configuration),
+// Design: the register-tiled SGEMM of "Matrix Multiplication on GPU, Part 2: Tiling"
+// (lawmurray/gpu-gemm), generalised to any shape, layout and batch:
+//   * A thread block computes BM×BN output tiles (256×128 in that design's configuration),
 //     numbered along a generalised Hilbert curve, so the blocks resident at one time
 //     share rows of A and columns of B in L2. Where whole tiles would leave block slots
 //     idle in the last wave, the last waves are shared out by K-slices (stream-K) and
@@ -24,7 +25,7 @@
 //     Both need every stored row and base pointer 16-byte aligned: cuda.py pads rows
 //     to multiples of 4 floats, and the handler refuses anything else.
 //     So the usual C = A @ B (row-major) transposes A and copies B straight; that is
-//     the mirror image of the seed, which is column-major and transposes B.
+//     the mirror image of the original design, which is column-major and transposes B.
 //   * Each warp owns a WM×WN sub-tile. The warps of one warp-row load that row's slice
 //     of A and the warps of one warp-column load that column's slice of B; one
 //     block-wide bar.sync per K-slice publishes a landed stage and frees a read one.
@@ -329,7 +330,7 @@ struct TileConfig {
   // byte counter masked with (STAGES * stage bytes - 1) addresses every stage of both
   // operands (see the main loop). It costs shared memory (128x128: 64 KB per block
   // instead of 34 KB) and saves the stage-index arithmetic; with the FFMA order of
-  // OuterProduct it measured +2.5% at 4096^3 and 8192^3 (session 4 notes).
+  // OuterProduct it measured +2.5% at 4096^3 and 8192^3.
   static constexpr int kStageFloats = [] {
     int p = 1;
     while (p < BK * kLdsA || p < BK * kLdsB) p *= 2;
@@ -505,8 +506,8 @@ struct RegSliceLoader {
 // acc += a ⊗ b, one k step of a thread tile. The order of the FFMAs in the PTX steers
 // ptxas's scheduling and register assignment: column by column with the rows in
 // serpentine order (consecutive FFMAs share an operand across the turn) measured
-// 2.5-7% faster than row by row (session 4: NN 0.937 -> 0.963x jnp.dot at 4096^3,
-// TT 0.887 -> 0.954x) with the same instruction count.
+// 2.5-7% faster than row by row (NN 0.963x jnp.dot at 4096^3 against 0.937x, TT 0.954x
+// against 0.887x) with the same instruction count.
 template <int TM, int TN>
 __device__ __forceinline__ void OuterProduct(float (&acc)[TM][TN], const float* a,
                                              const float* b) {
@@ -549,12 +550,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
   // Steps of a slice at which the next copies are issued (spread among the FFMAs).
   // Which steps issue them depends on the layout: chosen by measurement, since it moves
   // ptxas's schedule (128x128 on the H200, call-by-call ratios to jnp.dot HIGHEST at
-  // 4096^3. Session 4: NN with A at step 3 and B at 0: 0.963 -> 0.996x; TT with A at 2
-  // and B at 6: 0.954 -> 0.979x. Session 5, after the stream-K work loop moved the
-  // schedule again: NN A at 1, 2, 3 within 0.3% (0 and 5: -3%), then B at 4 instead of
-  // 0: 1.003 -> 1.014x (8192^3: 1.008 -> 1.021x; B at 1 or 2: -1.5%); the other two
-  // layouts A at 0 and B at BK/4: transpose_a 0.969 -> 0.985x, transpose_b 0.913 ->
-  // 0.925x).
+  // 4096^3): NN with A at 3 (1, 2, 3 within 0.3%; 0 and 5: -3%) and B at 4 (1.014x
+  // against 1.003x with B at 0; 8192^3: 1.021x against 1.008x; B at 1 or 2: -1.5%); TT
+  // with A at 2 and B at 6 (0.979x against 0.954x); the other two layouts A at 0 and B
+  // at BK/4 (transpose_a 0.985x against 0.969x, transpose_b 0.925x against 0.913x).
   constexpr bool kNN = kAKContig && !kBKContig, kTT = !kAKContig && kBKContig;
   constexpr int kIssueStepA = BK < 8 ? 0 : kNN ? 3 * BK / 8 : kTT ? BK / 4 : 0;
   constexpr int kIssueStepB = BK < 8 ? 0 : kNN ? BK / 2 : kTT ? 3 * BK / 4 : BK / 4;
@@ -847,7 +846,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks)
 }
 
 // ---------------------------------------------------------------------------
-// The seeds' textbook shared-memory kernel (TILE×TILE threads, one output each),
+// The textbook shared-memory kernel (TILE×TILE threads, one output each),
 // kept as the baseline the benchmark compares against. Correct for any shape.
 // ---------------------------------------------------------------------------
 
@@ -1016,13 +1015,13 @@ constexpr TiledEntry MakeEntry() {
            {LaunchTiled<Cfg, true, false>, LaunchTiled<Cfg, true, true>}}};
 }
 
-// The seeds' kernel: 256×128 block, 8 warps of 64×64, 8×16 per thread, 4 stages;
+// The original design's tile: 256×128 block, 8 warps of 64×64, 8×16 per thread, 4 stages;
 // 128 KB shared memory (power-of-two stages), one block per SM.
 using Config256x128 = TileConfig<256, 128, 8, 64, 64, 8, 16, 4, 1>;
-// The seeds' warp and thread tiles in a 128×128 block: 4 warps of 64×64, 8×16 per
+// The same warp and thread tiles in a 128×128 block: 4 warps of 64×64, 8×16 per
 // thread, two blocks per SM. Two independent blocks whose barriers each hold 4 warps
 // instead of one whose barrier holds 8: on the H200 it beat 256×128 by 5-16% (NN, NT)
-// at 2048^3 and 4096^3 and lost 4% on TT (results/2026-11-22-h200/session3/run1).
+// at 2048^3 and 4096^3 and lost 4% on TT.
 using Config128x128 = TileConfig<128, 128, 8, 64, 64, 8, 16, 4, 2>;
 // Smaller still: 4 warps of 64×32, 8×8 per thread, three blocks per SM (at four, the
 // 128-register cap spills).

@@ -21,8 +21,14 @@ Every rule JAX needs lives here, so "what happens under jit with shardings" is o
   (Shardy, jax's default) runs the local GEMM on each device's shard instead of gathering
   the operands onto every device (`_partition` states the plan: batch/M/N-sharded -> no
   collective; K-sharded -> f32 partial sums, one all-reduce (or a reduce-scatter, then
-  beta*C and the cast on each device's rows, then a 16-bit all-gather); on mosaic with K
-  over two GPUs, no collective: its pair kernels exchange the f32 rows themselves).
+  beta*C and the cast on each device's rows, then a 16-bit all-gather); with K over two
+  GPUs and a backend with pair kernels (`pair_gemm`: mosaic), no collective: they
+  exchange the f32 rows themselves).
+
+What a backend module offers beyond `gemm` (`Config`, `default_config`, `supports`, ...)
+is read from optional attributes: FUSED_ACTIVATIONS / FUSED_GATES / KEEPS_PRE (what its
+epilogue fuses), XLA_PARTITIONS (XLA partitions its call natively), INTERPRET_EFFECTS
+(its interpret mode has effects), pair_gemm / pair_reason (K split over two GPUs).
   On one device, or inside `shard_map` (all axes manual), it is the plain kernel call.
 """
 
@@ -47,7 +53,7 @@ from jax._src import config, core, dispatch
 from pallas_gemm import epilogue
 
 F32 = np.dtype(np.float32)
-# Whether a K split over two GPUs runs mosaic's pair kernels (`_pair_axis`). False: the
+# Whether a K split over two GPUs runs a backend's pair kernels (`_pair_axis`). False: the
 # NCCL collectives of `_partition` instead (the benchmark times both). Read when a call is
 # partitioned, i.e. compiled.
 PAIR_KERNELS = True
@@ -90,30 +96,41 @@ class Plan:
       raise ValueError("Plan.a_given is act(a) for a_activation: it needs one, and no a_gate")
 
 
-def _args(a, b, c=None, bias=None, aux=None) -> list:
-  """The primitive's operand list: a, b, then those present of aux, c, bias."""
-  return [x for x in (a, b, aux, c, bias) if x is not None]
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["a", "b", "aux", "c", "bias"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Operands:
+  """The primitive's traced operands, an absent one None: a pytree whose leaves are the
+  primitive's arguments (a, b, then those present of aux, c, bias) and whose treedef is
+  its static `tree` parameter, so the rules below read operands by name. c is present
+  exactly when plan.beta != 0, bias when plan.bias, aux (a's gate, or act(a) given)
+  when plan.a_gate or plan.a_given. A kernel family with more traced inputs (scales,
+  group sizes) adds fields here, not presence flags."""
+  a: Any
+  b: Any
+  c: Any = None
+  bias: Any = None
+  aux: Any = None
+
+
+def _bind(plan: Plan, ops: Operands) -> list:
+  leaves, tree = jax.tree.flatten(ops)
+  return gemm_p.bind(*leaves, plan=plan, tree=tree)
 
 
 def bind(plan: Plan, a, b, c=None, bias=None, aux=None):
   """act(alpha * op(a) @ op(b) [+ beta * c] [+ bias]) on normalised operands (see
-  `_contract.md`); c is present exactly when plan.beta != 0, bias when plan.bias, aux
-  when plan.a_gate or plan.a_given. A keep_pre plan returns (act(z), z)."""
-  outs = gemm_p.bind(*_args(a, b, c, bias, aux), plan=plan)
+  `_contract.md` and `Operands`). A keep_pre plan returns (act(z), z)."""
+  outs = _bind(plan, Operands(a, b, c=c, bias=bias, aux=aux))
   return tuple(outs) if plan.keep_pre else outs[0]
 
 
-def _has_aux(plan: Plan) -> bool:
-  return plan.a_gate is not None or plan.a_given
-
-
-def _operands(plan: Plan, args):
-  """(a, b, c, bias, aux), each absent one None, from the primitive's operand list."""
-  a, b, *rest = args
-  aux = rest.pop(0) if _has_aux(plan) else None
-  c = rest.pop(0) if plan.beta != 0.0 else None
-  bias = rest.pop(0) if plan.bias else None
-  return a, b, c, bias, aux
+def _per_operand(tree, **values) -> list:
+  """values[name] for each operand present in `tree`, in the primitive's argument order."""
+  present = tree.unflatten([True] * tree.num_leaves)
+  return tree.flatten_up_to(Operands(**{
+      f.name: values[f.name] if getattr(present, f.name) is not None else None
+      for f in dataclasses.fields(Operands)}))
 
 
 def _prologue(plan: Plan, a, aux):
@@ -148,18 +165,23 @@ def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
   return dataclasses.replace(new, config=config)
 
 
-def _local_operands(plan: Plan, args):
-  """(a as the product reads it, b, c, bias) from the primitive's (local) operand list."""
-  a, b, c, bias, aux = _operands(plan, args)
+def _local_operands(plan: Plan, ops: Operands):
+  """(a as the product reads it, b, c, bias) from the (local) operands."""
+  a, b, c, bias, aux = ops.a, ops.b, ops.c, ops.bias, ops.aux
   if plan.a_activation is not None or plan.a_gate is not None:
     a = _prologue(plan, a, aux)  # elementwise: the same on a as on op(a)
   return a, b, c, bias
 
 
-def _kernel(plan: Plan, *args):
+def _module(plan: Plan):
+  """The backend module of the call (pallas_gemm.<backend>)."""
+  return importlib.import_module(f"pallas_gemm.{plan.backend}")
+
+
+def _kernel(plan: Plan, ops: Operands):
   """The backend call on (local) operands: its result, or (act(z), z) for keep_pre."""
-  a, b, c, bias = _local_operands(plan, args)
-  module = importlib.import_module(f"pallas_gemm.{plan.backend}")
+  a, b, c, bias = _local_operands(plan, ops)
+  module = _module(plan)
   call = functools.partial(
       module.gemm, a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
       transpose_b=plan.transpose_b, precision=plan.precision, config=plan.config,
@@ -181,7 +203,7 @@ def _kernel(plan: Plan, *args):
     return call(c, beta=plan.beta, out_dtype=plan.out_dtype, bias=bias, activation=kernel_act,
                 **({"keep_pre": True} if plan.keep_pre else {}))
   if plan.keep_pre:  # z from the kernel, act(z) in XLA (as the JVP of an activation does)
-    z = _kernel(dataclasses.replace(plan, activation=None, keep_pre=False), *args)
+    z = _kernel(dataclasses.replace(plan, activation=None, keep_pre=False), ops)
     return epilogue.activated(z, plan.activation), z
   acc = call(c, beta=plan.beta, out_dtype=F32,
              **({} if fused is None else dict(bias=kernel_bias, activation=None)))
@@ -198,7 +220,7 @@ dispatch.prim_requires_devices_during_lowering.add(gemm_p)
 
 
 @gemm_p.def_effectful_abstract_eval
-def _abstract_eval(a, b, *rest, plan):
+def _abstract_eval(a, b, *rest, plan, tree):
   m, n, _ = _mnk(plan, a.shape, b.shape)
   # Inside jax.shard_map the result varies over the manual axes the operands vary over.
   manual = {x.manual_axis_type for x in (a, b, *rest)}
@@ -210,16 +232,17 @@ def _abstract_eval(a, b, *rest, plan):
   # a's aval carries the mesh context (shard_map's manual axes) the result lives in.
   out = a.update(shape=(a.shape[0], m, n), dtype=np.dtype(plan.out_dtype), weak_type=False)
   avals = (core.ShapedArray(x.shape, x.dtype) for x in (a, b, *rest))
-  return [out] * (1 + plan.keep_pre), _effects(plan, *avals)
+  return [out] * (1 + plan.keep_pre), _effects(plan, tree, *avals)
 
 
 @functools.lru_cache(maxsize=256)
-def _effects(plan: Plan, *avals):
-  """The kernel's effects: none on a GPU; Mosaic GPU's interpreter (CPU) keeps its
-  simulated GPU state through ordered io_callbacks, which the primitive must declare."""
-  if not (plan.backend == "mosaic" and plan.interpret):
+def _effects(plan: Plan, tree, *avals):
+  """The kernel's effects: none on a GPU; a backend whose interpret mode has some
+  (INTERPRET_EFFECTS: Mosaic GPU's interpreter keeps its simulated GPU state through
+  ordered io_callbacks) has them traced here, as the primitive must declare them."""
+  if not (plan.interpret and getattr(_module(plan), "INTERPRET_EFFECTS", False)):
     return core.no_effects
-  return jax.make_jaxpr(functools.partial(_kernel, plan))(*avals).effects
+  return jax.make_jaxpr(functools.partial(_flat_kernel, plan, tree))(*avals).effects
 
 
 # ----------------------------------------------------------------------------- JVP
@@ -234,12 +257,12 @@ def _zero_like(out):
   return ad.Zero(core.typeof(out).to_tangent_aval())
 
 
-def _jvp_rule(primals, tangents, *, plan):
-  out, tangent = _jvp(primals, tangents, plan=plan)
+def _jvp_rule(primals, tangents, *, plan, tree):
+  out, tangent = _jvp(tree.unflatten(primals), tree.unflatten(tangents), plan=plan)
   return (list(out), list(tangent)) if plan.keep_pre else ([out], [tangent])
 
 
-def _jvp(primals, tangents, *, plan, primal_out=None):
+def _jvp(primals: Operands, tangents: Operands, *, plan, primal_out=None):
   """(out, tangent), both pairs for a keep_pre plan; primal_out: out already computed."""
   if plan.activation is not None:
     # act(z): z (bias included) from the kernel without the activation, rounded to the
@@ -247,7 +270,7 @@ def _jvp(primals, tangents, *, plan, primal_out=None):
     # keep_pre plan computes act(z) and z in one kernel, and only the tangent here.
     linear = dataclasses.replace(plan, activation=None, keep_pre=False)
     if plan.keep_pre:
-      out, z = bind(plan, *_operands(plan, primals))
+      out, z = _bind(plan, primals)
       _, dz = _jvp(primals, tangents, plan=linear, primal_out=z)
     else:
       z, dz = _jvp(primals, tangents, plan=linear)
@@ -260,8 +283,9 @@ def _jvp(primals, tangents, *, plan, primal_out=None):
     return ((out, z), (dout, dz)) if plan.keep_pre else (out, dout)
   if plan.c_gate is not None:
     return _jvp_c_gate(primals, tangents, plan)
-  a, b, c, bias, aux = _operands(plan, primals)
-  da, db, dc, dbias, daux = _operands(plan, tangents)
+  a, b, c, bias, aux = primals.a, primals.b, primals.c, primals.bias, primals.aux
+  da, db, dc, dbias, daux = (tangents.a, tangents.b, tangents.c, tangents.bias,
+                             tangents.aux)
   if plan.a_gate is not None:
     # A second-order path (the first-order JVP only creates a_gate plans): the prologue
     # act'(aux) * a and its tangent in XLA, then the product of a plain plan.
@@ -308,11 +332,11 @@ def _jvp(primals, tangents, *, plan, primal_out=None):
 def _jvp_c_gate(primals, tangents, plan):
   """act'(c) * p with p = alpha*op(a)@op(b): the primal fused, the tangent act'(c) * dp +
   act''(c) * dc * p in XLA (a second-order path: only a transpose creates these plans)."""
-  a, b, c, _, aux = _operands(plan, primals)
-  da, db, dc, _, daux = _operands(plan, tangents)
+  a, b, c, aux = primals.a, primals.b, primals.c, primals.aux
+  da, db, dc, daux = tangents.a, tangents.b, tangents.c, tangents.aux
   out = bind(plan, a, b, c, aux=aux)
   inner = dataclasses.replace(plan, c_gate=None, beta=0.0)
-  p, dp = _jvp(_args(a, b, aux=aux), _args(da, db, aux=daux), plan=inner)
+  p, dp = _jvp(Operands(a, b, aux=aux), Operands(da, db, aux=daux), plan=inner)
   gate = lambda p, c: epilogue.apply(p.astype(F32), c, None, beta=0.0,  # noqa: E731
                                      activation=None, out_dtype=plan.out_dtype,
                                      c_gate=plan.c_gate)
@@ -328,13 +352,14 @@ ad.primitive_jvps[gemm_p] = _jvp_rule
 # ----------------------------------------------------------------------------- transpose
 
 
-def _transpose(cts, *args, plan):
+def _transpose(cts, *args, plan, tree):
   """Cotangents of the linear operands (a or b, and c, bias) of
   alpha*op(a)@op(b) + beta*c + bias (the JVP never leaves an activation to transpose),
   with a's gate act'(aux) * a or the output's gate act'(c) * (...)."""
   assert plan.activation is None and plan.a_activation is None, "not linear"
   g, = cts
-  a, b, c, bias, aux = _operands(plan, args)
+  ops = tree.unflatten(args)
+  a, b, c, bias, aux = ops.a, ops.b, ops.c, ops.bias, ops.aux
   a_lin, b_lin = ad.is_undefined_primal(a), ad.is_undefined_primal(b)
   assert not (a_lin and b_lin), "gemm is bilinear: a and b cannot both be linear"
   assert not ad.is_undefined_primal(aux), "a gate is not linear in its aux"
@@ -383,14 +408,12 @@ def _transpose(cts, *args, plan):
       db = mm(a3, g_c, trans_x=not ta_c, trans_y=False, out_dtype=b_aval.dtype)
     else:  # dB^T = alpha * g^T @ op(a)
       db = mm(g_c, a3, trans_x=True, trans_y=ta_c, out_dtype=b_aval.dtype)
-  cotangents = [da, db] + [None] * (aux is not None)
-  if c is not None:
-    cotangents.append((plan.beta * g.astype(F32)).astype(c.aval.dtype)
-                      if ad.is_undefined_primal(c) else None)
-  if bias is not None:
-    cotangents.append(jnp.sum(g.astype(F32), axis=(0, 1)).astype(bias.aval.dtype)
-                      if ad.is_undefined_primal(bias) else None)
-  return cotangents
+  dc = dbias = None
+  if c is not None and ad.is_undefined_primal(c):
+    dc = (plan.beta * g.astype(F32)).astype(c.aval.dtype)
+  if bias is not None and ad.is_undefined_primal(bias):
+    dbias = jnp.sum(g.astype(F32), axis=(0, 1)).astype(bias.aval.dtype)
+  return tree.flatten_up_to(Operands(da, db, c=dc, bias=dbias, aux=None))
 
 
 ad.primitive_transposes[gemm_p] = _transpose
@@ -399,7 +422,7 @@ ad.primitive_transposes[gemm_p] = _transpose
 # ----------------------------------------------------------------------------- batching
 
 
-def _batch(args, dims, *, plan):
+def _batch(args, dims, *, plan, tree):
   """Folds the vmapped axis V into the batch axis: (V, B, r, c) -> (V*B, r, c)."""
   size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
   moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
@@ -420,17 +443,18 @@ def _batch(args, dims, *, plan):
   outs = 1 + plan.keep_pre
   if size * batch == 0:  # an empty vmapped axis: nothing for a kernel to do
     return [jnp.zeros((size, batch, m, n), plan.out_dtype)] * outs, [0] * outs
-  a, b, c, bias, aux = _operands(plan, moved)
-  _, _, c_mapped, bias_mapped, aux_mapped = _operands(plan, mapped)
+  ops, is_mapped = tree.unflatten(moved), tree.unflatten(mapped)
+  a, b, c, bias, aux = ops.a, ops.b, ops.c, ops.bias, ops.aux
+  c_mapped, bias_mapped, aux_mapped = is_mapped.c, is_mapped.bias, is_mapped.aux
   if bias is not None and bias_mapped:
     # One bias per vmapped entry is no longer one (N,) vector for the kernel: it joins C.
     rows = jnp.broadcast_to(bias[:, None, None, :].astype(F32), (size, batch, m, n))
     c = rows if c is None else rows + plan.beta * c.astype(F32)
     c_mapped, bias, plan = True, None, dataclasses.replace(plan, beta=1.0, bias=False)
-  folded = [fold(a, mapped[0]), fold(b, mapped[1], keep_shared=b.shape[0] == 1),
-            None if c is None else fold(c, c_mapped), bias,
-            None if aux is None else fold(aux, aux_mapped)]
-  out = gemm_p.bind(*_args(*folded), plan=plan)
+  folded = Operands(fold(a, mapped[0]), fold(b, mapped[1], keep_shared=b.shape[0] == 1),
+                    c=None if c is None else fold(c, c_mapped), bias=bias,
+                    aux=None if aux is None else fold(aux, aux_mapped))
+  out = _bind(plan, folded)
   return [x.reshape((size, batch, m, n)) for x in out], [0] * outs
 
 
@@ -505,7 +529,7 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
   return chosen
 
 
-def _partition(plan: Plan, mesh, arg_shapes, result_shape):
+def _partition(plan: Plan, tree, mesh, arg_shapes, result_shape):
   if plan.keep_pre:  # (act(z), z): both laid out alike
     result_shape = result_shape[0]
   f = _plan_sharding(plan, mesh, arg_shapes, result_shape)
@@ -516,23 +540,24 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
   out_spec = (bt, m + k if f["scatter"] else m, n)
   named = lambda spec: NamedSharding(mesh, PartitionSpec(*map(_entry, spec)))  # noqa: E731
-  arg_shardings = [named(a_spec), named(b_spec)] + [named(a_spec)] * _has_aux(plan)
-  arg_shardings += [named(out_spec)] * (plan.beta != 0.0) + [named((n,))] * plan.bias
+  arg_shardings = _per_operand(tree, a=named(a_spec), b=named(b_spec), aux=named(a_spec),
+                               c=named(out_spec), bias=named((n,)))
 
   pair = _pair_axis(plan, mesh, f, arg_shapes)
 
   def local(*args):
+    ops = tree.unflatten(args)
     if not k:
-      return _kernel(plan, *args)
+      return _kernel(plan, ops)
     if pair is not None:
-      return _pair_kernel(plan, pair, not f["scatter"], *args)
+      return _pair_kernel(plan, pair, not f["scatter"], ops)
     # K split over devices: f32 partial sums, cast only after the sum (as one GEMM
     # would), then beta*C (or the gate), the bias and the activation once. a's
     # prologue is elementwise: each device applies it to its own K shard.
-    a, b, c, bias, aux = _operands(plan, args)
+    c, bias = ops.c, ops.bias
     partial = _kernel(dataclasses.replace(plan, beta=0.0, out_dtype=F32, bias=False,
                                           activation=None, c_gate=None, keep_pre=False),
-                      *_args(a, b, aux=aux))
+                      Operands(ops.a, ops.b, aux=ops.aux))
     finish = functools.partial(epilogue.apply, beta=plan.beta, activation=plan.activation,
                                out_dtype=plan.out_dtype, c_gate=plan.c_gate)
     if plan.keep_pre:
@@ -542,7 +567,7 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
     elif f["gather"]:
       # A replicated 16-bit result: reduce-scatter the f32 partials by rows, finish each
       # device's rows, all-gather them in the output dtype. 3/4 of an f32 all-reduce's
-      # bytes (bf16 16384^3 on 2 H200s: 8.89 vs 9.30 ms, `probe.py ksplit`).
+      # bytes (bf16 16384^3 on 2 H200s: 8.89 vs 9.30 ms).
       acc = jax.lax.psum_scatter(partial, k, scatter_dimension=1, tiled=True)
       if c is not None:
         rows = acc.shape[1]
@@ -560,40 +585,38 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
 
 
 def _pair_axis(plan: Plan, mesh, f: dict, arg_shapes) -> str | None:
-  """The mesh axis of a K split that mosaic's `pair_gemm` sums with no collective (two
-  devices exchange f32 partial rows over NVLink inside its kernels), or None for the
-  collectives of `_partition`. It needs: mosaic on a GPU, K split over one axis of two
-  devices, a result replicated over it or sharded by rows over it (which the pair
-  kernels produce), no C (its C operand carries the received partial), an epilogue the
-  kernel fuses, local shapes of whole tiles (`mosaic.pair_reason`), and mosaic's own
-  device numbering (mesh device ids 0..n-1 in order). The pair kernels use the shape
-  defaults for their halves of the rows, not plan.config (only its num_sms)."""
+  """The mesh axis of a K split that the backend's `pair_gemm` sums with no collective
+  (two devices exchange f32 partial rows over NVLink inside its kernels), or None for the
+  collectives of `_partition`. It needs: a backend with pair kernels, on a GPU, K split
+  over one axis of two devices, a result replicated over it or sharded by rows over it
+  (which the pair kernels produce), no C (its C operand carries the received partial),
+  an epilogue the kernel fuses, local shapes it accepts (`pair_reason`), and the
+  kernels' own device numbering (mesh device ids 0..n-1 in order). The pair kernels
+  pick their own configs, from plan.config only its num_sms."""
   k = f["k"]
-  if (not PAIR_KERNELS or plan.backend != "mosaic" or plan.interpret or len(k) != 1
+  if (not PAIR_KERNELS or plan.interpret or len(k) != 1
       or mesh.shape[k[0]] != 2 or plan.beta != 0.0 or plan.c_gate is not None
       or not (f["scatter"] or f["gather"] or np.dtype(plan.out_dtype) == F32)
       or not np.array_equal(np.ravel(mesh.device_ids), np.arange(mesh.size))):
     return None
-  from pallas_gemm import mosaic  # noqa: PLC0415 - imports Mosaic GPU only when used
-
-  if plan.activation not in mosaic.FUSED_ACTIVATIONS:
+  module = _module(plan)
+  if (getattr(module, "pair_gemm", None) is None
+      or plan.activation not in getattr(module, "FUSED_ACTIVATIONS", ())):
     return None
   m, n, kk = _mnk(plan, arg_shapes[0].shape, arg_shapes[1].shape)
   sizes = [(m, f["m"]), (n, f["n"]), (kk, k)]
   if any(size % _size(mesh, axes) for size, axes in sizes):
     return None  # an uneven shard: its local shape is not one size
   local = [size // _size(mesh, axes) for size, axes in sizes]
-  why = mosaic.pair_reason(*local, arg_shapes[0].dtype, plan.out_dtype, plan.interpret,
+  why = module.pair_reason(*local, arg_shapes[0].dtype, plan.out_dtype, plan.interpret,
                            plan.config.num_sms)
   return None if why else k[0]
 
 
-def _pair_kernel(plan: Plan, axis: str, gather: bool, *args):
-  """`_kernel` of a K split over the two devices of `axis`, by mosaic.pair_gemm."""
-  from pallas_gemm import mosaic  # noqa: PLC0415
-
-  a, b, _, bias = _local_operands(plan, args)
-  return mosaic.pair_gemm(
+def _pair_kernel(plan: Plan, axis: str, gather: bool, ops: Operands):
+  """`_kernel` of a K split over the two devices of `axis`, by the backend's pair_gemm."""
+  a, b, _, bias = _local_operands(plan, ops)
+  return _module(plan).pair_gemm(
       a, b, axis=axis, gather=gather, alpha=plan.alpha, transpose_a=plan.transpose_a,
       transpose_b=plan.transpose_b, out_dtype=plan.out_dtype, num_sms=plan.config.num_sms,
       bias=bias, activation=plan.activation, keep_pre=plan.keep_pre)
@@ -605,7 +628,7 @@ def _finish_pair(plan: Plan, acc, c, bias):
   return epilogue.activated(z, plan.activation), z
 
 
-def _sharding_rule(plan: Plan, mesh, value_types, result_types):
+def _sharding_rule(plan: Plan, tree, mesh, value_types, result_types):
   """Shardy's einsum-like rule: b(atch), m, n, k(contracting); s: a shared b's batch of 1;
   the bias runs along n; a gate's aux is laid out as a."""
   del mesh, result_types
@@ -613,37 +636,44 @@ def _sharding_rule(plan: Plan, mesh, value_types, result_types):
   shared_b = _shared_b(shapes[0], shapes[1])
   a = "b k m" if plan.transpose_a else "b m k"
   b = ("s" if shared_b else "b") + (" n k" if plan.transpose_b else " k n")
-  operands = [a, b] + [a] * _has_aux(plan) + ["b m n"] * (plan.beta != 0.0)
-  operands += ["n"] * plan.bias
+  operands = _per_operand(tree, a=a, b=b, aux=a, c="b m n", bias="n")
   results = ", ".join(["b m n"] * (1 + plan.keep_pre))
   return f"{', '.join(operands)} -> {results}", {"reduction_factors": ("k",)}
 
 
+def _flat_kernel(plan: Plan, tree, *args):
+  return _kernel(plan, tree.unflatten(args))
+
+
 @functools.lru_cache(maxsize=None)
-def _partitioned(plan: Plan):
-  call = custom_partitioning(functools.partial(_kernel, plan))
+def _partitioned(plan: Plan, tree):
+  call = custom_partitioning(functools.partial(_flat_kernel, plan, tree))
   call.def_partition(
-      partition=functools.partial(_partition, plan),
-      sharding_rule=functools.partial(_sharding_rule, plan))
+      partition=functools.partial(_partition, plan, tree),
+      sharding_rule=functools.partial(_sharding_rule, plan, tree))
   return call
 
 
 def partitioned(plan: Plan) -> bool:
   """Whether the call lowers through custom_partitioning (see the module docstring).
 
-  Not for "xla" (lax.dot_general, which XLA partitions natively), nor for Mosaic GPU's
-  interpreter: it runs on ordered io_callbacks, which custom_partitioning cannot lower, so
-  that CPU-only debugging path runs on gathered operands.
+  Not for a backend that XLA partitions natively (XLA_PARTITIONS: lax.dot_general), nor
+  for an interpret mode with effects (INTERPRET_EFFECTS: Mosaic GPU's interpreter runs on
+  ordered io_callbacks, which custom_partitioning cannot lower, so that CPU-only
+  debugging path runs on gathered operands).
   """
-  return plan.backend != "xla" and not (plan.backend == "mosaic" and plan.interpret)
+  module = _module(plan)
+  return not (getattr(module, "XLA_PARTITIONS", False)
+              or (plan.interpret and getattr(module, "INTERPRET_EFFECTS", False)))
 
 
-def _lowering(*args, plan):
-  out = _partitioned(plan)(*args) if partitioned(plan) else _kernel(plan, *args)
+def _lowering(*args, plan, tree):
+  out = (_partitioned(plan, tree)(*args) if partitioned(plan)
+         else _kernel(plan, tree.unflatten(args)))
   return list(out) if plan.keep_pre else [out]
 
 
-def _lower(ctx, *args, plan):
+def _lower(ctx, *args, plan, tree):
   # The partitioner, not the avals, carries the shardings from here on: traced with the
   # avals' shardings, a K-sharded lax.dot_general (backend "xla") refuses to guess an
   # output sharding, and custom_partitioning sees global shapes anyway.
@@ -653,7 +683,7 @@ def _lower(ctx, *args, plan):
   # The kernel is the local computation of one shard: jax.shard_map's varying-axes check
   # (applied to the result above) has nothing to check inside it.
   with config._check_vma(False):
-    out = mlir.lower_fun(_lowering, multiple_results=True)(inner, *args, plan=plan)
+    out = mlir.lower_fun(_lowering, multiple_results=True)(inner, *args, plan=plan, tree=tree)
   if inner.tokens_out is not None:  # Mosaic GPU's interpreter: ordered effects
     ctx.set_tokens_out(inner.tokens_out)
   return out

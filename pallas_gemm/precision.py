@@ -14,17 +14,17 @@ A gemm precision is one of
     magnitude; see "float16 pieces" below. Opt-in, named by its
     algorithm: its error is below SGEMM's where many terms of similar size are summed
     (SGEMM's rounding grows with K), and up to 1.75x SGEMM's where a few terms dominate
-    (measured on the H200, session 14).
+    (measured on the H200).
 
 The emulations split each float32 operand into bf16 pieces, x = p0 + p1 + p2 (+ tiny),
 with |p1| <= 2^-8 |x| and |p2| <= 2^-16 |x| (round-to-nearest splits, each piece 8
 significant bits), and sum the piece products p_i q_j that matter (`Split.products`).
 An XLA pass writes the pieces (`split`), and the Mosaic GPU kernel loads them
-by TMA (see `mosaic` for why the split is no longer made inside the kernel).
+by TMA (see `mosaic/split.py` for why the split is not made inside the kernel).
 
 Why bf16 X6 carries float32_accurate (H100/H200 ceilings: bf16 989 TFLOP/s, TF32 495):
   * bf16 X6: ~165 TFLOP/s for the six products, and its dropped terms (<= 2^-23) are below
-    float32's own rounding. Measured 2.2-2.6x SGEMM (H200, sessions 13-16).
+    float32's own rounding. Measured 2.2-2.6x SGEMM (H200).
   * 3xTF32: the same ~165 TFLOP/s ceiling, but two TF32 pieces keep ~22 bits (the
     dropped lo*lo term is ~2^-22), and wgmma reads 32-bit operands only K-major (a
     transposed copy for one operand). Not built: no faster, and less accurate.
@@ -42,7 +42,7 @@ pieces x = p0 + p1 + r (round-to-nearest, 11 significant bits each, |r| <= 2^-22
 <= 2^-25 absolute where p1 is a float16 subnormal: 2^-38 of the line's largest at most; p0 is 0
 below 2^-14), and p0 q0 + p0 q1 + p1 q0 run as three float16 products
 (p1 q1 <= 2^-22 dropped), accumulated as below; the result is scaled back. On the H200
-(session 14) its relerr was 0.2-0.26x SGEMM's on N(0,1) and wide-range inputs at
+its relerr was 0.2-0.26x SGEMM's on N(0,1) and wide-range inputs at
 4096^3-8192^3, but 0.8-1.75x SGEMM's on the "range" inputs of the tests (magnitudes
 2^0..2^115 in one row: a few terms dominate, and 23 bits per element show beside
 float32's 24). Where SGEMM is exact it is not: one_hot(ids) @ table changes a quarter of the
@@ -70,7 +70,7 @@ Error model (relative to sum_k |a_ik b_kj|, per output element):
     remainder clamped to bf16's largest finite value, so no piece overflows where x
     does not. An infinite x has pieces max, max, inf, so beside an N(0,1)-sized b its
     products sum to IEEE's +-inf (NaN where multiplied by 0), and NaN propagates.
-  * not IEEE at overflow (found in session 15): a cross product such as p0 q1 has the
+  * not IEEE at overflow: a cross product such as p0 q1 has the
     sign of q1, a remainder, not of the true product. It overflows where the true
     product exceeds float32's range by 2^8 (a result that overflows), where an infinite
     x meets |b| > 2^8 (X3, X6), and for X9's p2 q1 and p2 q2 with any b. The sum is then
@@ -188,7 +188,7 @@ def effective(precision, dtype):
   a bf16 product of bf16 inputs, f16 of f16 inputs (None: exact products), fp32 of
   float32 (HIGHEST). Other presets are kept. TF32_TF32_F32 is kept too: it rounds the
   inputs to TF32, where Precision.DEFAULT lets wgmma truncate them (mosaic at 4097^3:
-  relerr 7.8e-4 vs jnp.dot's 2.9e-4, H100, session 8)."""
+  relerr 7.8e-4 vs jnp.dot's 2.9e-4, H100)."""
   dtype = np.dtype(dtype)
   if not isinstance(precision, Preset):
     return precision
@@ -267,7 +267,7 @@ def split(x: jax.Array, pieces: int) -> list[jax.Array]:
     src = jnp.clip(rest, -_BF16_MAX, _BF16_MAX) if i + 1 < pieces else rest
     # Rounded to bf16 by reduce_precision, not by a bf16 round trip: XLA:GPU (which
     # allows excess precision) drops f32 -> bf16 -> f32 as a no-op, which made every
-    # remainder 0 and the product a bf16 one (H100, session 11).
+    # remainder 0 and the product a bf16 one (H100).
     piece = lax.reduce_precision(src, exponent_bits=8, mantissa_bits=7)
     out.append(piece.astype(jnp.bfloat16))
     if i + 1 < pieces:

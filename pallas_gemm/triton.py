@@ -2,7 +2,7 @@
 
 Computes ``alpha * op(a) @ op(b) + beta * c`` per batch entry (see ``_contract.md``).
 
-Tiling hierarchy (the seeds' scheme, expressed for Triton):
+Tiling hierarchy (the register-tiled SGEMM's of `cuda_sgemm.cu`, expressed for Triton):
   * thread block -- one program computes a ``block_m x block_n`` tile of C. The grid is
     ``(tiles, batch)``; the 1-D tile id is mapped to ``(tile_m, tile_n)`` in groups of
     ``group_m`` tile rows (Triton tutorial 03), so programs that run together share A
@@ -130,8 +130,25 @@ def _pow2_at_least(x: int, floor: int) -> int:
   return max(floor, 1 << max(0, int(x) - 1).bit_length())
 
 
-def default_config(m: int, n: int, k: int, dtype) -> Config:
-  """A shape/dtype-based starting point (tuned on H200 at 4096^3, see anchors.md)."""
+# Autotuning candidates (tuning.default_candidates reads TUNING_GRID).
+TUNING_GRID = {
+    "16bit": {("block_m", "block_n", "block_k", "num_warps"): (
+                  (128, 256, 64, 8), (256, 128, 64, 8), (128, 128, 64, 8),
+                  (128, 128, 64, 4), (64, 256, 64, 4), (128, 64, 64, 4),
+                  (64, 128, 64, 4), (64, 64, 64, 4)),
+              "num_stages": (3, 4), "group_m": (8,)},
+    "f32": {("block_m", "block_n", "block_k", "num_warps"): (
+                (128, 128, 32, 8), (128, 256, 32, 8), (256, 128, 32, 8),
+                (128, 64, 32, 4), (64, 128, 32, 4), (64, 64, 32, 4)),
+            "num_stages": (2, 3, 4), "group_m": (8,)},
+}
+
+
+def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None, c_dtype=None,
+                   precision=None) -> Config:
+  """A shape/dtype-based starting point (measured on the H200 at 4096^3). The epilogue's
+  dtypes and the precision do not change it."""
+  del out_dtype, c_dtype, precision
   dtype = np.dtype(dtype)
   if dtype.itemsize == 2:
     block_m, block_n, block_k = 128, 256, 64
@@ -394,36 +411,3 @@ def gemm(
       interpret=interpret,
       name=f"pallas_gemm_triton_{bm}x{bn}x{bk}",
   )(*operands)
-
-
-def unpad(x: jax.Array, rows: int, cols: int, *, interpret: bool = False) -> jax.Array:
-  """``x[:, :rows, :cols]`` of a 3-D array, as a masked Pallas Triton copy (GPU only).
-
-  The Mosaic backend computes a misaligned output (rows not 16-byte aligned) into a
-  padded buffer and drops the padding with this. XLA's slice writes such rows slowly:
-  4104x4160 -> 4097x4097 bf16 took 0.080 ms as ``x[:r, :r]`` and 0.027 ms with the
-  same masked (8, 1024)-block copy as a 2-D grid on the H200
-  (benchmarks/results/2026-11-22-h200/session2/run2_mosaic_probe.log; benchmarks/probe.py
-  now times this function itself).
-  """
-  block_r, block_c = 8, 1024
-  grid_c = pl.cdiv(cols, block_c)
-
-  def kernel(x_ref, o_ref):
-    t = pl.program_id(0)
-    shape = (block_r, block_c)
-    r_ok = (t // grid_c) * block_r + lax.broadcasted_iota(jnp.int32, shape, 0) < rows
-    c_ok = (t % grid_c) * block_c + lax.broadcasted_iota(jnp.int32, shape, 1) < cols
-    pltriton.store(o_ref, x_ref[...], mask=r_ok & c_ok)
-
-  spec = pl.BlockSpec((None, block_r, block_c), lambda t, i: (i, t // grid_c, t % grid_c))
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((x.shape[0], rows, cols), x.dtype),
-      grid=(pl.cdiv(rows, block_r) * grid_c, x.shape[0]),
-      in_specs=[spec],
-      out_specs=spec,
-      compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
-      interpret=interpret,
-      name="pallas_gemm_unpad",
-  )(x)

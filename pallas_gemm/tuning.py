@@ -333,10 +333,10 @@ def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=Non
 
 
 def _default_config(module, m, n, k, dtype, precision, out_dtype=None, c_dtype=None):
-  if module.NAME == "mosaic":  # its tiles depend on the epilogue and the FP32 split
-    return module.default_config(m, n, k, dtype, out_dtype=out_dtype, c_dtype=c_dtype,
-                                 precision=precision)
-  return module.default_config(m, n, k, dtype)
+  # Every backend's default_config takes the epilogue's dtypes and the precision (mosaic's
+  # tiles depend on them; the others ignore them).
+  return module.default_config(m, n, k, dtype, out_dtype=out_dtype, c_dtype=c_dtype,
+                               precision=precision)
 
 
 def validate_table(path: pathlib.Path | None = None) -> list[str]:
@@ -418,52 +418,18 @@ def time_gpu_ms(fn, arg_sets, iterations: int, warmup: bool = True) -> list[floa
 
 # ----------------------------------------------------------------------------- autotune
 
-# Candidate grids per backend and input width ("16bit"/"f32"), as Config fields. A key
-# that is a tuple of field names takes the listed value tuples together (tile shapes
-# whose fields must agree); the grid is the cartesian product of the keys. Each
-# backend's own validation filters it (ValueError/TypeError skips a candidate), so a
-# grid may over-approximate. ~15-25 candidates each: one compile costs 1-4 s, and
-# `python -m benchmarks --autotune` must fit a 10-minute GPU session.
-_GRIDS: dict[str, dict[str, dict]] = {
-    "triton": {
-        "16bit": {("block_m", "block_n", "block_k", "num_warps"): (
-                      (128, 256, 64, 8), (256, 128, 64, 8), (128, 128, 64, 8),
-                      (128, 128, 64, 4), (64, 256, 64, 4), (128, 64, 64, 4),
-                      (64, 128, 64, 4), (64, 64, 64, 4)),
-                  "num_stages": (3, 4), "group_m": (8,)},
-        "f32": {("block_m", "block_n", "block_k", "num_warps"): (
-                    (128, 128, 32, 8), (128, 256, 32, 8), (256, 128, 32, 8),
-                    (128, 64, 32, 4), (64, 128, 32, 4), (64, 64, 32, 4)),
-                "num_stages": (2, 3, 4), "group_m": (8,)},
-    },
-    "mosaic": {
-        # Tile order and wgmma_wait moved the H200 timings by <= 1% (session-2 probes):
-        # the grid spends its budget on tiles, ring depth and clusters instead.
-        "16bit": {("block_m", "block_n", "wg_split"): (
-                      (128, 256, "n"), (256, 128, "m"), (128, 128, "n"), (256, 192, "m")),
-                  "block_k": (64,), "stages": (3, 4),
-                  ("cluster_m", "cluster_n"): ((1, 1), (2, 1), (1, 2))},
-        "f32": {("block_m", "block_n", "wg_split"): (
-                    (128, 256, "n"), (256, 128, "m"), (128, 128, "n")),
-                "block_k": (32,), "stages": (3, 4), "grid_tile_width": (4, 16),
-                "wgmma_wait": (0, 1)},
-        # float32 from bf16 pieces: warpgroup tiles of at most 64x128 (two f32
-        # accumulators), the ring holds every piece (mosaic.default_config's split case).
-        "split": {("block_m", "block_n", "wg_split"): (
-                      (128, 128, "m"), (128, 128, "n"), (64, 256, "n")),
-                  "block_k": (32,), "stages": (3, 4), "epi_block_n": (32, 64),
-                  ("cluster_m", "cluster_n"): ((1, 1), (1, 2), (2, 1))},
-    },
-    "cuda": {  # the template instances compiled into cuda_sgemm.cu (cuda.compiled_configs())
-        "f32": {("block_m", "block_n"): ((256, 128), (128, 128), (128, 64))},
-    },
-}
+# A backend's candidate grid is its module's TUNING_GRID: per input width ("16bit", "f32",
+# and "split" for float32 from 16-bit pieces), Config fields. A key that is a tuple of
+# field names takes the listed value tuples together (tile shapes whose fields must
+# agree); the grid is the cartesian product of the keys. Each backend's own validation
+# filters it (ValueError/TypeError skips a candidate), so a grid may over-approximate.
+# ~15-25 candidates each: one compile costs 1-4 s, so a grid autotunes in about a minute.
 
 
 def default_candidates(backend: str, dtype, precision=None) -> list[dict]:
   """The candidate field dicts for (backend, dtype, precision); may include invalid ones
   (filtered later)."""
-  grids = _GRIDS.get(backend, {})
+  grids = getattr(importlib.import_module(f"pallas_gemm.{backend}"), "TUNING_GRID", {})
   if precisions.split_of(precision, dtype) is not None and "split" in grids:
     grid = grids["split"]
   else:

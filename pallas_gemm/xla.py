@@ -16,6 +16,8 @@ NAME = "xla"
 # epilogues, or its own fusions).
 FUSED_ACTIVATIONS = (None, "relu", "gelu", "gelu_exact", "silu")
 FUSED_GATES = ("relu", "gelu", "gelu_exact", "silu")  # c_gate: act'(c) * product, likewise
+# lax.dot_general: XLA's partitioner shards it natively (op.partitioned).
+XLA_PARTITIONS = True
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -23,8 +25,8 @@ class Config:
   """XLA picks its own kernel (cuBLAS heuristics + autotuning); nothing to configure."""
 
 
-def default_config(m, n, k, dtype) -> Config:
-  del m, n, k, dtype
+def default_config(m, n, k, dtype, *, out_dtype=None, c_dtype=None, precision=None) -> Config:
+  del m, n, k, dtype, out_dtype, c_dtype, precision
   return Config()
 
 
@@ -56,9 +58,9 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
   del config, interpret
   # Ask XLA for the output dtype directly: cuBLAS accumulates in f32 either way. An f32
   # result plus a convert measured 7% slower at bf16 8192^3 (H200), and with an epilogue
-  # the f32 product's round trip through memory cost (H100, session 9): the MLP training
-  # step 0.943x the jnp.dot step (written with jnp and a bf16 product: 1.013x, probe.py
-  # dense), alpha/beta*C 0.86-0.94x the jnp.dot expression (now 0.98-1.01x). So a bf16
+  # the f32 product's round trip through memory cost (H100): the MLP training step ran
+  # 0.943x the jnp.dot step (with a bf16 product: 1.013x), alpha/beta*C 0.86-0.94x the
+  # jnp.dot expression (with a bf16 product: 0.98-1.01x). So a bf16
   # product is rounded once to bf16 before the f32 epilogue, as `jnp.dot(a, b) + bias`
   # rounds it (mosaic keeps the f32 accumulator: `backend="mosaic"` for one rounding).
   # Not f16: a product beyond its range (65504) would be inf before alpha, beta * C or

@@ -58,7 +58,7 @@ def backend(request):
 
 @pytest.fixture
 def rng(request):
-  # One stream per test, derived from the session seed and the test's name.
+  # One stream per test, derived from the run's SEED and the test's name.
   return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
 
 

@@ -296,7 +296,7 @@ def test_jit(lhs_shape, rhs_shape, dims, rng):
   fn = jax.jit(functools.partial(dg.dot_general, backend="xla"), static_argnums=(2, 3, 4))
   out = _check(lhs, rhs, dims, HIGHEST, fn=fn)
   eager = dg.dot_general(jnp.asarray(lhs), jnp.asarray(rhs), dims, HIGHEST, backend="xla")
-  # Not bit-equal on a GPU: jit and eager may run different cuBLAS kernels (H200, run 3).
+  # Not bit-equal on a GPU: jit and eager may run different cuBLAS kernels.
   k = int(np.prod([lhs_shape[d] for d in dims[0][0]]))
   assert relative_error(out, np.asarray(eager, np.float64)) <= tolerance(np.float32, HIGHEST, k)
 

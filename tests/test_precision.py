@@ -23,7 +23,7 @@ F32_MAX = float(np.finfo(np.float32).max)
 
 
 def family(kind, rng, shape, operand="a"):
-  """The three input families of the issue: N(0,1); wide range x * exp(1.5 N(0,1)); and
+  """The three input families: N(0,1); wide range x * exp(1.5 N(0,1)); and
   "range": magnitudes near float32's limits, sign * [1, 2) * 2^e with e in [0, 115] for
   a and [-100, 0] for b, so that the products (and their sums) stay finite in float32
   and every piece of the split is a normal bf16 (the model of precision.py)."""

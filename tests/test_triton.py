@@ -187,12 +187,3 @@ def test_lowers_to_triton_ir(m, n, k, dtype, transposes, beta):
 def test_gpu_ragged_edges(config, dtype, precision, transposes, rng):
   run(rng, 257, 131, 97, dtype, precision, batch=2, batch_b=1, beta=0.5,
       transpose_a=transposes[0], transpose_b=transposes[1], config=config, interpret=False)
-
-
-def test_unpad_copies_the_leading_block():
-  # The copy the mosaic backend uses to drop a misaligned output's padding: ragged
-  # blocks on both axes, a batch, and values that would show a shifted row.
-  x = jax.random.normal(jax.random.key(0), (2, 19, 1030), jnp.bfloat16)
-  out = triton.unpad(x, 13, 1027, interpret=True)
-  assert out.shape == (2, 13, 1027)
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(x[:, :13, :1027], np.float32))

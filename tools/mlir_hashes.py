@@ -205,7 +205,9 @@ def main():
                      if before.get(name) != result.get(name))
     for name in changed:
       print(f"changed: {name}: {before.get(name)} -> {result.get(name)}")
-    print(f"{len(result) - len(changed)} of {len(result)} cases unchanged")
+    gone = sorted(before.keys() - result.keys())
+    print(f"{len(result) - len(set(changed) - set(gone))} of {len(result)} cases unchanged"
+          + (f"; cases no longer run: {', '.join(gone)}" if gone else ""))
     sys.exit(1 if changed else 0)
 
 

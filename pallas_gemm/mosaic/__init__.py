@@ -67,10 +67,10 @@ from pallas_gemm import precision as _precision
 from pallas_gemm import tuning  # noqa: F401 - mosaic.tuning.num_sms: the SM count tests set
 from pallas_gemm.mosaic import pair as _pair
 from pallas_gemm.mosaic import split as _split
-from pallas_gemm.mosaic.config import (SMEM_BYTES_PER_BLOCK, _SUPPORTED_DTYPES, Config,
-                                       _num_sms, _swizzle_minor, check_fits, check_layout,
-                                       check_smem_budget, check_split, default_config,
-                                       smem_bytes)
+from pallas_gemm.mosaic.config import (SMEM_BYTES_PER_BLOCK, TUNING_GRID, _SUPPORTED_DTYPES,
+                                       Config, _num_sms, _swizzle_minor, check_fits,
+                                       check_layout, check_smem_budget, check_split,
+                                       default_config, smem_bytes)
 from pallas_gemm.mosaic.epilogue import Epilogue
 from pallas_gemm.mosaic.kernel import Problem, kernel
 from pallas_gemm.mosaic.layout import _pad_for_tma, _tma_padded_shape, _tma_tile, _unpad
@@ -79,7 +79,8 @@ from pallas_gemm.mosaic.pair import Peer, pair_reason
 from pallas_gemm.mosaic.stream_k import StreamK, stream_k_schedule
 
 __all__ = [
-    "NAME", "FUSED_ACTIVATIONS", "FUSED_GATES", "KEEPS_PRE", "SMEM_BYTES_PER_BLOCK",
+    "NAME", "FUSED_ACTIVATIONS", "FUSED_GATES", "INTERPRET_EFFECTS", "KEEPS_PRE",
+    "SMEM_BYTES_PER_BLOCK", "TUNING_GRID",
     "Config", "Peer", "StreamK", "check_fits", "check_layout", "check_smem_budget",
     "check_split", "default_config", "gemm", "pair_gemm", "pair_reason", "smem_bytes",
     "stream_k_schedule", "supports", "unavailable_reason",
@@ -95,6 +96,10 @@ FUSED_ACTIVATIONS = (None, "relu", "gelu", "silu")
 FUSED_GATES = ("relu", "gelu", "silu")
 # keep_pre: the epilogue also stores the pre-activation z beside act(z) (op.Plan.keep_pre).
 KEEPS_PRE = True
+# Interpret mode (force_gpu_interpret_mode) keeps its simulated GPU state through ordered
+# io_callbacks: effects the primitive declares, and which custom_partitioning cannot lower
+# (op.partitioned).
+INTERPRET_EFFECTS = True
 
 # ----------------------------------------------------------------------------
 # Availability

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.unpad import unpad
+
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
@@ -52,10 +54,7 @@ def _pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.
 
 
 def _unpad(out: jax.Array, m: int, n: int, interpret: bool) -> jax.Array:
-  """out[:, :m, :n]. On a GPU with the Pallas Triton lowering: its copy kernel (3x
-  faster than XLA's slice for rows that are not 16-byte aligned, see triton.unpad)."""
-  from pallas_gemm import triton  # noqa: PLC0415 - the deprecated lowering stays optional
-
-  if interpret or triton.unavailable_reason() is not None or jax.default_backend() != "gpu":
-    return out[:, :m, :n]
-  return triton.unpad(out, m, n)
+  """out[:, :m, :n]: the output of a kernel computed into a padded buffer, without the
+  padding (`pallas_gemm.unpad`: a copy kernel on a GPU, 3x faster than XLA's slice for
+  rows that are not 16-byte aligned)."""
+  return unpad(out, m, n, interpret=interpret)
