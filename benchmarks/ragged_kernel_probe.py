@@ -3,6 +3,7 @@
 
     python -m benchmarks.ragged_kernel_probe                  # four MoE shapes, < 3 minutes
     python -m benchmarks.ragged_kernel_probe --shapes qwen3 --configs 128x128x64s4wm
+    python -m benchmarks.ragged_kernel_probe --shapes qwen3,skewed --wgrad-configs 64x256x128e4d
 
 Per shape (G groups, M rows, K, N), in one process: a dense bf16 jnp.dot of the same FLOPs
 ((M, K) @ (K, N)), the forward kernel (rhs (G, K, N)), the forward with rhs read transposed
@@ -12,12 +13,20 @@ median over ITERATIONS calls, of everything a call launches (the item table's sm
 fusions included; "alone": the Pallas kernel only). TFLOP/s count 2 * M * K * N. Errors:
 normwise relative error against `jax.lax.ragged_dot` (and its vjp for the weight grad) on
 the first CHECK_ROWS rows, where XLA's dense (G, rows, K) formulation still fits.
---configs adds forward runs at other tiles: BMxBNxBKsS[wW] (e.g. 128x128x64s4wm).
+The weight grad runs with an f32 output and with a bf16 one (what the vjp of a bf16
+ragged_dot asks for: the output writes are half as large).
+
+--configs adds forward runs, --wgrad-configs weight-grad runs, at other configs, written
+BMxBNxBK then any of: sS stages (default: the deepest ring that fits), wM|wN the warpgroup
+split, eE epilogue slots per warpgroup, EN epi_block_n, d delay_release=1, i
+item_order="mixed" (weight grad), and for the weight grad @f32 (default bf16 output).
+E.g. 128x128x64s4wm, 64x256x128e4d, 64x256x128s4d@f32.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 
 import jax
@@ -25,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.ragged_dot import mosaic_forward, mosaic_weight_grad
-from pallas_gemm.ragged_dot.config import Config
+from pallas_gemm.ragged_dot.config import SMEM_BYTES_PER_BLOCK, Config, smem_bytes
 from pallas_gemm.reference import relative_error
 
 ITERATIONS = 10
@@ -59,11 +68,40 @@ def _time(f, *args):
   return total, (statistics.median(alone) if any(alone) else None), out
 
 
-def _parse_config(spec: str) -> Config:
-  tiles, _, rest = spec.partition("s")
-  stages, _, split = rest.partition("w")
-  bm, bn, bk = (int(v) for v in tiles.split("x"))
-  return Config(block_m=bm, block_n=bn, block_k=bk, stages=int(stages), wg_split=split or "n")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)((?:s\d+|w[mn]|e\d+|E\d+|d|i)*)(@f32)?")
+
+
+def _parse_config(spec: str, *, weight_grad: bool) -> tuple[Config, object]:
+  """(config, out dtype) of a spec (see the module docstring)."""
+  match = _SPEC.fullmatch(spec)
+  if match is None:
+    raise SystemExit(f"bad config spec {spec!r}: BMxBNxBK[sS][wM|wN][eE][EN][d][i][@f32]")
+  bm, bn, bk = (int(match.group(i)) for i in (1, 2, 3))
+  out_dtype = jnp.float32 if match.group(5) else jnp.bfloat16
+  fields = dict(block_m=bm, block_n=bn, block_k=bk, wg_split="n",
+                epi_block_n=32 if out_dtype == jnp.float32 else 64)
+  for token in re.findall(r"s\d+|w[mn]|e\d+|E\d+|d|i", match.group(4)):
+    key, value = token[0], token[1:]
+    if key == "s":
+      fields["stages"] = int(value)
+    elif key == "w":
+      fields["wg_split"] = value
+    elif key == "e":
+      fields["epi_slots"] = int(value)
+    elif key == "E":
+      fields["epi_block_n"] = int(value)
+    elif key == "d":
+      fields["delay_release"] = 1
+    else:
+      fields["item_order"] = "mixed"
+  cfg = Config(**{"stages": 6, **fields})
+  tiles = (dict(a_tile=(bm, bk), b_tile=(bm, bn)) if weight_grad
+           else dict(a_tile=(bm, bk), b_tile=(bk, bn)))
+  if "stages" not in fields:  # the deepest ring that fits
+    while cfg.stages > 2 and smem_bytes(cfg, dtype=jnp.bfloat16, out_dtype=out_dtype,
+                                        **tiles) > SMEM_BYTES_PER_BLOCK:
+      cfg = cfg.replace(stages=cfg.stages - 1)
+  return cfg, out_dtype
 
 
 def _subset_sizes(sizes: np.ndarray, rows: int) -> np.ndarray:
@@ -71,7 +109,7 @@ def _subset_sizes(sizes: np.ndarray, rows: int) -> np.ndarray:
   return np.diff(ends, prepend=0).astype(np.int32)
 
 
-def run_shape(name: str, configs: list[str]) -> list[tuple]:
+def run_shape(name: str, configs: list[str], wgrad_configs: list[str]) -> list[tuple]:
   g, m, k, n, kind = SHAPES[name]
   sizes_np = group_sizes(g, m, kind)
   sizes = jnp.asarray(sizes_np)
@@ -103,10 +141,15 @@ def run_shape(name: str, configs: list[str]) -> list[tuple]:
     return jax.jit(lambda a, b, s: mosaic_forward.forward(
         a, b, s, None, transpose_rhs=transpose, out_dtype=jnp.bfloat16, config=config))
 
-  runs = [("forward (default)", None)] + [(f"forward {c}", _parse_config(c)) for c in configs]
+  runs = [("forward (default)", None)] + [
+      (f"forward {c}", _parse_config(c, weight_grad=False)[0]) for c in configs]
   for label, config in runs:
-    ms, alone, _ = _time(fwd(config, False), lhs, rhs, sizes)
-    check = fwd(config, False)(lhs[:rows], rhs, sub)
+    try:
+      ms, alone, _ = _time(fwd(config, False), lhs, rhs, sizes)
+      check = fwd(config, False)(lhs[:rows], rhs, sub)
+    except Exception as e:  # noqa: BLE001 - a config that does not fit or lower
+      cases.append((f"{label} FAILED {type(e).__name__}: {str(e)[:80]}", None, None, None))
+      continue
     cases.append((label, ms, alone, err(check, ref_fwd)))
   # dlhs: dy (M, N) @ rhs[g]^T, rhs (G, K, N) read in place as a transposed (G, N', K')
   # with N' = K (the output's columns) and K' = N (the contraction).
@@ -114,15 +157,27 @@ def run_shape(name: str, configs: list[str]) -> list[tuple]:
   check = fwd(None, True)(dy[:rows], rhs, sub)
   cases.append(("forward, rhs transposed (dlhs)", ms, alone, err(check, ref_dlhs)))
 
-  wgrad = jax.jit(lambda a, d, s: mosaic_weight_grad.weight_grad(
-      a, d, s, None, out_dtype=jnp.float32))
-  ms, alone, _ = _time(wgrad, lhs, dy, sizes)
-  check = wgrad(lhs[:rows], dy[:rows], sub)
-  cases.append(("weight grad", ms, alone, err(check, ref_wgrad)))
+  def wgrad(config, out_dtype):
+    return jax.jit(lambda a, d, s: mosaic_weight_grad.weight_grad(
+        a, d, s, None, out_dtype=out_dtype, config=config))
+
+  runs = [("weight grad f32", None, jnp.float32), ("weight grad bf16", None, jnp.bfloat16)]
+  runs += [(f"weight grad {c}", *_parse_config(c, weight_grad=True)) for c in wgrad_configs]
+  for label, config, out_dtype in runs:
+    try:
+      ms, alone, _ = _time(wgrad(config, out_dtype), lhs, dy, sizes)
+      check = wgrad(config, out_dtype)(lhs[:rows], dy[:rows], sub)
+    except Exception as e:  # noqa: BLE001 - a config that does not fit or lower
+      cases.append((f"{label} FAILED {type(e).__name__}: {str(e)[:80]}", None, None, None))
+      continue
+    cases.append((label, ms, alone, err(check, ref_wgrad)))
 
   lines = [f"{name}: G={g} M={m} K={k} N={n}, sizes {kind} (max {sizes_np.max()},"
            f" zeros {(sizes_np == 0).sum()}), device {jax.devices()[0].device_kind}"]
   for label, ms, alone, e in cases:
+    if ms is None:
+      lines.append(f"  {label}")
+      continue
     tflops = flops / ms / 1e9
     lines.append(f"  {label:36s} {ms:8.3f} ms {tflops:7.1f} TFLOP/s {dense_ms / ms:6.3f}x"
                  f" dense" + (f"  alone {alone:8.3f} ms" if alone else "")
@@ -134,13 +189,20 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--shapes", default="mixtral,deepseek,qwen3,skewed",
                       help=f"comma-separated, of {sorted(SHAPES)}")
-  parser.add_argument("--configs", default="", help="extra forward configs, BMxBNxBKsS[wW]")
+  parser.add_argument("--configs", default="", help="extra forward configs (see above)")
+  parser.add_argument("--wgrad-configs", default="",
+                      help="extra weight-grad configs (see above), bf16 output unless @f32")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu":
     raise SystemExit("ragged_kernel_probe needs a GPU (CUPTI timing of the Hopper kernels)")
   configs = [c for c in args.configs.split(",") if c]
+  wgrad_configs = [c for c in args.wgrad_configs.split(",") if c]
+  for c in configs:
+    _parse_config(c, weight_grad=False)  # a bad spec fails before any timing
+  for c in wgrad_configs:
+    _parse_config(c, weight_grad=True)
   for name in args.shapes.split(","):
-    for line in run_shape(name, configs):
+    for line in run_shape(name, configs, wgrad_configs):
       print(line, flush=True)
 
 

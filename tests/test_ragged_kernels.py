@@ -76,6 +76,10 @@ def weight_grad_reference(lhs, dy, group_sizes, group_offset=None, *, num_groups
     (dict(epi_block_n=24), "epi_block_n"),
     (dict(num_sms=0), "num_sms"),
     (dict(grid_tile_width=True), "grid_tile_width"),
+    (dict(epi_slots=0), "epi_slots"),
+    (dict(delay_release=2), "delay_release"),
+    (dict(delay_release=True), "delay_release"),
+    (dict(item_order="random"), "item_order"),
 ])
 def test_config_rejects_invalid_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -89,6 +93,10 @@ def test_config_tiles_per_kernel():
     cfg.check_tiles(cfg.block_m)  # forward: 32 rows per warpgroup
   with pytest.raises(ValueError, match="epi_block"):
     Config(epi_block_n=48).check_tiles(128)
+  # 128 x 128 per warpgroup: 4 sub-tiles of 64 x 64; 3 slots would not come round evenly.
+  with pytest.raises(ValueError, match="epi_slots"):
+    Config(epi_slots=3).check_tiles(128)
+  assert Config(epi_slots=8).epi_slots_for(128) == 4  # at most one slot per sub-tile
 
 
 def test_config_is_frozen_and_keyword_only():
@@ -211,6 +219,14 @@ def test_forward_default_tiles(rng):
                  config=default_config(300, 256, 256, 3, out_dtype=jnp.float32).replace(num_sms=3))
 
 
+@pytest.mark.parametrize("epi_slots, delay_release", [(4, 0), (1, 1), (2, 1)])
+def test_forward_epilogue_slots_and_delayed_release(rng, epi_slots, delay_release):
+  # 128 x 128 tiles split along m: 64 x 128 per warpgroup, two 64 x 64 sub-tiles.
+  cfg = SPLIT_M.replace(block_n=128, epi_slots=epi_slots, delay_release=delay_release,
+                        num_sms=3)
+  _check_forward(rng, 300, 200, 200, [70, 0, 133, 60], config=cfg, out_dtype=jnp.bfloat16)
+
+
 def test_forward_rejects_bad_operands():
   lhs = jnp.zeros((8, 16), jnp.bfloat16)
   with pytest.raises(ValueError, match="K"):
@@ -290,6 +306,20 @@ def test_weight_grad_one_warpgroup_single_group(rng):
   _check_weight_grad(rng, 150, 70, 72, [133], config=cfg)
 
 
+@pytest.mark.parametrize("epi_slots, delay_release, item_order", [
+    (2, 1, "size"), (1, 0, "mixed"), (2, 0, "mixed"), (1, 1, "mixed")])
+def test_weight_grad_epilogue_release_and_order(rng, epi_slots, delay_release, item_order):
+  # 4 groups x (2 K tiles x 2 N tiles) = 16 items over 3 CTAs: 5 full rounds and a
+  # partial one, so every branch of the item order runs; one slot per 64 x 64 sub-tile
+  # (epi_slots=2) or one for both.
+  cfg = WG_SMALL.replace(epi_slots=epi_slots, delay_release=delay_release,
+                         item_order=item_order, stages=3)
+  m = 260
+  sizes = [90, 0, 7, 140]
+  _check_weight_grad(rng, m, 136, 130, sizes, config=cfg, out_dtype=jnp.bfloat16,
+                     poison_rows=[slice(sum(sizes), m)])
+
+
 def test_weight_grad_traced_offset_needs_num_groups():
   x = jnp.zeros((8, 64), jnp.bfloat16)
   f = jax.jit(lambda off: mosaic_weight_grad.weight_grad(
@@ -323,6 +353,24 @@ def test_no_races(rng):
   assert not _races_found()
   jax.block_until_ready(mosaic_weight_grad.weight_grad(
       lhs, lhs, sizes, None, config=WG_SMALL.replace(num_sms=2), interpret=params))
+  assert not _races_found()
+
+
+def test_no_races_delayed_release(rng):
+  # As test_no_races with one wgmma in flight across steps (a slot is released a step
+  # late) and an epilogue slot per sub-tile.
+  params = plgpu.InterpretGPUParams(detect_races=True)
+  sizes = jnp.asarray([50, 0, 120], jnp.int32)
+  lhs = jnp.asarray(random(rng, (200, 136), jnp.bfloat16))
+  rhs = jnp.asarray(random(rng, (3, 136, 136), jnp.bfloat16))
+  variant = dict(num_sms=2, delay_release=1, epi_slots=2)
+  jax.block_until_ready(mosaic_forward.forward(lhs, rhs, sizes, None,
+                                               config=SMALL.replace(**variant),
+                                               interpret=params))
+  assert not _races_found()
+  jax.block_until_ready(mosaic_weight_grad.weight_grad(
+      lhs, lhs, sizes, None, config=WG_SMALL.replace(item_order="mixed", **variant),
+      interpret=params))
   assert not _races_found()
 
 
@@ -366,6 +414,29 @@ def test_weight_grad_lowers_for_sm90(shape, out_dtype):
   dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
   sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
   cfg = default_config(m, n, k, g, out_dtype=out_dtype, weight_grad=True).replace(num_sms=132)
+  text = _lower(lambda a, b, s: mosaic_weight_grad.weight_grad(
+      a, b, s, None, out_dtype=out_dtype, config=cfg, interpret=False), lhs, dy, sizes)
+  assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("shape", ["qwen3", "skewed"])
+@pytest.mark.parametrize("variant", [
+    dict(epi_slots=4, delay_release=1),
+    dict(epi_slots=4, delay_release=1, item_order="mixed"),
+    dict(block_m=128, block_n=128, epi_slots=2, delay_release=1),
+], ids=["slots_release", "mixed_order", "128_row_steps"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_weight_grad_variants_lower_for_sm90(shape, variant, out_dtype):
+  g, m, k, n = SHAPES[shape]
+  cfg = default_config(m, n, k, g, out_dtype=out_dtype, weight_grad=True)
+  cfg = cfg.replace(num_sms=132, stages=2, **variant)
+  while smem_bytes(cfg.replace(stages=cfg.stages + 1), a_tile=(cfg.block_m, cfg.block_k),
+                   b_tile=(cfg.block_m, cfg.block_n), dtype=jnp.bfloat16,
+                   out_dtype=out_dtype) <= 232448:
+    cfg = cfg.replace(stages=cfg.stages + 1)
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
   text = _lower(lambda a, b, s: mosaic_weight_grad.weight_grad(
       a, b, s, None, out_dtype=out_dtype, config=cfg, interpret=False), lhs, dy, sizes)
   assert "mosaic_gpu" in text

@@ -41,8 +41,19 @@ class Config:
   wg_split: "m" or "n": the output tile's dimension split among the consumer warpgroups.
   grid_tile_width: output tiles are visited in bands of this many column tiles
     (`plgpu.planar_snake`), so CTAs that run together share operand tiles in L2.
-  epi_block_m, epi_block_n: sub-tile of the epilogue (registers -> shared memory -> TMA),
-    double-buffered per consumer warpgroup.
+  epi_block_m, epi_block_n: sub-tile of the epilogue (registers -> shared memory -> TMA).
+  epi_slots: shared-memory slots per consumer warpgroup that the epilogue's sub-tiles take
+    in turn; a slot is rewritten once the TMA store that last read it is done, so with a
+    slot per sub-tile of the warpgroup's tile the epilogue never waits on its own stores
+    (only on the previous item's, long done) and they drain during the next item.
+  delay_release: 0: each step's wgmma completes before its ring slot is released;
+    1: one wgmma group stays in flight, so step i-1's wgmma overlaps step i's barrier wait
+    (and the weight grad's boundary masking) and its slot is released after step i's
+    wgmma is issued.
+  item_order: weight grad only. "size": items by group size, largest first, dealt to the
+    CTAs back and forth. "mixed": rounds alternately take the largest and the smallest
+    remaining items, so that short items (output writes with little reduction) run beside
+    long ones instead of all at the end.
   num_sms: CTAs of the persistent grid; None: the device's SM count (4 in interpret mode).
   """
 
@@ -55,6 +66,9 @@ class Config:
   grid_tile_width: int = 8
   epi_block_m: int = 64
   epi_block_n: int = 64
+  epi_slots: int = 2
+  delay_release: int = 0
+  item_order: Literal["size", "mixed"] = "size"
   num_sms: int | None = None
 
   def __post_init__(self):
@@ -62,7 +76,7 @@ class Config:
       raise ValueError(f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
 
     for field in ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
-                  "grid_tile_width", "epi_block_m", "epi_block_n"):
+                  "grid_tile_width", "epi_block_m", "epi_block_n", "epi_slots"):
       value = getattr(self, field)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         fail(field, "must be a positive int")
@@ -71,6 +85,10 @@ class Config:
            " with these accumulators fit the register file)")
     if self.wg_split not in ("m", "n"):
       fail("wg_split", "must be 'm' or 'n'")
+    if self.delay_release not in (0, 1) or isinstance(self.delay_release, bool):
+      fail("delay_release", "must be 0 or 1")
+    if self.item_order not in ("size", "mixed"):
+      fail("item_order", "must be 'size' or 'mixed'")
     if self.num_sms is not None and (not isinstance(self.num_sms, int)
                                      or isinstance(self.num_sms, bool) or self.num_sms < 1):
       fail("num_sms", "must be None or a positive int")
@@ -114,6 +132,19 @@ class Config:
       raise ValueError(
           f"Config: epi_block_m x epi_block_n = {self.epi_block_m}x{self.epi_block_n} must"
           f" divide a warpgroup's {wg_m}x{wg_n} accumulator")
+    subtiles = (wg_m // self.epi_block_m) * (wg_n // self.epi_block_n)
+    if subtiles % self.epi_slots_for(rows):
+      raise ValueError(
+          f"Config: epi_slots={self.epi_slots} must divide the {subtiles} epilogue sub-tiles"
+          f" of a warpgroup's {wg_m}x{wg_n} accumulator, or exceed them (every item then"
+          " leaves the slots in the same turn, and the store that last read a slot is always"
+          " the slot count minus one stores ago)")
+
+  def epi_slots_for(self, rows: int) -> int:
+    """Epilogue slots a kernel with CTA tiles of `rows` x block_n uses: epi_slots, at most
+    one per sub-tile of a warpgroup's accumulator."""
+    wg_m, wg_n = self.wg_tile(rows)
+    return min(self.epi_slots, (wg_m // self.epi_block_m) * (wg_n // self.epi_block_n))
 
   replace = dataclasses.replace
 
@@ -121,11 +152,11 @@ class Config:
 def smem_bytes(config: Config, *, a_tile: tuple[int, int], b_tile: tuple[int, int],
                dtype, out_dtype, k_steps: int | None = None) -> int:
   """Shared memory one CTA allocates: the ring of (a_tile, b_tile) pairs (at most
-  k_steps deep), two epilogue sub-tiles per consumer warpgroup, barriers."""
+  k_steps deep), epi_slots epilogue sub-tiles per consumer warpgroup, barriers."""
   stages = config.stages if k_steps is None else max(1, min(config.stages, k_steps))
   itemsize = jnp.dtype(dtype).itemsize
   ring = stages * (a_tile[0] * a_tile[1] + b_tile[0] * b_tile[1]) * itemsize
-  epi = (config.num_compute_wgs * 2 * config.epi_block_m * config.epi_block_n
+  epi = (config.num_compute_wgs * config.epi_slots * config.epi_block_m * config.epi_block_n
          * jnp.dtype(out_dtype).itemsize)
   barriers = 8 * (2 * stages + 1)
   return (-(-ring // 1024) * 1024 + -(-epi // 1024) * 1024 + barriers
@@ -138,7 +169,8 @@ def check_smem(config: Config, **kwargs) -> None:
     raise ValueError(
         f"Config {config} needs {used} bytes of shared memory; sm_90 allows"
         f" {SMEM_BYTES_PER_BLOCK} per block (ring: stages * both operand tiles; epilogue:"
-        " 2 * num_compute_wgs * epi_block_m * epi_block_n). Lower stages or the tiles.")
+        " epi_slots * num_compute_wgs * epi_block_m * epi_block_n). Lower stages, epi_slots"
+        " or the tiles.")
 
 
 def default_config(m: int, n: int, k: int, g: int, dtype=jnp.bfloat16, *,

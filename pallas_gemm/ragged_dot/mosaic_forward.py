@@ -24,11 +24,13 @@ Design (one CTA per SM, persistent):
     TMA from one warp of a producer warpgroup that runs a single loop over all of the CTA's
     (item, K block) steps. Zero items load nothing. ``num_compute_wgs`` consumer warpgroups
     each own half of the CTA tile (``Config.wg_split``) and run wgmma into an f32 register
-    accumulator; a zero item's accumulator stays zero.
+    accumulator; a zero item's accumulator stays zero. With ``delay_release`` one wgmma
+    stays in flight: a step's slot is released once the next step's wgmma is issued.
   * Epilogue (consumer warpgroups, while the producer loads the next item): each
-    (epi_block_m x epi_block_n) sub-tile is cast, written to a double-buffered shared-memory
-    slot and stored by TMA, only the rows [lo, hi) of the item's segment: a straddling tile
-    never writes a neighbour group's rows. A TMA box has a static shape, so a row range of
+    (epi_block_m x epi_block_n) sub-tile is cast, written to one of ``epi_slots``
+    shared-memory slots (taken in turn; waited for only when rewritten) and stored by TMA,
+    only the rows [lo, hi) of the item's segment: a straddling tile never writes a
+    neighbour group's rows. A TMA box has a static shape, so a row range of
     r rows is stored as up to log2(epi_block_m) + 1 boxes of power-of-two heights (the
     binary digits of r); a whole sub-tile is one box. The slot's rows are tiled (1, swizzle)
     so that a box may start at any row. Every row of the output belongs to exactly one
@@ -160,6 +162,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
   num_wgs = cfg.num_compute_wgs
   k_iters, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
   stages = min(cfg.stages, k_iters)
+  epi_slots = cfg.epi_slots_for(bm)
   b_block = (bn, bk) if transpose_rhs else (bk, bn)
 
   count = count_gmem[0]
@@ -188,7 +191,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
       a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=_swizzle_transforms(bk, dtype)),
       b_smem=plgpu.SMEM((stages, *b_block), dtype,
                         transforms=_swizzle_transforms(b_block[1], dtype)),
-      out_smem=plgpu.SMEM((num_wgs, 2, epi_m, epi_n), out_gmem.dtype,
+      out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
                           transforms=_out_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
@@ -255,18 +258,30 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
               slot = lax.rem(step + kk, stages)
               plgpu.barrier_wait(produced.at[slot])
               wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
+              if cfg.delay_release:
+                # Step kk-1's wgmma is done (step kk's may still run): release its slot.
+                plgpu.wgmma_wait(1)
+
+                @pl.when(kk > 0)
+                def _():
+                  plgpu.barrier_arrive(consumed.at[lax.rem(step + kk - 1, stages)])
+              else:
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[slot])
+
+            if cfg.delay_release:
               plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[slot])
+              plgpu.barrier_arrive(consumed.at[lax.rem(step + k_iters - 1, stages)])
 
           acc = acc_ref[...]  # (wg_m, wg_n) f32
-          # The previous item's stores must have read the slots before they are rewritten.
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           sub = 0
           for i in range(wg_m // epi_m):
             for jj in range(wg_n // epi_n):
-              slot = sub % 2
-              if sub >= 2:  # the store from two sub-tiles ago read this slot
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              slot = sub % epi_slots
+              # Every item stores the same number of sub-tiles (one bulk group each),
+              # epi_slots per turn: the store that last read this slot is epi_slots - 1
+              # groups ago.
+              plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
               out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
                                        jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
               plgpu.commit_smem()

@@ -9,7 +9,9 @@ Design (one CTA per SM, persistent):
     round r the CTAs take the next num_ctas items, in reverse CTA order every other round.
     Dealing sorted work back and forth this way evens out the CTAs' totals where groups
     differ a lot in size (taken round-robin, a CTA could get two tiles of the largest
-    group and another one).
+    group and another one). ``Config.item_order="mixed"`` alternates rounds from the
+    largest and the smallest end, so items that are mostly output writes run beside
+    long reductions.
   * Reduction: over the group's rows [start, end) in steps of block_m rows from start
     rounded down to a multiple of 8 (a TMA box of the 8-row-tiled operands starts on such
     a row), ceil((end - that row) / block_m) steps. A step's tiles are lhs (block_m x
@@ -24,8 +26,10 @@ Design (one CTA per SM, persistent):
   * The K pipeline's ring, producer warp and consumer warpgroups are the forward kernel's
     (`mosaic_forward`): one loop over the CTA's (item, row step) pairs; an empty group
     loads nothing and its tile is stored as zeros.
-  * Epilogue: (epi_block_m x epi_block_n) sub-tiles through double-buffered shared-memory
-    slots, stored by TMA (clipped at K and N).
+  * Epilogue: (epi_block_m x epi_block_n) sub-tiles through ``epi_slots`` shared-memory
+    slots per warpgroup taken in turn, stored by TMA (clipped at K and N); a slot is only
+    waited for when it is rewritten, so with a slot per sub-tile the stores drain while the
+    next item reduces. ``delay_release`` keeps one wgmma in flight across reduction steps.
 """
 
 from __future__ import annotations
@@ -63,6 +67,8 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
   per_group = k_tiles * n_tiles
   stages = cfg.stages
+  epi_slots = cfg.epi_slots_for(bk)
+  num_items = num_groups * per_group
 
   step8 = bm // _ROW_ALIGN
 
@@ -72,12 +78,23 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
   cta = lax.axis_index("sm")
   # Round r deals items [r * num_ctas, (r + 1) * num_ctas) to the CTAs, in reverse CTA
   # order when r is odd; the last, partial round reaches the first `rest` CTAs in its order.
-  rounds, rest = divmod(num_groups * per_group, num_ctas)
+  rounds, rest = divmod(num_items, num_ctas)
   turn = cta if rounds % 2 == 0 else num_ctas - 1 - cta  # the CTA's place in that round
   local_work = rounds + (turn < rest).astype(jnp.int32)
 
+  def order(j):  # the place by size of the CTA's j-th item
+    place = jnp.where(lax.rem(j, 2) == 0, cta, num_ctas - 1 - cta)
+    if cfg.item_order == "size":
+      return j * num_ctas + place
+    # "mixed": even full rounds take the next largest items, odd ones the next smallest;
+    # the partial round takes what lies between them.
+    half = lax.div(j, 2) * num_ctas + place
+    between = (rounds + 1) // 2 * num_ctas + place
+    return jnp.where(j >= rounds, between,
+                     jnp.where(lax.rem(j, 2) == 0, half, num_items - 1 - half))
+
   def item(j):  # the CTA's j-th item: (group, first row / 8, row steps, start, end, kt, nt)
-    w = j * num_ctas + jnp.where(lax.rem(j, 2) == 0, cta, num_ctas - 1 - cta)
+    w = order(j)
     rank = lax.div(w, per_group)  # the group's place by size
     kt, nt = plgpu.planar_snake(lax.rem(w, per_group), (k_tiles, n_tiles), 1,
                                 cfg.grid_tile_width)
@@ -103,7 +120,7 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
   scoped = dict(
       a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=_swizzle_transforms(bk, dtype)),
       b_smem=plgpu.SMEM((stages, bm, bn), dtype, transforms=_swizzle_transforms(bn, dtype)),
-      out_smem=plgpu.SMEM((num_wgs, 2, epi_m, epi_n), out_gmem.dtype,
+      out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
                           transforms=_out_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
@@ -184,17 +201,32 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
               mask(slot, start - row0, end - row0)
 
             wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
+            if cfg.delay_release:
+              # Step i-1's wgmma is done (step i's may still run): release its slot.
+              plgpu.wgmma_wait(1)
+
+              @pl.when(i > 0)
+              def _():
+                plgpu.barrier_arrive(consumed.at[lax.rem(step + i - 1, stages)])
+            else:
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
+
+          if cfg.delay_release:
             plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(consumed.at[slot])
+
+            @pl.when(steps > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(step + steps - 1, stages)])
 
           acc = acc_ref[...]  # (wg_m, wg_n) f32; zeros for an empty group
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           sub = 0
           for i in range(wg_m // epi_m):
             for jj in range(wg_n // epi_n):
-              slot = sub % 2
-              if sub >= 2:
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              slot = sub % epi_slots
+              # Every item stores the same number of sub-tiles, epi_slots of them per
+              # turn: the store that last read this slot is epi_slots - 1 stores ago.
+              plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
               out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
                                        jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
               plgpu.commit_smem()
