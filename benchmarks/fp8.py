@@ -6,8 +6,9 @@
 Per shape (M, N, K), in the same run, bf16 results:
   bf16 jnp.dot          x (M, K) @ w (K, N) in bf16: the baseline of every ratio;
   fp8 jnp.dot           the per-tensor fp8 values, unscaled, dot with preferred bf16;
-  cuBLASLt pattern      dot(a8.astype(bf16) * sa, b8.astype(bf16) * sb), scalar scales:
-                        XLA's rewrite to one cuBLASLt fp8 GEMM (per tensor);
+  cuBLASLt pattern      dot(a8.astype(bf16) * sa, b8.astype(bf16) * sb), scalar float32
+                        scales: XLA's rewrite to one cuBLASLt fp8 GEMM (per tensor); the
+                        row says whether the compiled HLO holds that custom call;
   dequant + bf16 dot    1x128 / 128x128 block scales expanded in bf16, then a bf16 dot:
                         the block-scaled path JAX has on Hopper;
   pallas per tensor     scaled_matmul with (1, 1) scales;
@@ -52,6 +53,7 @@ from pallas_gemm.scaled_matmul import xla as sm_xla
 
 BF16 = jnp.bfloat16
 BASE = "bf16 jnp.dot"
+CUBLASLT = "cuBLASLt pattern (per tensor)"
 # (label, M, N, K). DeepSeek-V3's layer GEMMs at M = 4096 tokens (N x K from its MLA and
 # MoE projections, as DeepGEMM benchmarks them).
 # In order of importance: a spent --budget-s drops the last.
@@ -102,7 +104,7 @@ def implementations(backend: str) -> dict:
       BASE: (jax.jit(lambda x, wt: jnp.dot(x, wt)), ("x", "wt")),
       "fp8 jnp.dot": (jax.jit(lambda a, b: jax.lax.dot_general(
           a, b, dims, preferred_element_type=BF16)), ("a8t", "b8t")),
-      "cuBLASLt pattern (per tensor)": (jax.jit(sm_xla.per_tensor_pattern),
+      CUBLASLT: (jax.jit(sm_xla.per_tensor_pattern),
                                         ("a8t", "b8t", "sat", "sbt")),
       "dequant + bf16 dot (blocks)": (jax.jit(lambda a, sa, b, sb: jax.lax.dot_general(
           _dequant_bf16(a, sa, 1), _dequant_bf16(b, sb, 128), dims,
@@ -168,7 +170,7 @@ def f32_paths(backend: str) -> dict:
   pattern = jax.jit(functools.partial(sm_xla.per_tensor_pattern, out_dtype=jnp.float32))
   return {"pallas per tensor": (sm, ("a8t", "b8t", "sat", "sbt")),
           "pallas blocks": (sm, ("a8", "b8", "sa", "sb")),
-          "cuBLASLt pattern (per tensor)": (pattern, ("a8t", "b8t", "sat", "sbt"))}
+          CUBLASLT: (pattern, ("a8t", "b8t", "sat", "sbt"))}
 
 
 def _f32_errors(paths: dict, d: dict) -> dict:
@@ -204,6 +206,9 @@ def run_shape(label, m, n, k, args, timer) -> list[dict]:
           fns[name](*(sets[0][x] for x in names))[:ERROR_ROWS], ref)
     if name in errors_normal:
       row.update(relerr_f32_normal=errors_normal[name], relerr_f32_wide=errors_wide[name])
+    if name == CUBLASLT:  # whether XLA made the pattern one cuBLASLt fp8 GEMM
+      hlo = fns[name].lower(*(sets[0][x] for x in names)).compile().as_text()
+      row["cublaslt_fp8_in_hlo"] = sm_xla.is_cublaslt_fp8(hlo)
     rows.append(row)
     print(_line(row), flush=True)
   return rows
@@ -217,6 +222,8 @@ def _line(row) -> str:
              f" (+-{row['vs_bf16_spread']:.2f})  err {row['relerr_bf16_out']:.1e}")
   if "relerr_f32_normal" in row:
     text += f"  f32-out err {row['relerr_f32_normal']:.1e} (wide {row['relerr_f32_wide']:.1e})"
+  if "cublaslt_fp8_in_hlo" in row:
+    text += f"  cublas$lt$matmul$f8 in HLO: {row['cublaslt_fp8_in_hlo']}"
   return text
 
 
@@ -229,7 +236,10 @@ def markdown(rows, meta) -> str:
            "| wide |", "|---|---|---|---|---|---|---|---|"]
   for r in rows:
     shape = f"{r['m']}x{r['n']}x{r['k']} {r['shape']}"
-    cells = [shape, r["impl"], f"{r['ms']:.3f}"]
+    impl = r["impl"] + ({True: " [cuBLASLt fp8]", False: " [NOT rewritten to cuBLASLt"
+                          " fp8]"}[r["cublaslt_fp8_in_hlo"]] if "cublaslt_fp8_in_hlo" in r
+                         else "")
+    cells = [shape, impl, f"{r['ms']:.3f}"]
     if "tflops" in r:
       cells += [f"{r['tflops']:.0f}", f"{r['vs_bf16']:.2f} +- {r['vs_bf16_spread']:.2f}",
                 f"{r['relerr_bf16_out']:.1e}"]

@@ -1,19 +1,23 @@
 """Probe of the fp8 Mosaic kernel alone (`scaled_matmul.mosaic.scaled_gemm`) on one GPU.
 
     python -m benchmarks.fp8_kernel_probe                 # 4096^3 and 8192^3, < 2 minutes
-    python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5,128x192s4cn
+    python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5p,128x192s4cn
 
 Per size, in one process: bf16 jnp.dot, the dequantize + bf16 dot path (1x128 / 128x128
-block scales applied in XLA), XLA's scaled per-tensor pattern (which it rewrites to
-cuBLASLt fp8), and the kernel with 1x128 lhs / 128x128 rhs block scales and with
+block scales applied in XLA), XLA's scaled per-tensor pattern (`xla.per_tensor_pattern`,
+which XLA rewrites to one cuBLASLt fp8 GEMM: the probe prints whether the compiled HLO
+holds `__cublas$lt$matmul$f8`), and the kernel with 1x128 lhs / 128x128 rhs block scales and with
 per-tensor scales (fast accumulation, and promoted every 128 of K). CUPTI kernel time
 (`jax.experimental.mosaic.gpu.profiler.measure`), median over ITERATIONS calls, of
 everything a call launches (the kernel's "alone" column: the Pallas kernel without the
 scale transposes and pads around it). Errors: normwise relative error of the first
-ERR_ROWS rows against the float64 product of the dequantized operands. --configs adds the
-block-scaled kernel at other tiles (BMxBNsS[wW][cC][o], e.g. 128x192s4; w: wg_split,
-default m; c: clusters of 2 CTAs along m or n; o: promotion_overlap), --tensor-configs the
-per-tensor kernel.
+ERR_ROWS rows against the float64 product of the dequantized operands (bf16 results),
+and per size a line comparing the per-tensor paths' float32-result errors: cuBLASLt fp8,
+the kernel's fast accumulation and its promoted loop (the default per-tensor mode should
+be the fastest one whose error is no worse than cuBLASLt's). --configs adds the
+block-scaled kernel at other tiles (BMxBNsS[wW][cC][p], e.g. 128x192s4; w: wg_split,
+default m; c: clusters of 2 CTAs along m or n; p: pingpong), --tensor-configs the
+per-tensor kernel (promoted with p, else fast accumulation).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 from pallas_gemm.reference import relative_error, scaled_reference
 from pallas_gemm.scaled_matmul import config as fp8_config
 from pallas_gemm.scaled_matmul import mosaic
+from pallas_gemm.scaled_matmul import xla as sm_xla
 
 ITERATIONS = 20
 ERR_ROWS = 256
@@ -68,17 +73,18 @@ def _time(f, *args):
 
 
 def _parse_config(spec: str) -> fp8_config.Config:
-  """BMxBNsS[wW][cC][o] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of
-  2 CTAs along n; cm: along m), 128x128s5cno (and promotion_overlap)."""
-  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?(o)?", spec)
+  """BMxBNsS[wW][cC][p] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of
+  2 CTAs along n; cm: along m), 128x128s5p (pingpong; per tensor: promoted too)."""
+  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?(p)?", spec)
   if match is None:
-    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][o]")
-  bm, bn, stages, split, cluster, overlap = match.groups()
+    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][p]")
+  bm, bn, stages, split, cluster, pingpong = match.groups()
   return fp8_config.Config(block_m=int(bm), block_n=int(bn), stages=int(stages),
                            wg_split=split or "m", cluster_m=2 if cluster == "m" else 1,
                            cluster_n=2 if cluster == "n" else 1,
                            epi_block_n=64 if int(bn) % 64 == 0 else 32,
-                           promotion_overlap=overlap == "o")
+                           pingpong=pingpong == "p",
+                           fast_accumulation=pingpong != "p")
 
 
 def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[tuple]:
@@ -110,12 +116,14 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
   ms, _, out = _time(deq, a8, sa, b8, sb)
   cases.append(("dequantize + bf16 dot (blocks)", ms, None, err(out, a8, b8, sa, sb)))
 
-  xla_tensor = jax.jit(lambda v, s, w, t: jax.lax.dot_general(
-      v.astype(jnp.bfloat16) * s.astype(jnp.bfloat16),
-      w.astype(jnp.bfloat16) * t.astype(jnp.bfloat16), dims,
-      preferred_element_type=jnp.bfloat16))
-  ms, _, out = _time(xla_tensor, a8t, sat[0, 0], b8t, sbt[0, 0])
-  cases.append(("XLA scaled per-tensor (cuBLASLt)", ms, None, err(out, a8t, b8t, sat, sbt)))
+  xla_tensor = jax.jit(sm_xla.per_tensor_pattern)
+  rewritten = sm_xla.is_cublaslt_fp8(
+      xla_tensor.lower(a8t, b8t, sat, sbt).compile().as_text())
+  print(f"{size}^3: XLA's per-tensor pattern compiled to cublas$lt$matmul$f8: {rewritten}",
+        flush=True)
+  ms, _, out = _time(xla_tensor, a8t, b8t, sat, sbt)
+  cases.append(("XLA scaled per-tensor (cuBLASLt" + ("" if rewritten else ", NOT rewritten")
+                + ")", ms, None, err(out, a8t, b8t, sat, sbt)))
 
   def kernel(config):
     return jax.jit(lambda v, w, s, t: mosaic.scaled_gemm(
@@ -140,6 +148,18 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
   tensor += [(f"kernel per-tensor {spec}", _parse_config(spec)) for spec in tensor_configs]
   for name, config in tensor:
     run_kernel(name, config, a8t, b8t, sat, sbt)
+
+  # Per tensor, float32 results (no bf16 rounding hiding the accumulation's error).
+  f32_out = {"cuBLASLt fp8": jax.jit(lambda v, w, s, t: sm_xla.per_tensor_pattern(
+      v, w, s, t, out_dtype=jnp.float32))}
+  for label, config in tensor[:2]:
+    f32_out[label.removeprefix("kernel per-tensor ")] = jax.jit(
+        lambda v, w, s, t, config=config: mosaic.scaled_gemm(
+            v[None], w[None], s[None], t[None], out_dtype=jnp.float32, config=config)[0])
+  errors = {label: err(f(a8t, b8t, sat, sbt), a8t, b8t, sat, sbt)
+            for label, f in f32_out.items()}
+  print(f"{size}^3 per-tensor error, f32 out: " + ", ".join(
+      f"{label} {e:.3e}" for label, e in errors.items()), flush=True)
   return [(size, name, ms, alone, flops / ms / 1e9, bf16_ms / ms, e)
           for name, ms, alone, e in cases]
 

@@ -21,8 +21,7 @@ _RESERVED_SMEM_BYTES = 128 * 4 * 4
 # Accumulator registers per thread a consumer warpgroup may hold: 232 are left to each
 # of two consumer warpgroups beside a 40-register producer; the rest holds addresses,
 # the scale vectors and loop state. The promoted K loop holds two accumulators (the
-# f32 sum and the zeroed block accumulator; three with promotion_overlap), the plain
-# one one.
+# f32 sum and the zeroed block accumulator), the plain one one.
 _MAX_ACC_REGISTERS = {True: 192, False: 128}
 
 
@@ -49,11 +48,12 @@ class Config:
     chain, scales applied in the epilogue); False promotes every 128 of K into an f32
     register sum as block scales do (Hopper's fp8 wgmma accumulation keeps ~14
     mantissa bits of the running sum).
-  promotion_overlap: in the promoted K loop, issue the next step's wgmma (into a second
-    block accumulator) before promoting the current one, so a warpgroup's products
-    continue through its own promotion; costs a third accumulator's registers. Off:
-    each warpgroup waits for its products and promotes them while the other consumer
-    warpgroup's wgmma runs (DeepGEMM's schedule).
+  pingpong: in the promoted K loop with two consumer warpgroups, a warpgroup issues a
+    step's products only once the other warpgroup's previous step completed, so their
+    products take turns on the tensor cores and each one's promotion (the scale
+    multiply-add into the f32 sum) runs while the other's products do. Off: both issue
+    each step as soon as its stage is loaded, which tends to keep them in step: both
+    products share the tensor cores, then both promote while the tensor cores idle.
   cluster_m, cluster_n: CTAs per cluster along m or n (1 or 2, not both 2). The two
     CTAs of a cluster_m=2 cluster compute vertically adjacent tiles that share their rhs
     tiles: each CTA loads half of every rhs tile and TMA multicasts it to both, halving
@@ -73,7 +73,7 @@ class Config:
   epi_block_n: int = 64
   wgmma_wait: int = 1
   fast_accumulation: bool = True
-  promotion_overlap: bool = False
+  pingpong: bool = False
   cluster_m: int = 1
   cluster_n: int = 1
   num_sms: int | None = None
@@ -96,7 +96,7 @@ class Config:
       fail("grid_minor_dim", "must be 'm' or 'n'")
     if self.wgmma_wait not in (0, 1) or isinstance(self.wgmma_wait, bool):
       fail("wgmma_wait", "must be 0 or 1")
-    for field in ("fast_accumulation", "promotion_overlap"):
+    for field in ("fast_accumulation", "pingpong"):
       if not isinstance(getattr(self, field), bool):
         fail(field, "must be a bool")
     if self.stages <= self.wgmma_wait:
@@ -182,15 +182,14 @@ def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
   """Raises ValueError if the config does not fit the shared memory or the registers
   of the K loop it runs (promoted: two accumulators per warpgroup)."""
   limit = _MAX_ACC_REGISTERS[promoted]
-  accumulators = (3 if config.promotion_overlap else 2) if promoted else 1
+  accumulators = 2 if promoted else 1
   regs = config.acc_registers() * accumulators
   if regs > limit:
     raise ValueError(
         f"Config: a {config.wg_block_m}x{config.wg_block_n} warpgroup tile holds {regs}"
         f" accumulator registers per thread in the {'promoted' if promoted else 'plain'}"
         f" K loop, more than {limit} ({accumulators} accumulator(s): the f32 sum and the"
-        " block accumulators each take wg_block_m * wg_block_n / 128); use smaller tiles"
-        + (" or promotion_overlap=False" if config.promotion_overlap and promoted else ""))
+        " block accumulator each take wg_block_m * wg_block_n / 128); use smaller tiles")
   used = smem_bytes(config, out_dtype, k=k, row_scales=row_scales,
                     column_scales=column_scales)
   if used > SMEM_BYTES_PER_BLOCK:
@@ -207,10 +206,13 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Conf
   tiles of a 128x128 CTA tile (64 + 64 accumulator registers, like DeepGEMM's m64
   warpgroups; the bf16 FP32-split kernel holds the same two accumulators in the same
   tiles); plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel.
-  Where there are two column tiles or more, CTAs pair up along n and multicast their
-  shared lhs tile (the bf16 kernels measured 1-5% from it on the H100 / H200 at these
-  tiles). A short M (<= 64 rows) takes one 64-row band split by columns, unpaired (its
-  rhs tiles, the traffic that matters there, are not shared).
+  Plain accumulation pairs CTAs along n where there are two column tiles or more, and
+  they multicast their shared lhs tile (the bf16 kernels measured 1-5% from it on the
+  H100 / H200 at these tiles). The promoted loop runs unpaired: its 128x128 tiles
+  measured ~10% slower in clusters on the H100 (a stage is then released only once both
+  CTAs' warpgroups waited for their products, tying the two CTAs' promotions together).
+  A short M (<= 64 rows) takes one 64-row band split by columns, unpaired (its rhs
+  tiles, the traffic that matters there, are not shared).
   """
   del k
   if m <= 64:
@@ -219,7 +221,7 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Conf
     cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)
   else:
     cfg = Config(block_m=256, block_n=128, wg_split="m", stages=4)
-  if m > 64 and n > cfg.block_n:
+  if m > 64 and n > cfg.block_n and not promoted:
     cfg = cfg.replace(cluster_n=2)
   if jnp.dtype(out_dtype).itemsize == 4:
     cfg = cfg.replace(epi_block_n=32)

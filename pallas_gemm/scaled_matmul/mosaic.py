@@ -37,7 +37,10 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
     each column piece of the warpgroup tile lying in one 128-column block (the whole
     tile when its width divides 128; `_block_pieces`), read from global memory (an
     L2-resident (B, K_b, ceil(N/128)) array) while the wgmma runs and folded into the
-    row scales, so block scales too cost one multiply-add per element.
+    row scales, so block scales too cost one multiply-add per element. Each warpgroup
+    waits for its products before promoting them; with ``Config.pingpong`` the two
+    consumer warpgroups take turns (a pair of barriers), so one's promotion runs while
+    the other's products do.
   * Scales constant along K (per tensor, row or column): applied once in the epilogue.
     With ``Config.fast_accumulation`` (default) and no block scale, the K loop is one
     wgmma chain into one accumulator (the bf16 kernel's loop, wgmma_wait=1 overlaps
@@ -198,6 +201,9 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
     scoped["lhs_scale_smem"] = plgpu.SMEM((stages, bm), jnp.float32)
   if column_step:
     scoped["rhs_scale_smem"] = plgpu.SMEM((stages, bn), jnp.float32)
+  pingpong = cfg.pingpong and plan.promoted and num_wgs == 2
+  if pingpong:  # turn.at[wg]: warpgroup wg may issue its next step's products
+    scoped["turn"] = plgpu.Barrier(num_arrivals=1, num_barriers=2)
 
   cta = lax.axis_index("sm")  # the CTA, or the cluster: both CTAs run the same tiles
   local_tiles = lax.div(batch * per_batch - cta + num_ctas - 1, num_ctas)
@@ -218,7 +224,7 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(lhs_smem, rhs_smem, produced, consumed, out_smem, lhs_scale_smem=None,
-             rhs_scale_smem=None):
+             rhs_scale_smem=None, turn=None):
     wg = lax.axis_index("wg")
 
     @pl.when(wg == num_wgs)
@@ -285,14 +291,19 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
         first = j * k_iters
         if plan.promoted:
           acc = _promoted_loop(wgmma, first, bb, ni * bn + wg_n0, wg_ms, wg_ns, stages,
-                               produced, consumed, lhs_scale_smem, rhs_scale_smem,
-                               rhs_step_gmem, plan=plan, wg_m=wg_m, wg_n=wg_n,
-                               k_iters=k_iters, overlap=cfg.promotion_overlap)
+                               produced, consumed, turn, wg, lhs_scale_smem,
+                               rhs_scale_smem, rhs_step_gmem, plan=plan, wg_m=wg_m,
+                               wg_n=wg_n, k_iters=k_iters)
         else:
           acc = _plain_loop(wgmma, first, stages, produced, consumed, wg_m=wg_m, wg_n=wg_n,
                             k_iters=k_iters, wgmma_wait=wgmma_wait)
         _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_gmem,
                   bi, mi * bm + wg_m0, ni * bn + wg_n0, wg, config=cfg)
+
+      if pingpong:  # warpgroup 1's last turn, so no arrival is pending at exit
+        @pl.when(jnp.logical_and(wg == 0, local_tiles > 0))
+        def _():
+          plgpu.barrier_wait(turn.at[0])
 
   del _scope  # run_scoped ran it
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -335,8 +346,8 @@ def _block_pieces(wg_n: int) -> int:
 
 
 def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consumed,
-                   lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan: Plan, wg_m,
-                   wg_n, k_iters, overlap: bool):
+                   turn, wg, lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan: Plan,
+                   wg_m, wg_n, k_iters):
   """Each 128 of K: products into a zeroed accumulator, times the step's scale, added
   to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum.
 
@@ -344,9 +355,12 @@ def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consu
   block scale is folded into the row vector (a few multiplies per thread), so the
   accumulator takes one multiply-add per element; per-column rhs scales take two.
 
-  overlap (Config.promotion_overlap): two block accumulators take the steps in turn, and
-  step s + 1's wgmma is issued before step s is promoted, so the warpgroup's tensor-core
-  work continues through its own promotion (a third accumulator's registers).
+  turn (Config.pingpong; else None): two barriers, one per consumer warpgroup wg. A
+  warpgroup issues a step's products only after the other warpgroup's previous step
+  completed (the first step of warpgroup 0 goes first), so the two warpgroups' products
+  alternate on the tensor cores and each one's promotion runs while the other's
+  products do; without it both issue together and promote together, leaving the
+  tensor cores idle during the promotions.
   """
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a (wg_m,) vector, one value per acc row
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (wg_n,) vector, one per acc column
@@ -391,51 +405,26 @@ def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consu
          for p, number in enumerate(blocks)], axis=1)
 
   zeros = jnp.zeros((wg_m, wg_n), jnp.float32)
-  if not overlap:
-    def step(kk, total):
-      def block(blk_ref):
-        issue(kk, blk_ref)
-        # The scales are read while the products run; reading blk_ref waits for them.
-        step_scales = scales(kk)
-        return blk_ref[...], step_scales
 
-      blk, step_scales = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
-      plgpu.barrier_arrive(consumed.at[slot_of(kk)])
-      return promote(total, blk, *step_scales)
+  def step(kk, total):
+    if turn is not None:  # the other warpgroup's products of its last step are done
+      @pl.when(jnp.logical_or(wg != 0, first + kk > 0))
+      def _():
+        plgpu.barrier_wait(turn.at[wg])
 
-    return lax.fori_loop(0, k_iters, step, zeros)
-
-  def overlapped(acc_a, acc_b):
-    def retire(kk, acc_ref, total, in_flight):
-      """Promotes step kk from acc_ref once at most in_flight later groups run."""
+    def block(blk_ref):
+      issue(kk, blk_ref)
+      # The scales are read while the products run; reading blk_ref waits for them.
       step_scales = scales(kk)
-      blk = plgpu.wgmma_accumulator_load(acc_ref, wait_n=in_flight)
-      plgpu.barrier_arrive(consumed.at[slot_of(kk)])
-      total = promote(total, blk, *step_scales)
-      acc_ref[...] = zeros  # ready for the step after next
-      return total
+      return blk_ref[...], step_scales
 
-    # Steps with a successor run in pairs (even steps in acc_a, odd in acc_b), each
-    # retired after its successor was issued; the last step is retired alone.
-    def pair(i, total):
-      kk = 2 * i
-      issue(kk + 1, acc_b)
-      total = retire(kk, acc_a, total, 1)
-      issue(kk + 2, acc_a)
-      return retire(kk + 1, acc_b, total, 1)
+    blk, step_scales = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
+    if turn is not None:  # the tensor cores are free: the other warpgroup's turn
+      plgpu.barrier_arrive(turn.at[1 - wg])
+    plgpu.barrier_arrive(consumed.at[slot_of(kk)])
+    return promote(total, blk, *step_scales)
 
-    issue(0, acc_a)
-    with_successor = k_iters - 1
-    total = lax.fori_loop(0, with_successor // 2, pair, zeros)
-    last = acc_a
-    if with_successor % 2:
-      issue(with_successor, acc_b)
-      total = retire(with_successor - 1, acc_a, total, 1)
-      last = acc_b
-    return retire(k_iters - 1, last, total, 0)
-
-  return pl.run_scoped(overlapped, plgpu.ACC((wg_m, wg_n), jnp.float32),
-                       plgpu.ACC((wg_m, wg_n), jnp.float32))
+  return lax.fori_loop(0, k_iters, step, zeros)
 
 
 def _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_gmem,
@@ -531,10 +520,6 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   if config is None:
     config = default_config(m, n, k, out_dtype=out_dtype, promoted=promoted)
   promoted = step_scales or not config.fast_accumulation
-  if interpret and promoted and config.promotion_overlap:
-    raise ValueError("Config.promotion_overlap=True: interpret mode cannot run it (its"
-                     " interpreter does not store into wgmma accumulators, jax 0.11.2,"
-                     " which re-zeroing the block accumulators needs); run it on a GPU")
   bm, bn = config.block_m, config.block_n
   rhs_step = {"step": "column", "block": "block"}.get(rhs_kind)
   check(config, out_dtype, k=k, promoted=promoted, row_scales=lhs_kind == "step",

@@ -7,11 +7,14 @@ float32 products and sums; TF32 on a GPU otherwise). On a GPU this is the slow p
 it reads the fp8 operands and writes float32 copies four times their size.
 
 `per_tensor_pattern` is the other XLA route, for one scale per tensor: the
-expression XLA's GPU compiler rewrites into a single cuBLASLt fp8 GEMM (the fp8
-operands converted to a wider type, each multiplied by a scalar, then a dot: XLA folds
-the scalars into cuBLASLt's a/b scale arguments). It needs scalar scales (a batch of
-scales is not matched) and both operands contracted on their last dim, as here.
-Elsewhere (the CPU) it computes what it says, in `wide`.
+expression XLA's GPU compiler rewrites into a single cuBLASLt fp8 GEMM (HLO custom call
+`__cublas$lt$matmul$f8`): the fp8 operands converted to a wider type, each multiplied by
+a float32 scalar, then a dot; XLA folds the scalars into cuBLASLt's a/b scale
+arguments. The scales must stay float32 (the products promote to float32): with the
+scales cast to bfloat16 first, XLA 0.11.2 leaves the expression as converts, multiplies
+and a bf16 GEMM. It needs scalar scales (a batch of scales is not matched) and both
+operands contracted on their last dim, as here. Elsewhere (the CPU) it computes what it
+says, in float32.
 """
 
 from __future__ import annotations
@@ -39,12 +42,21 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, *, lhs_layout: scales.ScaleL
   return out.astype(out_dtype)
 
 
+CUBLASLT_FP8_TARGET = "__cublas$lt$matmul$f8"  # the rewrite's custom call, in compiled HLO
+
+
 def per_tensor_pattern(lhs, rhs, lhs_scale, rhs_scale, *, out_dtype=jnp.bfloat16,
                        wide=jnp.bfloat16):
-  """dot(lhs.astype(wide) * lhs_scale, rhs.astype(wide) * rhs_scale) over the last dims:
-  one cuBLASLt fp8 GEMM on a GPU (XLA's rewrite). lhs (M, K), rhs (N, K) fp8; scales
-  scalars (0-d or size 1). Result (M, N) in out_dtype."""
-  sa = jnp.reshape(lhs_scale, ()).astype(wide)
-  sb = jnp.reshape(rhs_scale, ()).astype(wide)
+  """dot(lhs.astype(wide) * lhs_scale, rhs.astype(wide) * rhs_scale) over the last dims,
+  the scales float32: one cuBLASLt fp8 GEMM on a GPU (XLA's rewrite). lhs (M, K), rhs
+  (N, K) fp8; scales scalars (0-d or size 1). Result (M, N) in out_dtype."""
+  sa = jnp.reshape(lhs_scale, ()).astype(jnp.float32)
+  sb = jnp.reshape(rhs_scale, ()).astype(jnp.float32)
   return jax.lax.dot_general(lhs.astype(wide) * sa, rhs.astype(wide) * sb,
                              (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def is_cublaslt_fp8(compiled_text: str) -> bool:
+  """Whether compiled HLO text (``jit(f).lower(...).compile().as_text()``) calls
+  cuBLASLt's fp8 GEMM, i.e. XLA rewrote the pattern."""
+  return CUBLASLT_FP8_TARGET in compiled_text
