@@ -11,6 +11,8 @@
 #   ragged      python -m benchmarks --ragged: grouped GEMM
 #   fp8         python -m benchmarks --fp8: fp8 GEMMs with scales
 #   example     examples/flax_mlp.py --full
+#   moe         examples/moe.py --full: the MoE block with jax.lax.ragged_dot vs pallas_gemm.ragged_dot
+#   fp8_mlp     examples/fp8_mlp.py --full: the MLP trained in bf16 and in fp8
 #   bench       python -m benchmarks --gpu-default (square, ragged, skinny, batched; ~5 min)
 #   full        python -m benchmarks --full (~7-9 min)
 #   tune        python -m benchmarks --autotune (TUNE_ARGS, TUNE_TIMEOUT), then a cache lookup
@@ -96,6 +98,12 @@ fi
 
 if has ragged; then
   log "grouped GEMM (ragged_dot) vs jax.lax.ragged_dot"
+  # tokamax, the grouped-GEMM peer, when its wheels were carried (never a dependency):
+  # .wheels-tokamax/ holds them and stubs/ stands in for its profiling-only import.
+  if [ -d .wheels-tokamax ]; then
+    python3 -m pip install -q --no-deps --no-index .wheels-tokamax/*.whl >"$OUT/tokamax_install.log" 2>&1
+    export PYTHONPATH="$PWD/.wheels-tokamax/stubs${PYTHONPATH:+:$PYTHONPATH}"
+  fi
   bench 400 ragged --ragged ${RAGGED_ARGS:-}
   tail -n 20 "$OUT/ragged.log" | summary "ragged (last lines)"
 fi
@@ -110,6 +118,18 @@ if has example; then
   log "examples/flax_mlp.py --full: stock Flax vs dot_general vs fused layers"
   timeout 400 python3 examples/flax_mlp.py --full --out "$OUT/example" 2>&1 | tee "$OUT/example.log"
   grep -E "ms/step|loss curve" "$OUT/example.log" | summary example
+fi
+
+if has moe; then
+  log "examples/moe.py --full: MoE block, jax.lax.ragged_dot vs pallas_gemm.ragged_dot"
+  timeout 400 python3 examples/moe.py --full --out "$OUT/moe" 2>&1 | tee "$OUT/moe.log"
+  tail -n 12 "$OUT/moe.log" | summary moe
+fi
+
+if has fp8_mlp; then
+  log "examples/fp8_mlp.py --full: the MLP in bf16 and in fp8"
+  timeout 400 python3 examples/fp8_mlp.py --full --out "$OUT/fp8_mlp" 2>&1 | tee "$OUT/fp8_mlp.log"
+  tail -n 12 "$OUT/fp8_mlp.log" | summary fp8_mlp
 fi
 
 if has bench; then
@@ -257,7 +277,7 @@ if has ncu_sass; then
 fi
 
 # Few files come back from $OUT: each result folder (JSON, markdown, plots) as one archive.
-for d in headline mlp precision ragged fp8 example bench full tune sharded ncu_sass; do
+for d in headline mlp precision ragged fp8 example moe fp8_mlp bench full tune sharded ncu_sass; do
   [ -d "$OUT/$d" ] && tar -C "$OUT" -czf "$OUT/$d.tgz" "$d" && rm -rf "${OUT:?}/$d"
 done
 log "summary (full logs in $OUT)"

@@ -1,5 +1,5 @@
-"""Probe of the grouped-GEMM Mosaic kernels alone (`ragged_dot.mosaic_forward`,
-`ragged_dot.mosaic_weight_grad`) on one GPU.
+"""Probe of the grouped-GEMM Mosaic kernels alone (`grouped.mosaic_forward`,
+`grouped.mosaic_weight_grad`) on one GPU.
 
     python -m benchmarks.ragged_kernel_probe                  # four MoE shapes, < 3 minutes
     python -m benchmarks.ragged_kernel_probe --shapes qwen3 --configs 128x128x64s4wm
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.ragged_dot import mosaic_forward, mosaic_weight_grad
-from pallas_gemm.ragged_dot.config import SMEM_BYTES_PER_BLOCK, Config, smem_bytes
+from pallas_gemm.grouped import mosaic_forward, mosaic_weight_grad
+from pallas_gemm.grouped.config import SMEM_BYTES_PER_BLOCK, Config, smem_bytes
 from pallas_gemm.reference import relative_error
 
 ITERATIONS = 10

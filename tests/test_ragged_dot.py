@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU, random
-from pallas_gemm.ragged_dot import api, ops, shapes
-from pallas_gemm.ragged_dot import ragged_dot, ragged_dot_general
+from pallas_gemm.grouped import api, ops, shapes
+from pallas_gemm.grouped import ragged_dot, ragged_dot_general
 from pallas_gemm.reference import reference, relative_error, tolerance
 
 BF16 = np.dtype(jnp.bfloat16)

@@ -1,4 +1,4 @@
-"""The grouped-GEMM Hopper kernels called directly (pallas_gemm/ragged_dot/mosaic_*.py).
+"""The grouped-GEMM Hopper kernels called directly (pallas_gemm/grouped/mosaic_*.py).
 
 The backend-independent suite (tests/test_ragged_dot.py) goes through the front door; these
 exercise the kernels' own paths by name: the work-item table, straddling row tiles, zero
@@ -16,8 +16,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import random
-from pallas_gemm.ragged_dot import mosaic_forward, mosaic_weight_grad
-from pallas_gemm.ragged_dot.config import Config, default_config, smem_bytes
+from pallas_gemm.grouped import mosaic_forward, mosaic_weight_grad
+from pallas_gemm.grouped.config import Config, default_config, smem_bytes
 from pallas_gemm.reference import reference, relative_error, tolerance
 
 # Small tiles for the interpreter: 64-row tiles straddle the groups of a few hundred rows.

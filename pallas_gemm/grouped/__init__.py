@@ -7,6 +7,6 @@ primitive and its AD/vmap rules, `xla.py` the lax reference path, `mosaic_*.py` 
 Hopper kernels, `shapes.py` the named problem sizes shared by tests and benchmarks.
 """
 
-from pallas_gemm.ragged_dot.api import BACKENDS, ragged_dot, ragged_dot_general
+from pallas_gemm.grouped.api import BACKENDS, ragged_dot, ragged_dot_general
 
 __all__ = ["BACKENDS", "ragged_dot", "ragged_dot_general"]

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.lax.lax import canonicalize_precision  # lax's own normalisation of precision
 
-from pallas_gemm.ragged_dot import ops
+from pallas_gemm.grouped import ops
 
 BACKENDS = ("auto", "xla", "mosaic")
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -242,8 +242,8 @@ def mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype) -> str | None:
   if isinstance(precision, (str, jax.lax.DotAlgorithmPreset)):
     return f"precision={precision}: the kernels compute 16-bit products with f32 accumulation only"
   try:
-    importlib.import_module("pallas_gemm.ragged_dot.mosaic_forward")
-    importlib.import_module("pallas_gemm.ragged_dot.mosaic_weight_grad")
+    importlib.import_module("pallas_gemm.grouped.mosaic_forward")
+    importlib.import_module("pallas_gemm.grouped.mosaic_weight_grad")
   except ImportError as e:
     return f"the Mosaic ragged_dot kernels cannot be imported: {e}"
   from pallas_gemm import mosaic  # noqa: PLC0415 - the platform check is the gemm kernel's

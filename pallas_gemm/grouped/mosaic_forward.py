@@ -56,7 +56,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm import tuning
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
-from pallas_gemm.ragged_dot.config import Config, check_smem, default_config
+from pallas_gemm.grouped.config import Config, check_smem, default_config
 
 # SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
 _INTERPRET_NUM_SMS = 4

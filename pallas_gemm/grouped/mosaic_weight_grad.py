@@ -43,8 +43,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
-from pallas_gemm.ragged_dot.config import Config, check_smem, default_config
-from pallas_gemm.ragged_dot.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS, _ROW_ALIGN,
+from pallas_gemm.grouped.config import Config, check_smem, default_config
+from pallas_gemm.grouped.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS, _ROW_ALIGN,
                                                    _out_transforms, local_rows, num_ctas)
 
 # Columns of one masking piece: a 128-byte swizzle atom of 16-bit elements.

@@ -103,7 +103,7 @@ def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
   else:
     row_start = None
   if plan.backend == "xla":
-    from pallas_gemm.ragged_dot import xla as module  # noqa: PLC0415
+    from pallas_gemm.grouped import xla as module  # noqa: PLC0415
     kwargs = dict(precision=plan.precision)
   else:
     group_sizes, row_start = kernel_groups(group_sizes, row_start, m)
@@ -111,7 +111,7 @@ def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
       # The kernels' own group_offset form: the rows before row_start become a group 0
       # of G + 1, and the call computes groups [1, G + 1) with rhs's G matrices.
       group_sizes, row_start = jnp.concatenate([row_start[None], group_sizes]), jnp.int32(1)
-    module = importlib.import_module(f"pallas_gemm.ragged_dot.{plan.backend}_{plan.form}")
+    module = importlib.import_module(f"pallas_gemm.grouped.{plan.backend}_{plan.form}")
     kwargs = {} if plan.form == "forward" else dict(num_groups=plan.num_groups)
   common = dict(out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret, **kwargs)
   if plan.form == "forward":
