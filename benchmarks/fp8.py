@@ -104,8 +104,7 @@ def implementations(backend: str) -> dict:
       BASE: (jax.jit(lambda x, wt: jnp.dot(x, wt)), ("x", "wt")),
       "fp8 jnp.dot": (jax.jit(lambda a, b: jax.lax.dot_general(
           a, b, dims, preferred_element_type=BF16)), ("a8t", "b8t")),
-      CUBLASLT: (jax.jit(sm_xla.per_tensor_pattern),
-                                        ("a8t", "b8t", "sat", "sbt")),
+      CUBLASLT: (jax.jit(sm_xla.per_tensor_pattern), ("a8t", "b8t", "sat0", "sbt0")),
       "dequant + bf16 dot (blocks)": (jax.jit(lambda a, sa, b, sb: jax.lax.dot_general(
           _dequant_bf16(a, sa, 1), _dequant_bf16(b, sb, 128), dims,
           preferred_element_type=BF16)), ("a8", "sa", "b8", "sb")),
@@ -144,7 +143,9 @@ def inputs(m: int, n: int, k: int, seed: int, family: str = "normal") -> dict:
   b8, sb = quantize(w, block_shape=(128, 128))
   a8t, sat = quantize(x, block_shape=None)
   b8t, sbt = quantize(w, block_shape=None)
-  return dict(x=x, w=w, wt=w.T, a8=a8, sa=sa, b8=b8, sb=sb, a8t=a8t, sat=sat, b8t=b8t, sbt=sbt)
+  # XLA's per-tensor pattern takes 0-d scales, reshaped outside its jitted function.
+  return dict(x=x, w=w, wt=w.T, a8=a8, sa=sa, b8=b8, sb=sb, a8t=a8t, sat=sat, b8t=b8t, sbt=sbt,
+              sat0=sat.reshape(()), sbt0=sbt.reshape(()))
 
 
 def _reference(label: str, d: dict):
@@ -170,7 +171,7 @@ def f32_paths(backend: str) -> dict:
   pattern = jax.jit(functools.partial(sm_xla.per_tensor_pattern, out_dtype=jnp.float32))
   return {"pallas per tensor": (sm, ("a8t", "b8t", "sat", "sbt")),
           "pallas blocks": (sm, ("a8", "b8", "sa", "sb")),
-          CUBLASLT: (pattern, ("a8t", "b8t", "sat", "sbt"))}
+          CUBLASLT: (pattern, ("a8t", "b8t", "sat0", "sbt0"))}
 
 
 def _f32_errors(paths: dict, d: dict) -> dict:

@@ -6,18 +6,18 @@
 Per size, in one process: bf16 jnp.dot, the dequantize + bf16 dot path (1x128 / 128x128
 block scales applied in XLA), XLA's scaled per-tensor pattern (`xla.per_tensor_pattern`,
 which XLA rewrites to one cuBLASLt fp8 GEMM: the probe prints whether the compiled HLO
-holds `__cublas$lt$matmul$f8`), and the kernel with 1x128 lhs / 128x128 rhs block scales and with
-per-tensor scales (fast accumulation, and promoted every 128 of K). CUPTI kernel time
+holds `__cublas$lt$matmul$f8`; its scales are passed 0-d), and the kernel with 1x128 lhs /
+128x128 rhs block scales and with per-tensor scales (promoted every 128 of K, the
+default, and the opt-in fast accumulation). CUPTI kernel time
 (`jax.experimental.mosaic.gpu.profiler.measure`), median over ITERATIONS calls, of
 everything a call launches (the kernel's "alone" column: the Pallas kernel without the
 scale transposes and pads around it). Errors: normwise relative error of the first
 ERR_ROWS rows against the float64 product of the dequantized operands (bf16 results),
 and per size a line comparing the per-tensor paths' float32-result errors: cuBLASLt fp8,
-the kernel's fast accumulation and its promoted loop (the default per-tensor mode should
-be the fastest one whose error is no worse than cuBLASLt's). --configs adds the
-block-scaled kernel at other tiles (BMxBNsS[wW][cC][p], e.g. 128x192s4; w: wg_split,
-default m; c: clusters of 2 CTAs along m or n; p: pingpong), --tensor-configs the
-per-tensor kernel (promoted with p, else fast accumulation).
+the kernel's promoted loop and its fast accumulation. --configs adds the block-scaled
+kernel at other tiles (BMxBNsS[wW][cC][f], e.g. 128x192s4; w: wg_split, default m; c:
+clusters of 2 CTAs along m or n), --tensor-configs the per-tensor kernel (promoted, or
+with f fast accumulation).
 """
 
 from __future__ import annotations
@@ -73,18 +73,17 @@ def _time(f, *args):
 
 
 def _parse_config(spec: str) -> fp8_config.Config:
-  """BMxBNsS[wW][cC][p] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of
-  2 CTAs along n; cm: along m), 128x128s5p (pingpong; per tensor: promoted too)."""
-  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?(p)?", spec)
+  """BMxBNsS[wW][cC][f] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of
+  2 CTAs along n; cm: along m), 256x128s4cnf (f: fast accumulation, per tensor only)."""
+  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?(f)?", spec)
   if match is None:
-    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][p]")
-  bm, bn, stages, split, cluster, pingpong = match.groups()
+    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][f]")
+  bm, bn, stages, split, cluster, fast = match.groups()
   return fp8_config.Config(block_m=int(bm), block_n=int(bn), stages=int(stages),
                            wg_split=split or "m", cluster_m=2 if cluster == "m" else 1,
                            cluster_n=2 if cluster == "n" else 1,
                            epi_block_n=64 if int(bn) % 64 == 0 else 32,
-                           pingpong=pingpong == "p",
-                           fast_accumulation=pingpong != "p")
+                           fast_accumulation=fast == "f")
 
 
 def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[tuple]:
@@ -98,6 +97,8 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
   b8, sb = _quantize(b, 128, 128)      # 128x128 blocks
   a8t, sat = _quantize(a, 0, 0)        # per tensor
   b8t, sbt = _quantize(b, 0, 0)
+  # XLA's pattern takes its scales 0-d: reshaped here, outside the jitted function.
+  sat0, sbt0 = sat.reshape(()), sbt.reshape(())
   dims = (((1,), (1,)), ((), ()))
   rows = slice(0, ERR_ROWS)
 
@@ -118,10 +119,10 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
 
   xla_tensor = jax.jit(sm_xla.per_tensor_pattern)
   rewritten = sm_xla.is_cublaslt_fp8(
-      xla_tensor.lower(a8t, b8t, sat, sbt).compile().as_text())
+      xla_tensor.lower(a8t, b8t, sat0, sbt0).compile().as_text())
   print(f"{size}^3: XLA's per-tensor pattern compiled to cublas$lt$matmul$f8: {rewritten}",
         flush=True)
-  ms, _, out = _time(xla_tensor, a8t, b8t, sat, sbt)
+  ms, _, out = _time(xla_tensor, a8t, b8t, sat0, sbt0)
   cases.append(("XLA scaled per-tensor (cuBLASLt" + ("" if rewritten else ", NOT rewritten")
                 + ")", ms, None, err(out, a8t, b8t, sat, sbt)))
 
@@ -141,10 +142,9 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
 
   for name, config in blocks:
     run_kernel(name, config, a8, b8, sa, sb)
-  tensor = [("kernel per-tensor (fast accumulation)", None),
-            ("kernel per-tensor (promoted)",
-             fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16,
-                                       promoted=True).replace(fast_accumulation=False))]
+  tensor = [("kernel per-tensor (promoted, default)", None),
+            ("kernel per-tensor (fast accumulation)",
+             fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16, promoted=False))]
   tensor += [(f"kernel per-tensor {spec}", _parse_config(spec)) for spec in tensor_configs]
   for name, config in tensor:
     run_kernel(name, config, a8t, b8t, sat, sbt)
@@ -156,7 +156,8 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
     f32_out[label.removeprefix("kernel per-tensor ")] = jax.jit(
         lambda v, w, s, t, config=config: mosaic.scaled_gemm(
             v[None], w[None], s[None], t[None], out_dtype=jnp.float32, config=config)[0])
-  errors = {label: err(f(a8t, b8t, sat, sbt), a8t, b8t, sat, sbt)
+  errors = {label: err(f(a8t, b8t, *((sat0, sbt0) if label == "cuBLASLt fp8" else
+                                      (sat, sbt))), a8t, b8t, sat, sbt)
             for label, f in f32_out.items()}
   print(f"{size}^3 per-tensor error, f32 out: " + ", ".join(
       f"{label} {e:.3e}" for label, e in errors.items()), flush=True)

@@ -41,7 +41,6 @@ E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
     (dict(wgmma_wait=2), "wgmma_wait"),
     (dict(fast_accumulation=1), "fast_accumulation"),
     (dict(num_sms=0), "num_sms"),
-    (dict(pingpong=None), "pingpong"),
     (dict(cluster_m=3), "cluster_m"),
     (dict(cluster_m=2, cluster_n=2), "cluster_n"),
     (dict(cluster_n=2, num_sms=1), "num_sms"),
@@ -126,8 +125,8 @@ def _check(rng, batch, m, n, k, *, lhs_kind="step", rhs_kind="block", dtypes=(E4
   ls = _scales(rng, lhs_kind, batch, m, k, exps)
   rs = _scales(rng, rhs_kind, batch_r, n, k, exps)
   if config is None and interpret:
-    promoted = "step" in (lhs_kind,) or rhs_kind in ("step", "block")
-    config = fp8_config.default_config(m, n, k, out_dtype=out_dtype, promoted=promoted)
+    # The kernel's default: promoted, for constant scales too.
+    config = fp8_config.default_config(m, n, k, out_dtype=out_dtype, promoted=True)
     config = config.replace(num_sms=3)
   if not interpret:  # a NaN block freed last, so that the output likely reuses it
     nbytes = batch * m * n * jnp.dtype(out_dtype).itemsize
@@ -145,7 +144,7 @@ def _check(rng, batch, m, n, k, *, lhs_kind="step", rhs_kind="block", dtypes=(E4
       "the inputs' true product does not fit the output dtype: draw smaller scales")
   err = relative_error(out.astype(jnp.float32), ref)
   fast = (lhs_kind != "step" and rhs_kind not in ("step", "block")
-          and (config is None or config.fast_accumulation))
+          and config is not None and config.fast_accumulation)
   bound = tolerance(dtypes[0], "fast_accumulation" if fast and not interpret else None,
                     k, out_dtype)
   assert err <= bound, (err, bound, config)
@@ -243,24 +242,22 @@ def test_ragged_and_short(rng, m, n, k):
     # clusters sharing lhs tiles, per-column steps
     (Config(block_m=64, block_n=128, wg_split="n", stages=2, cluster_n=2, num_sms=4),
      "step"),
-    # warpgroups taking turns, several tiles per CTA, with and without clusters
-    (Config(block_m=128, block_n=128, stages=3, pingpong=True, num_sms=2), "block"),
-    (Config(block_m=64, block_n=256, wg_split="n", stages=2, pingpong=True, cluster_m=2,
-            num_sms=4), "step"),
 ], ids=["wrap", "one_wg", "pieces96", "pieces192", "pieces160", "columns", "cluster_m",
-        "cluster_n", "pingpong", "pingpong_cluster"])
+        "cluster_n"])
 def test_configs_promoted(rng, config, rhs_kind):
   _check(rng, 1, 130, 260, 384, rhs_kind=rhs_kind, config=config)
 
 
 @pytest.mark.parametrize("config", [
-    Config(block_m=128, block_n=256, wg_split="n", stages=2, wgmma_wait=1, num_sms=3),
-    Config(block_m=128, block_n=128, stages=3, wgmma_wait=0, num_sms=3),
-    Config(block_m=128, block_n=128, stages=3, fast_accumulation=False, num_sms=3),
-    Config(block_m=256, block_n=128, stages=2, cluster_n=2, num_sms=4),
-    Config(block_m=128, block_n=128, stages=3, fast_accumulation=False, pingpong=True,
+    Config(block_m=128, block_n=256, wg_split="n", stages=2, wgmma_wait=1,
+           fast_accumulation=True, num_sms=3),
+    Config(block_m=128, block_n=128, stages=3, wgmma_wait=0, fast_accumulation=True,
            num_sms=3),
-], ids=["wait1", "wait0", "promoted", "cluster_n", "promoted_pingpong"])
+    Config(block_m=128, block_n=128, stages=3, num_sms=3),  # promoted (the default)
+    Config(block_m=128, block_n=192, stages=2, num_sms=3),  # promoted, 3 column pieces
+    Config(block_m=256, block_n=128, stages=2, cluster_n=2, fast_accumulation=True,
+           num_sms=4),
+], ids=["wait1", "wait0", "promoted", "promoted192", "cluster_n"])
 @pytest.mark.parametrize("lhs_kind, rhs_kind", [("tensor", "tensor"), ("row", "row")])
 def test_configs_constant_scales(rng, config, lhs_kind, rhs_kind):
   _check(rng, 2, 130, 260, 384, lhs_kind=lhs_kind, rhs_kind=rhs_kind, config=config,
@@ -302,15 +299,17 @@ def test_bad_input(args, error, match):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("m, n, k, lhs_shape, rhs_shape", [
-    (4096, 4096, 4096, (1, 4096, 32), (1, 32, 32)),     # 1x128 and 128x128 blocks
-    (4096, 4096, 4096, (1, 4096, 32), (1, 4096, 32)),   # 1x128 both
-    (4096, 4096, 4096, (1, 1, 1), (1, 1, 1)),           # per tensor, fast accumulation
-    (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1)),     # per row / column, ragged
-    (64, 7168, 2048, (1, 64, 16), (1, 56, 16)),         # short M
+@pytest.mark.parametrize("m, n, k, lhs_shape, rhs_shape, promoted", [
+    (4096, 4096, 4096, (1, 4096, 32), (1, 32, 32), True),     # 1x128 and 128x128 blocks
+    (4096, 4096, 4096, (1, 4096, 32), (1, 4096, 32), True),   # 1x128 both
+    (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), True),           # per tensor (default)
+    (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), False),          # fast accumulation
+    (4096, 200, 4096, (1, 4096, 32), (1, 2, 32), True),       # N < 384: 128x128 tiles
+    (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), True),     # per row / column, ragged
+    (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), False),
+    (64, 7168, 2048, (1, 64, 16), (1, 56, 16), True),         # short M
 ])
-def test_lowers_for_cuda(m, n, k, lhs_shape, rhs_shape):
-  promoted = lhs_shape[2] > 1 or rhs_shape[2] > 1
+def test_lowers_for_cuda(m, n, k, lhs_shape, rhs_shape, promoted):
   cfg = fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16, promoted=promoted)
   cfg = cfg.replace(num_sms=132)
   args = (jax.ShapeDtypeStruct((1, m, k), E4M3), jax.ShapeDtypeStruct((1, n, k), E4M3),
@@ -329,11 +328,8 @@ def _lower(args, config):
     Config(block_m=128, block_n=192, stages=4, cluster_n=2),   # 96 + 96 registers
     Config(block_m=128, block_n=160, stages=4, epi_block_n=32, cluster_m=2),
     Config(block_m=64, block_n=256, wg_split="n", stages=4),  # 64x128 warpgroups by n
-    Config(block_m=128, block_n=128, stages=5, pingpong=True),
-    Config(block_m=128, block_n=192, stages=4, pingpong=True),
-    Config(block_m=64, block_n=256, wg_split="n", stages=4, pingpong=True, cluster_m=2),
-], ids=["128x192", "128x160", "64x256", "pingpong", "pingpong_128x192",
-        "pingpong_64x256"])
+    Config(block_m=128, block_n=128, stages=5, cluster_n=2),
+], ids=["128x192", "128x160", "64x256", "128x128cn"])
 def test_probe_configs_lower_for_cuda(config):
   # Tiles benchmarks/fp8_kernel_probe.py sweeps: blocks straddling 128-column scale blocks.
   m = n = k = 4096
@@ -363,17 +359,18 @@ def test_on_the_gpu(rng, batch, m, n, k, lhs_kind, rhs_kind, out_dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("batch, m, n, k, rhs_kind, config", [
-    # ragged, batched, several tiles per CTA; one step per tile; clusters
-    (2, 1000, 1300, 1152, "block", Config(pingpong=True)),
-    (1, 4096, 4096, 4096, "block", Config(block_n=192, stages=4, pingpong=True)),
-    (1, 777, 4095, 1024, "step", Config(block_m=64, block_n=256, wg_split="n", stages=4,
-                                        pingpong=True, cluster_n=2)),
-    (1, 300, 500, 128, "block", Config(pingpong=True)),
+@pytest.mark.parametrize("batch, m, n, k, lhs_kind, rhs_kind, config", [
+    # ragged, batched, several tiles per CTA; one step per tile; clusters; fast accumulation
+    (2, 1000, 1300, 1152, "step", "block", Config()),
+    (1, 300, 500, 128, "step", "block", Config(block_n=192, stages=4)),
+    (1, 777, 4095, 1024, "step", "step", Config(block_m=64, block_n=256, wg_split="n",
+                                                stages=4, cluster_n=2)),
+    (1, 4096, 4096, 4096, "tensor", "tensor", Config(block_m=256, stages=4, cluster_n=2,
+                                                     fast_accumulation=True)),
 ])
-def test_pingpong_on_the_gpu(rng, batch, m, n, k, rhs_kind, config):
-  _check(rng, batch, m, n, k, rhs_kind=rhs_kind, config=config, out_dtype=jnp.bfloat16,
-         interpret=False)
+def test_configs_on_the_gpu(rng, batch, m, n, k, lhs_kind, rhs_kind, config):
+  _check(rng, batch, m, n, k, lhs_kind=lhs_kind, rhs_kind=rhs_kind, config=config,
+         out_dtype=jnp.bfloat16, interpret=False)
 
 
 @pytest.mark.gpu

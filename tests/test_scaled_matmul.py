@@ -181,6 +181,16 @@ def test_per_tensor_pattern_computes_the_product(rng):
   _check(out, lhs, rhs, sa.reshape(1, 1), sb.reshape(1, 1))
 
 
+@pytest.mark.parametrize("scale, what", [(np.ones((1, 1), np.float32), "shape=(1, 1)"),
+                                         (jnp.bfloat16(2), "dtype=bfloat16"),
+                                         (2.0, "float")])
+def test_per_tensor_pattern_takes_0d_float32_scales(rng, scale, what):
+  # XLA rewrites only a float32 scalar multiply: other scales are refused, not reshaped.
+  lhs, rhs = _fp8(rng, (8, 128), E4M3), _fp8(rng, (8, 128), E4M3)
+  with pytest.raises(TypeError, match=rf"rhs_scale must be a 0-d float32 array.*{what}"):
+    sm_xla.per_tensor_pattern(lhs, rhs, np.float32(1), scale)
+
+
 # ----------------------------------------------------------------------------- quantize
 
 
@@ -366,8 +376,10 @@ def test_real_sizes_gpu(rng, m, n, k, layouts):
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["normal", "wide"])
 def test_error_vs_cublaslt_pattern_gpu(rng, family):
-  # Per-tensor scales on the same inputs: the kernel's error is no worse than the
-  # cuBLASLt fp8 GEMM XLA makes of the scaled pattern (both with float32 results).
+  # Per-tensor scales on the same inputs: the kernel's error (default: promoted every
+  # 128 of K) is no worse than the cuBLASLt fp8 GEMM XLA makes of the scaled pattern
+  # (both with float32 results). The pattern must compile to that GEMM: otherwise it is
+  # a wider-precision dot, not fp8, and the comparison says nothing.
   _skip_backend("mosaic")
   m = n = k = 4096
   lo, hi = (0, 0) if family == "normal" else (-20, 20)
@@ -377,6 +389,10 @@ def test_error_vs_cublaslt_pattern_gpu(rng, family):
   w8, sw = sm.quantize(jnp.asarray(w), block_shape=None)
   ref = reference.scaled_reference(x8, w8, sx, sw)
   ours = sm.scaled_matmul(x8, w8, sx, sw, backend="mosaic")
-  cublaslt = jax.jit(functools.partial(sm_xla.per_tensor_pattern, out_dtype=jnp.float32))(
-      x8, w8, sx, sw)
+  pattern = jax.jit(functools.partial(sm_xla.per_tensor_pattern, out_dtype=jnp.float32))
+  args = (x8, w8, jnp.reshape(sx, ()), jnp.reshape(sw, ()))  # 0-d, outside the jit
+  hlo = pattern.lower(*args).compile().as_text()
+  assert sm_xla.is_cublaslt_fp8(hlo), (
+      f"XLA did not rewrite the per-tensor pattern to {sm_xla.CUBLASLT_FP8_TARGET}")
+  cublaslt = pattern(*args)
   assert reference.relative_error(ours, ref) <= reference.relative_error(cublaslt, ref)

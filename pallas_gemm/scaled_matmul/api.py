@@ -11,7 +11,12 @@ This module validates, reads the layouts from the scales' shapes, and picks a ba
             per-row and per-tensor scales (applied in its epilogue); blocks along K of
             a multiple of 128 are handed to it repeated per 128, lhs blocks of 128
             rows repeated per row (the same numbers). Finer blocks (1x32) run on xla.
-            On a CPU it runs in interpret mode.
+            On a CPU it runs in interpret mode. Every 128 of K is summed in float32,
+            for constant (per-tensor, per-row) scales too: Hopper's fp8 tensor-core
+            accumulation keeps ~14 mantissa bits, and all of K in it measured ~10x
+            the error (f32 results, 4096^3 on the H100: 1.3e-3 against 1.3e-4) for
+            ~1.3x the speed. That trade is opt-in:
+            config=Config(fast_accumulation=True) with constant scales.
   "auto"    mosaic on a Hopper GPU when it takes the layout, else xla.
 """
 

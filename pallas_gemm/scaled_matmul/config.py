@@ -44,16 +44,12 @@ class Config:
   wgmma_wait: wgmma groups left in flight at the end of a K step of the plain
     (unpromoted) loop, 0 or 1; the promoted loop waits for each block's products.
   fast_accumulation: with scales that are constant along K (per tensor, per row, per
-    column), True accumulates all of K in the tensor core's accumulator (one wgmma
-    chain, scales applied in the epilogue); False promotes every 128 of K into an f32
-    register sum as block scales do (Hopper's fp8 wgmma accumulation keeps ~14
-    mantissa bits of the running sum).
-  pingpong: in the promoted K loop with two consumer warpgroups, a warpgroup issues a
-    step's products only once the other warpgroup's previous step completed, so their
-    products take turns on the tensor cores and each one's promotion (the scale
-    multiply-add into the f32 sum) runs while the other's products do. Off: both issue
-    each step as soon as its stage is loaded, which tends to keep them in step: both
-    products share the tensor cores, then both promote while the tensor cores idle.
+    column), True (opt-in) accumulates all of K in the tensor core's accumulator (one
+    wgmma chain, scales applied in the epilogue): ~1.3x faster, but Hopper's fp8 wgmma
+    accumulation keeps ~14 mantissa bits of the running sum (per-tensor f32-result
+    error ~1e-3 at K=4096 on the H100, growing with K). False (default) promotes every
+    128 of K into an f32 register sum as block scales do (~1.3e-4, flat in K). Block
+    scales are always promoted.
   cluster_m, cluster_n: CTAs per cluster along m or n (1 or 2, not both 2). The two
     CTAs of a cluster_m=2 cluster compute vertically adjacent tiles that share their rhs
     tiles: each CTA loads half of every rhs tile and TMA multicasts it to both, halving
@@ -72,8 +68,7 @@ class Config:
   epi_block_m: int = 64
   epi_block_n: int = 64
   wgmma_wait: int = 1
-  fast_accumulation: bool = True
-  pingpong: bool = False
+  fast_accumulation: bool = False
   cluster_m: int = 1
   cluster_n: int = 1
   num_sms: int | None = None
@@ -96,9 +91,8 @@ class Config:
       fail("grid_minor_dim", "must be 'm' or 'n'")
     if self.wgmma_wait not in (0, 1) or isinstance(self.wgmma_wait, bool):
       fail("wgmma_wait", "must be 0 or 1")
-    for field in ("fast_accumulation", "pingpong"):
-      if not isinstance(getattr(self, field), bool):
-        fail(field, "must be a bool")
+    if not isinstance(self.fast_accumulation, bool):
+      fail("fast_accumulation", "must be a bool")
     if self.stages <= self.wgmma_wait:
       fail("stages", f"must exceed wgmma_wait={self.wgmma_wait} (a stage is released"
            " only after its wgmma completed)")
@@ -200,27 +194,34 @@ def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
 
 
 def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Config:
-  """The shape's default tiles.
+  """The shape's default tiles; fast_accumulation = not promoted.
 
-  promoted (block scales along K, or fast_accumulation=False): two 64x128 warpgroup
-  tiles of a 128x128 CTA tile (64 + 64 accumulator registers, like DeepGEMM's m64
-  warpgroups; the bf16 FP32-split kernel holds the same two accumulators in the same
-  tiles); plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel.
-  Plain accumulation pairs CTAs along n where there are two column tiles or more, and
-  they multicast their shared lhs tile (the bf16 kernels measured 1-5% from it on the
-  H100 / H200 at these tiles). The promoted loop runs unpaired: its 128x128 tiles
-  measured ~10% slower in clusters on the H100 (a stage is then released only once both
-  CTAs' warpgroups waited for their products, tying the two CTAs' promotions together).
+  promoted (block scales along K, and constant scales by default): two 64x192
+  warpgroup tiles of a 128x192 CTA tile, 4 stages (96 + 96 accumulator registers: the
+  f32 sum and the block accumulator). On the H100 it ran 1007 / 1229 TF/s at 4096^3 /
+  8192^3 with 1x128 / 128x128 block scales, against 993 / 1039 for 128x128 tiles, 5
+  stages: a wider tile loads less per product and spreads each step's promotion over
+  more products. Where N < 384 a 192-column tile would compute up to half padding (N =
+  200 takes two tiles, 384 columns) and leave few tiles for the SMs, so those shapes
+  take 128x128 tiles (64 + 64 registers, like DeepGEMM's m64 warpgroups). Promoted
+  tiles run unpaired (no cluster): a stage is released only once both CTAs' warpgroups
+  waited for their products, tying the two CTAs' promotions together.
+  Plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel, with CTAs
+  paired along n where there are two column tiles or more, multicasting their shared
+  lhs tile (the bf16 kernels measured 1-5% from it on the H100 / H200 at these tiles).
   A short M (<= 64 rows) takes one 64-row band split by columns, unpaired (its rhs
   tiles, the traffic that matters there, are not shared).
   """
   del k
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
+  elif promoted and n >= 384:
+    cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
   elif promoted:
     cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)
   else:
     cfg = Config(block_m=256, block_n=128, wg_split="m", stages=4)
+  cfg = cfg.replace(fast_accumulation=not promoted)
   if m > 64 and n > cfg.block_n and not promoted:
     cfg = cfg.replace(cluster_n=2)
   if jnp.dtype(out_dtype).itemsize == 4:

@@ -10,11 +10,13 @@ it reads the fp8 operands and writes float32 copies four times their size.
 expression XLA's GPU compiler rewrites into a single cuBLASLt fp8 GEMM (HLO custom call
 `__cublas$lt$matmul$f8`): the fp8 operands converted to a wider type, each multiplied by
 a float32 scalar, then a dot; XLA folds the scalars into cuBLASLt's a/b scale
-arguments. The scales must stay float32 (the products promote to float32): with the
-scales cast to bfloat16 first, XLA 0.11.2 leaves the expression as converts, multiplies
-and a bf16 GEMM. It needs scalar scales (a batch of scales is not matched) and both
-operands contracted on their last dim, as here. Elsewhere (the CPU) it computes what it
-says, in float32.
+arguments. XLA 0.11.2 matches multiply(convert(fp8), broadcast(f32 scalar)), so the
+scales are 0-d float32 arrays used as they come: callers reshape (1, 1) scales to ()
+outside the jitted function. Scales cast to bfloat16 inside it left the expression as
+converts, multiplies and a bf16 GEMM on the H100. It needs scalar scales (a batch of
+scales is not matched) and both operands contracted on their last dim, as here.
+`is_cublaslt_fp8` tells whether a compiled function holds the rewrite. Elsewhere (the
+CPU) it computes what it says.
 """
 
 from __future__ import annotations
@@ -47,12 +49,17 @@ CUBLASLT_FP8_TARGET = "__cublas$lt$matmul$f8"  # the rewrite's custom call, in c
 
 def per_tensor_pattern(lhs, rhs, lhs_scale, rhs_scale, *, out_dtype=jnp.bfloat16,
                        wide=jnp.bfloat16):
-  """dot(lhs.astype(wide) * lhs_scale, rhs.astype(wide) * rhs_scale) over the last dims,
-  the scales float32: one cuBLASLt fp8 GEMM on a GPU (XLA's rewrite). lhs (M, K), rhs
-  (N, K) fp8; scales scalars (0-d or size 1). Result (M, N) in out_dtype."""
-  sa = jnp.reshape(lhs_scale, ()).astype(jnp.float32)
-  sb = jnp.reshape(rhs_scale, ()).astype(jnp.float32)
-  return jax.lax.dot_general(lhs.astype(wide) * sa, rhs.astype(wide) * sb,
+  """dot(lhs.astype(wide) * lhs_scale, rhs.astype(wide) * rhs_scale) over the last dims:
+  one cuBLASLt fp8 GEMM on a GPU (XLA's rewrite). lhs (M, K), rhs (N, K) fp8; the scales
+  0-d float32 arrays, used unchanged (reshape a (1, 1) scale to () before the jitted
+  call: a reshape or cast inside it hides the pattern). Result (M, N) in out_dtype."""
+  for name, s in (("lhs_scale", lhs_scale), ("rhs_scale", rhs_scale)):
+    if getattr(s, "ndim", None) != 0 or jnp.dtype(s.dtype) != jnp.float32:
+      raise TypeError(f"{name} must be a 0-d float32 array (XLA rewrites only a float32"
+                      f" scalar multiply to cuBLASLt fp8; reshape it to () outside the"
+                      f" jitted function); got {type(s).__name__}"
+                      f" shape={getattr(s, 'shape', None)} dtype={getattr(s, 'dtype', None)}")
+  return jax.lax.dot_general(lhs.astype(wide) * lhs_scale, rhs.astype(wide) * rhs_scale,
                              (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
