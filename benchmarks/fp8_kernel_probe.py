@@ -1,4 +1,4 @@
-"""Probe of the fp8 Mosaic kernel alone (`scaled_matmul.mosaic.scaled_gemm`) on one GPU.
+"""Probe of the fp8 Mosaic kernel alone (`pallas_gemm.fp8.mosaic.scaled_gemm`) on one GPU.
 
     python -m benchmarks.fp8_kernel_probe                 # 4096^3 and 8192^3, < 2 minutes
     python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5p,128x192s4cn
@@ -31,9 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.reference import relative_error, scaled_reference
-from pallas_gemm.scaled_matmul import config as fp8_config
-from pallas_gemm.scaled_matmul import mosaic
-from pallas_gemm.scaled_matmul import xla as sm_xla
+from pallas_gemm.fp8 import config as fp8_config
+from pallas_gemm.fp8 import mosaic
+from pallas_gemm.fp8 import xla as sm_xla
 
 ITERATIONS = 20
 ERR_ROWS = 256
@@ -153,6 +153,8 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
   f32_out = {"cuBLASLt fp8": jax.jit(lambda v, w, s, t: sm_xla.per_tensor_pattern(
       v, w, s, t, out_dtype=jnp.float32))}
   for label, config in tensor[:2]:
+    if config is not None:  # the fast-accumulation default, sized for a float32 epilogue
+      config = fp8_config.default_config(m, n, k, out_dtype=jnp.float32, promoted=False)
     f32_out[label.removeprefix("kernel per-tensor ")] = jax.jit(
         lambda v, w, s, t, config=config: mosaic.scaled_gemm(
             v[None], w[None], s[None], t[None], out_dtype=jnp.float32, config=config)[0])

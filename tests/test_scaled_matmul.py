@@ -17,8 +17,8 @@ import pytest
 import pallas_gemm
 from conftest import ON_GPU, random
 from pallas_gemm import reference
-from pallas_gemm.scaled_matmul import api, scales
-from pallas_gemm.scaled_matmul import xla as sm_xla
+from pallas_gemm.fp8 import api, scales
+from pallas_gemm.fp8 import xla as sm_xla
 
 sm = pallas_gemm  # the public names: sm.scaled_matmul, sm.quantize, ...
 
@@ -170,7 +170,7 @@ def test_auto_and_mosaic_routing(rng):
   np.testing.assert_array_equal(kernel(rs, rhs, True), np.repeat(rs, 2, 2))
   rs = _scales(rng, (1, 2, 1))  # 128xK: per row
   np.testing.assert_array_equal(kernel(rs, rhs, True), np.repeat(rs, 128, 1)[:, :136])
-  with pytest.raises(TypeError, match="config must be a pallas_gemm.scaled_matmul.config"):
+  with pytest.raises(TypeError, match="config must be a pallas_gemm.fp8.config"):
     sm.scaled_matmul(lhs, rhs, ls, rs, backend="mosaic", config=object())
 
 

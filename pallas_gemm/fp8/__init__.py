@@ -10,8 +10,8 @@ quantize/dequantize), xla.py (dequantize + float32 dot: the reference and CPU pa
 mosaic.py (the Hopper kernel), layer.py (fp8_dot_general and its backward GEMMs).
 """
 
-from pallas_gemm.scaled_matmul.api import scaled_matmul
-from pallas_gemm.scaled_matmul.layer import fp8_dot_general
-from pallas_gemm.scaled_matmul.scales import dequantize, quantize
+from pallas_gemm.fp8.api import scaled_matmul
+from pallas_gemm.fp8.layer import fp8_dot_general
+from pallas_gemm.fp8.scales import dequantize, quantize
 
 __all__ = ["dequantize", "fp8_dot_general", "quantize", "scaled_matmul"]

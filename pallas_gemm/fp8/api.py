@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.scaled_matmul import scales
-from pallas_gemm.scaled_matmul import xla as _xla
+from pallas_gemm.fp8 import scales
+from pallas_gemm.fp8 import xla as _xla
 
 BACKENDS = ("xla", "mosaic")
 OUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -38,7 +38,7 @@ K_BLOCK = 128  # the kernel's scale granularity along K
 
 def _mosaic():
   """The Hopper kernel's module (imported when first asked for)."""
-  return importlib.import_module("pallas_gemm.scaled_matmul.mosaic")
+  return importlib.import_module("pallas_gemm.fp8.mosaic")
 
 
 def mosaic_unavailable_reason() -> str | None:
@@ -161,9 +161,9 @@ def _choose(backend: str, config, kernel_reason: str | None) -> str:
   reason = mosaic_unavailable_reason() or kernel_reason
   if reason is not None:
     raise ValueError(f"backend='mosaic' cannot run this call: {reason} (backend='xla' can)")
-  from pallas_gemm.scaled_matmul.config import Config  # noqa: PLC0415 - with the kernel
+  from pallas_gemm.fp8.config import Config  # noqa: PLC0415 - with the kernel
   if config is not None and not isinstance(config, Config):
-    raise TypeError(f"config must be a pallas_gemm.scaled_matmul.config.Config; got"
+    raise TypeError(f"config must be a pallas_gemm.fp8.config.Config; got"
                     f" {type(config).__module__}.{type(config).__qualname__}")
   return "mosaic"
 

@@ -37,8 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.scaled_matmul import api
-from pallas_gemm.scaled_matmul import scales
+from pallas_gemm.fp8 import api
+from pallas_gemm.fp8 import scales
 
 _BLOCK = 128
 FORWARD_DTYPE = jnp.float8_e4m3fn

@@ -76,7 +76,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.mosaic.layout import (_pad_for_tma, _round_up, _swizzle_transforms,
                                         _tma_padded_shape, _tma_tile, _unpad)
-from pallas_gemm.scaled_matmul.config import BLOCK_K, Config, check, default_config
+from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))

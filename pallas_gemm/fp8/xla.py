@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_gemm.scaled_matmul import scales
+from pallas_gemm.fp8 import scales
 
 NAME = "xla"
 _DIMS = (((2,), (2,)), ((0,), (0,)))  # (B, M, K) x (B, N, K) -> (B, M, N)
