@@ -41,8 +41,9 @@ _CPU_PRESETS = tuple(getattr(jax.lax.DotAlgorithmPreset, name) for name in (
     "F32_F32_F32", "F64_F64_F64"))
 
 
-_CPU_AS_FP32 = tuple(getattr(jax.lax.DotAlgorithmPreset, name) for name in (
-    "BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6"))
+# The bf16-piece presets a vector product runs as HIGHEST (see gemm).
+_VECTOR_AS_HIGHEST = tuple(getattr(jax.lax.DotAlgorithmPreset, name) for name in (
+    "BF16_BF16_F32", "BF16_BF16_F32_X3", "BF16_BF16_F32_X6", "BF16_BF16_F32_X9"))
 
 
 def supports(dtype, precision) -> str | None:
@@ -77,12 +78,13 @@ def gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtype
             and not (epilogue and np.dtype(out_dtype) == np.dtype(np.float16)))
   acc_dtype = out_dtype if direct else jnp.float32
   precision = precisions.for_lax(precision)
-  if (m == n == 1 and precision in _CPU_AS_FP32 and np.dtype(a.dtype) == np.float32
-      and jax.default_backend() == "cpu"):
-    # XLA's CPU emitter rejects these presets on a 1x1 product ("Algorithm not supported
-    # by the ElementalIrEmitter", jnp.dot too); on the shapes it accepts it computes them
-    # as float32 dots, bitwise HIGHEST's where measured (jax 0.11.2), so HIGHEST is the
-    # same product.
+  if min(m, n) == 1 and precision in _VECTOR_AS_HIGHEST and np.dtype(a.dtype) == np.float32:
+    # A vector product (a row or column of output) under the bf16-piece presets: XLA's
+    # CPU emitter rejects them on a 1x1 product ("Algorithm not supported by the
+    # ElementalIrEmitter", jnp.dot too), and XLA:GPU turns it into a reduction that
+    # ignores the algorithm (H100, jax 0.11.2: 1x1x33 products off by 1.6e-3, plain bf16
+    # rounding, under X3 / X6 / X9). HIGHEST computes it at least as accurately as every
+    # preset promises, for a product this small at no cost that matters.
     precision = jax.lax.Precision.HIGHEST
   a_op = jnp.swapaxes(a, 1, 2) if transpose_a else a    # (batch, M, K); XLA folds the transpose
   b_op = jnp.swapaxes(b, 1, 2) if transpose_b else b    # (batch_b, K, N)

@@ -352,8 +352,10 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
   rhs_minor = bk if transpose_rhs else bn
   rhs = _pad_for_tma(rhs, _tma_tile(rhs_minor, dtype), rhs_minor)
   # Rows: any (the slots are tiled by single rows). Columns: whole swizzle widths, and at
-  # least one epilogue sub-tile.
-  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), config.epi_block_n)
+  # least one block: as for the gemm kernel
+  # (`layout._pad_for_tma`), an output narrower than the block computes wrong results
+  # on the GPU (N = 40 with 128-column blocks) though the interpreter gets them right.
+  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), bn)
   ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, transpose_rhs=transpose_rhs,
                            num_ctas=ctas)

@@ -293,13 +293,17 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
   bounds = jnp.stack([order, starts[order], ends[order]])
   lhs = _pad_for_tma(lhs, _tma_tile(bk, dtype), bk)
   dy = _pad_for_tma(dy, _tma_tile(bn, dtype), bn)
-  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), config.epi_block_n)
+  # Columns: whole swizzle widths, and at least one block: as for the gemm kernel
+  # (`layout._pad_for_tma`), an output narrower than the block computes wrong results
+  # on the GPU (N = 40 with 128-column blocks) though the interpreter gets them right.
+  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), bn)
+  k_out = max(k, bk)  # likewise rows: at least one block of K
   ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, num_groups=num_groups,
                            num_ctas=ctas)
   call = plgpu.kernel(
       body,
-      out_type=jax.ShapeDtypeStruct((num_groups, k, n_out), out_dtype),
+      out_type=jax.ShapeDtypeStruct((num_groups, k_out, n_out), out_dtype),
       grid=(ctas,),
       grid_names=("sm",),
       num_threads=config.num_compute_wgs + 1,
@@ -316,4 +320,4 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
       out = call(bounds, lhs, dy)
   else:
     out = call(bounds, lhs, dy)
-  return out if n_out == n else out[:, :, :n]
+  return out if (k_out, n_out) == (k, n) else out[:, :k, :n]
