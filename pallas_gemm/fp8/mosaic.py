@@ -74,6 +74,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.mosaic import launch
 from pallas_gemm.mosaic.layout import (_pad_for_tma, _round_up, _swizzle_transforms,
                                         _tma_padded_shape, _tma_tile, _unpad)
 from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
@@ -81,8 +82,6 @@ from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
-# SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
-_INTERPRET_NUM_SMS = 4
 # Registers per thread left to the producer warpgroup (setmaxnreg).
 _PRODUCER_REGISTERS = 40
 
@@ -445,17 +444,6 @@ def _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_
 # ----------------------------------------------------------------------------
 
 
-def _num_sms(config: Config, interpret: bool) -> int:
-  if config.num_sms is not None:
-    return config.num_sms
-  if interpret:
-    return _INTERPRET_NUM_SMS
-  if jax.devices()[0].platform == "cpu":
-    raise ValueError("interpret=False needs a GPU; on the CPU pass interpret=True")
-  from pallas_gemm import tuning  # noqa: PLC0415 - the device query only
-  return tuning.num_sms()
-
-
 def _pad_to(x, size: int, axis: int = -1):
   """x zero-padded along axis up to size (x if it is already that long)."""
   extra = size - x.shape[axis]
@@ -540,28 +528,14 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   m_out, n_out = _tma_padded_shape(m, n, _tma_tile(config.epi_block_n, out_dtype))
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
   # One CTA (or cluster of CTAs) per SM (or SM pair).
-  num_ctas = _num_sms(config, interpret) // config.cluster_size
+  num_ctas = launch.grid_sms(config.num_sms, interpret, need_gpu=True) // config.cluster_size
   body = functools.partial(_kernel, config=config, plan=plan, m=m, n=n, k_iters=k_iters,
                            batch=batch, num_ctas=num_ctas)
-  cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
-             if config.cluster_size > 1 else {})
-  call = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
-      grid=(num_ctas,),
-      grid_names=("sm",),
-      **cluster,
-      num_threads=config.num_compute_wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      kernel_name="pallas_gemm_scaled_fp8",
-  )
-  if interpret:
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-      out = call(*operands)
-  else:
-    out = call(*operands)
+  kernel = launch.warpgroup_kernel(
+      body, out_type=jax.ShapeDtypeStruct((batch, m_out, n_out), out_dtype),
+      num_ctas=num_ctas, num_compute_wgs=config.num_compute_wgs,
+      cluster_size=config.cluster_size, kernel_name="pallas_gemm_scaled_fp8")
+  out = launch.call(kernel, *operands, interpret=interpret)
   if (m_out, n_out) != (m, n):
     out = _unpad(out, m, n, interpret)
   return out

@@ -54,12 +54,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm import tuning
+from pallas_gemm.mosaic import launch
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 
-# SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
-_INTERPRET_NUM_SMS = 4
 # Registers per thread left to the producer warpgroup (setmaxnreg).
 _PRODUCER_REGISTERS = 40
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -72,9 +70,7 @@ _ROW_ALIGN = 8
 
 
 def num_ctas(config: Config, interpret: bool) -> int:
-  if config.num_sms is not None:
-    return config.num_sms
-  return _INTERPRET_NUM_SMS if interpret else tuning.num_sms()
+  return launch.grid_sms(config.num_sms, interpret)
 
 
 def local_rows(group_sizes: jax.Array, group_offset, num_groups: int, m: int):
@@ -359,23 +355,8 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
   ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, transpose_rhs=transpose_rhs,
                            num_ctas=ctas)
-  call = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype),
-      grid=(ctas,),
-      grid_names=("sm",),
-      num_threads=config.num_compute_wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      kernel_name="pallas_gemm_ragged_forward",
-  )
-  if interpret:
-    # interpret: True, or the interpreter's parameters (e.g. detect_races=True).
-    params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-              else plgpu.InterpretGPUParams())
-    with plgpu.force_gpu_interpret_mode(params):
-      out = call(items, count, lhs, rhs)
-  else:
-    out = call(items, count, lhs, rhs)
+  kernel = launch.warpgroup_kernel(
+      body, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype), num_ctas=ctas,
+      num_compute_wgs=config.num_compute_wgs, kernel_name="pallas_gemm_ragged_forward")
+  out = launch.call(kernel, items, count, lhs, rhs, interpret=interpret)
   return out if n_out == n else out[:, :n]

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.mosaic import launch
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 from pallas_gemm.grouped.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS, _ROW_ALIGN,
@@ -301,23 +302,9 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
   ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, num_groups=num_groups,
                            num_ctas=ctas)
-  call = plgpu.kernel(
-      body,
-      out_type=jax.ShapeDtypeStruct((num_groups, k_out, n_out), out_dtype),
-      grid=(ctas,),
-      grid_names=("sm",),
-      num_threads=config.num_compute_wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      kernel_name="pallas_gemm_ragged_weight_grad",
-  )
-  if interpret:
-    # interpret: True, or the interpreter's parameters (e.g. detect_races=True).
-    params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-              else plgpu.InterpretGPUParams())
-    with plgpu.force_gpu_interpret_mode(params):
-      out = call(bounds, lhs, dy)
-  else:
-    out = call(bounds, lhs, dy)
+  kernel = launch.warpgroup_kernel(
+      body, out_type=jax.ShapeDtypeStruct((num_groups, k_out, n_out), out_dtype),
+      num_ctas=ctas, num_compute_wgs=config.num_compute_wgs,
+      kernel_name="pallas_gemm_ragged_weight_grad")
+  out = launch.call(kernel, bounds, lhs, dy, interpret=interpret)
   return out if (k_out, n_out) == (k, n) else out[:, :k, :n]

@@ -65,6 +65,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm import precision as _precision
 from pallas_gemm import tuning  # noqa: F401 - mosaic.tuning.num_sms: the SM count tests set
+from pallas_gemm.mosaic import launch as _launch
 from pallas_gemm.mosaic import pair as _pair
 from pallas_gemm.mosaic import split as _split
 from pallas_gemm.mosaic.config import (SMEM_BYTES_PER_BLOCK, TUNING_GRID, _SUPPORTED_DTYPES,
@@ -306,25 +307,11 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   ab = (a, b) if split is None else (*a, *b)
   operands = tuple(x for x in (*ab, c, bias) if x is not None)
 
-  cluster = (dict(cluster=(config.cluster_size,), cluster_names=("cluster",))
-             if config.cluster_size > 1 else {})
-  call = plgpu.kernel(
-      body,
-      out_type=out_type,
-      grid=(num_ctas,),
-      grid_names=("sm",),
-      **cluster,
-      num_threads=config.num_compute_wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-          approx_math=_approx_epilogue(activation, c_gate, out_dtype)),
-  )
-  if interpret:
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-      outs = call(*operands)
-  else:
-    outs = call(*operands)
+  call = _launch.warpgroup_kernel(
+      body, out_type=out_type, num_ctas=num_ctas, num_compute_wgs=config.num_compute_wgs,
+      cluster_size=config.cluster_size,
+      approx_math=_approx_epilogue(activation, c_gate, out_dtype))
+  outs = _launch.call(call, *operands, interpret=interpret)
   outs = outs[:1 + keep_pre]  # without the partials
   if (m_out, n_out) != (m, n):
     outs = tuple(_unpad(out, m, n, interpret) for out in outs)

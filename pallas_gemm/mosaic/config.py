@@ -13,14 +13,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm import precision as _precision
 from pallas_gemm import tuning
+from pallas_gemm.mosaic import launch
 from pallas_gemm.mosaic.layout import _round_up
 
 # Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
 SMEM_BYTES_PER_BLOCK = 232448
 # Mosaic GPU reserves this much for cross-warp reductions (CompilerParams).
 _RESERVED_SMEM_BYTES = 128 * 4 * 4
-# SM count used by interpret mode (the CPU has none) when Config.num_sms is None.
-_INTERPRET_NUM_SMS = 4
 # Registers per thread left to the producer warpgroup (setmaxnreg).
 _PRODUCER_REGISTERS = 40
 
@@ -451,12 +450,5 @@ def _swizzle_minor(config: Config, minor: int, k_major: bool, split) -> int:
 
 
 def _num_sms(config: Config, interpret: bool) -> int:
-  if config.num_sms is not None:
-    return config.num_sms
-  if interpret:
-    return _INTERPRET_NUM_SMS
-  device = jax.devices()[0]
-  if device.platform == "cpu":
-    raise ValueError("interpret=False needs a GPU; on the CPU pass interpret=True")
-  return tuning.num_sms()
+  return launch.grid_sms(config.num_sms, interpret, need_gpu=True)
 
