@@ -4,20 +4,19 @@ shared-memory and register budgets."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax.numpy as jnp
 
+from pallas_gemm.mosaic.config import (_RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK,
+                                       check_positive_ints, config_error, deepest_ring)
 from pallas_gemm.mosaic.layout import _round_up
 
 # K per pipeline step, and the scale block along K: one step's products are one scale
 # block's, so promoting them into the f32 sum is one scale-multiply-add per step. 128 fp8
 # bytes are also one 128-byte swizzle row of an operand tile.
 BLOCK_K = 128
-# Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
-SMEM_BYTES_PER_BLOCK = 232448
-# Mosaic GPU reserves this much for cross-warp reductions (CompilerParams).
-_RESERVED_SMEM_BYTES = 128 * 4 * 4
 # Accumulator registers per thread a consumer warpgroup may hold: 232 are left to each
 # of two consumer warpgroups beside a 40-register producer; the rest holds addresses,
 # the scale vectors and loop state. The promoted K loop holds two accumulators (the
@@ -74,14 +73,10 @@ class Config:
   num_sms: int | None = None
 
   def __post_init__(self):
-    def fail(field, why):
-      raise ValueError(f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
-
-    for field in ("block_m", "block_n", "stages", "num_compute_wgs", "grid_tile_width",
-                  "epi_block_m", "epi_block_n", "cluster_m", "cluster_n"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        fail(field, "must be a positive int")
+    fail = functools.partial(config_error, self)
+    check_positive_ints(self, ("block_m", "block_n", "stages", "num_compute_wgs",
+                               "grid_tile_width", "epi_block_m", "epi_block_n", "cluster_m",
+                               "cluster_n"))
     if self.num_compute_wgs not in (1, 2):
       fail("num_compute_wgs", "must be 1 or 2 (one producer and at most two consumer"
            " warpgroups fit the register file with these accumulators)")
@@ -226,7 +221,5 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Conf
     cfg = cfg.replace(cluster_n=2)
   if jnp.dtype(out_dtype).itemsize == 4:
     cfg = cfg.replace(epi_block_n=32)
-  while cfg.stages > 2 and smem_bytes(cfg, out_dtype, row_scales=promoted,
-                                      column_scales=promoted) > SMEM_BYTES_PER_BLOCK:
-    cfg = cfg.replace(stages=cfg.stages - 1)
-  return cfg
+  return deepest_ring(cfg, lambda c: smem_bytes(c, out_dtype, row_scales=promoted,
+                                                 column_scales=promoted))

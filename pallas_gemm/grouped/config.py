@@ -17,14 +17,13 @@ filled by TMA from one producer warp.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Literal
 
 import jax.numpy as jnp
 
-# Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
-SMEM_BYTES_PER_BLOCK = 232448
-# Mosaic GPU reserves this much for cross-warp reductions.
-_RESERVED_SMEM_BYTES = 128 * 4 * 4
+from pallas_gemm.mosaic.config import (_RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK,
+                                       check_positive_ints, config_error, deepest_ring)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,14 +71,9 @@ class Config:
   num_sms: int | None = None
 
   def __post_init__(self):
-    def fail(field, why):
-      raise ValueError(f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
-
-    for field in ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
-                  "grid_tile_width", "epi_block_m", "epi_block_n", "epi_slots"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        fail(field, "must be a positive int")
+    fail = functools.partial(config_error, self)
+    check_positive_ints(self, ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
+                               "grid_tile_width", "epi_block_m", "epi_block_n", "epi_slots"))
     if self.num_compute_wgs not in (1, 2):
       fail("num_compute_wgs", "must be 1 or 2 (1 producer + at most 2 consumer warpgroups"
            " with these accumulators fit the register file)")
@@ -206,8 +200,5 @@ def default_config(m: int, n: int, k: int, g: int, dtype=jnp.bfloat16, *,
     a_tile, b_tile = (cfg.block_m, cfg.block_k), (cfg.block_k, cfg.block_n)
   # Epilogue rows of 128 bytes (the widest swizzle): 32 columns of an f32 output.
   cfg = cfg.replace(epi_block_n=128 // out_dtype.itemsize if out_dtype.itemsize > 2 else 64)
-  # The deepest ring that fits.
-  while cfg.stages > 2 and smem_bytes(cfg, a_tile=a_tile, b_tile=b_tile, dtype=dtype,
-                                      out_dtype=out_dtype) > SMEM_BYTES_PER_BLOCK:
-    cfg = cfg.replace(stages=cfg.stages - 1)
-  return cfg
+  return deepest_ring(cfg, lambda c: smem_bytes(c, a_tile=a_tile, b_tile=b_tile, dtype=dtype,
+                                                 out_dtype=out_dtype))

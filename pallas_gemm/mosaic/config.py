@@ -5,7 +5,8 @@ which constraint of TMA, wgmma or the register file a config breaks."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import functools
+from typing import Literal, NoReturn
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,27 @@ _PRODUCER_REGISTERS = 40
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                      jnp.dtype(jnp.float16))
+
+
+def config_error(config, field: str, why: str) -> NoReturn:
+  """Raises the ValueError of a Config field that breaks a constraint: the field, its value
+  and why. Every Mosaic kernel's Config validates through it."""
+  raise ValueError(f"Config.{field}={getattr(config, field)!r} is invalid: {why}")
+
+
+def check_positive_ints(config, fields) -> None:
+  """config_error for the first of `fields` that is not a positive int (bools are not)."""
+  for field in fields:
+    value = getattr(config, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      config_error(config, field, "must be a positive int")
+
+
+def deepest_ring(config, smem_bytes):
+  """`config` with the deepest ring, down to 2 stages, whose smem_bytes(config) fits a block."""
+  while config.stages > 2 and smem_bytes(config) > SMEM_BYTES_PER_BLOCK:
+    config = config.replace(stages=config.stages - 1)
+  return config
 
 
 # Autotuning candidates (tuning.default_candidates). Tile order and wgmma_wait moved the
@@ -115,16 +137,10 @@ class Config:
   pingpong: bool = False
 
   def __post_init__(self):
-    def fail(field, why):
-      raise ValueError(
-          f"Config.{field}={getattr(self, field)!r} is invalid: {why}")
-
-    for field in ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
-                  "grid_tile_width", "epi_block_m", "epi_block_n", "cluster_m",
-                  "cluster_n"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        fail(field, "must be a positive int")
+    fail = functools.partial(config_error, self)
+    check_positive_ints(self, ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
+                               "grid_tile_width", "epi_block_m", "epi_block_n", "cluster_m",
+                               "cluster_n"))
     if self.num_compute_wgs not in (1, 2):
       fail("num_compute_wgs", "must be 1 or 2 (1 producer + at most 2 consumer"
            " warpgroups fit the register file with these accumulators)")
