@@ -43,10 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.lax.lax import canonicalize_precision  # lax's own normalisation of precision
 
+from pallas_gemm.api import SUPPORTED_DTYPES, _dtype_of  # gemm's operand checks, same messages
 from pallas_gemm.grouped import ops
 
 BACKENDS = ("auto", "xla", "mosaic")
-SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 _16BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 # The three forms a MoE layer and its gradients use (lhs (M, K) ragged along M):
@@ -123,15 +123,6 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
 
 
 # ----------------------------------------------------------------------------- validation
-
-
-def _dtype_of(x, name: str) -> np.dtype:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
-  dtype = np.dtype(x.dtype)
-  if dtype not in SUPPORTED_DTYPES:
-    raise TypeError(f"{name}.dtype must be one of float32, bfloat16, float16; got {dtype}")
-  return dtype
 
 
 def _check_group_sizes_type(group_sizes):
