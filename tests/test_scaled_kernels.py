@@ -339,6 +339,61 @@ def test_probe_configs_lower_for_cuda(config):
   _lower(args, config.replace(num_sms=132))
 
 
+def _kernel_texts(lowered) -> list[str]:
+  """The Mosaic GPU modules inside a lowered function's custom calls, as text."""
+  from jax._src.interpreters import mlir as jax_mlir  # noqa: PLC0415
+  from jax._src.lib.mlir import ir  # noqa: PLC0415
+  from jax.experimental.mosaic.gpu import dialect as mgpu_dialect  # noqa: PLC0415
+
+  ctx = jax_mlir.make_ir_context()
+  mgpu_dialect.register_dialect(ctx)
+  ctx.allow_unregistered_dialects = True
+  texts = []
+
+  def visit(op):
+    op = op.operation
+    if (op.name == "stablehlo.custom_call"
+        and "mosaic_gpu" in str(op.attributes["call_target_name"])):
+      blob = ir.StringAttr(op.attributes["mhlo.backend_config"]["module"]).value_bytes
+      texts.append(str(ir.Module.parse(blob, context=ctx)))
+    for region in op.regions:
+      for block in region.blocks:
+        for inner in block.operations:
+          visit(inner)
+
+  visit(lowered.compiler_ir("stablehlo").operation)
+  return texts
+
+
+@pytest.mark.parametrize("config, rhs_shape", [
+    (Config(block_m=128, block_n=128, stages=5), (1, 32, 32)),  # 128x128 block scales
+    (Config(block_m=128, block_n=192, stages=4), (1, 32, 32)),  # two column pieces
+    (Config(block_m=128, block_n=128, stages=5), (1, 1, 1)),    # per tensor, promoted
+], ids=["128x128-blocks", "128x192-blocks", "128x128-tensor"])
+def test_promoted_step_waits_for_its_stage_before_the_wgmma_fence(config, rhs_shape):
+  # A barrier spin loop between wgmma.fence and the wgmma keeps the zeroed block
+  # accumulator's registers live across the loop; the promoted step waits for its stage
+  # first, then zeroes the accumulator, fences and issues the products.
+  m = n = k = 4096
+  lhs_shape = (1, 1, 1) if rhs_shape == (1, 1, 1) else (1, m, 32)
+  args = (jax.ShapeDtypeStruct((1, m, k), E4M3), jax.ShapeDtypeStruct((1, n, k), E4M3),
+          jax.ShapeDtypeStruct(lhs_shape, jnp.float32),
+          jax.ShapeDtypeStruct(rhs_shape, jnp.float32))
+  f = lambda *a: mosaic.scaled_gemm(*a, out_dtype=jnp.bfloat16,  # noqa: E731
+                                    config=config.replace(num_sms=132))
+  (text,) = _kernel_texts(jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)))
+  fences = 0
+  fenced = False
+  for line in text.splitlines():
+    if "wgmma.fence.sync.aligned" in line:
+      fenced, fences = True, fences + 1
+    elif "wgmma.mma_async" in line:
+      fenced = False
+    elif fenced:
+      assert "mbarrier.try_wait" not in line, "a barrier wait between wgmma.fence and wgmma"
+  assert fences >= 1
+
+
 # ----------------------------------------------------------------------------
 # On the GPU, real sizes, NaN-poisoned outputs
 # ----------------------------------------------------------------------------

@@ -44,7 +44,7 @@ class Config:
     (unpromoted) loop, 0 or 1; the promoted loop waits for each block's products.
   fast_accumulation: with scales that are constant along K (per tensor, per row, per
     column), True (opt-in) accumulates all of K in the tensor core's accumulator (one
-    wgmma chain, scales applied in the epilogue): ~1.3x faster, but Hopper's fp8 wgmma
+    wgmma chain, scales applied in the epilogue): faster, but Hopper's fp8 wgmma
     accumulation keeps ~14 mantissa bits of the running sum (per-tensor f32-result
     error ~1e-3 at K=4096 on the H100, growing with K). False (default) promotes every
     128 of K into an f32 register sum as block scales do (~1.3e-4, flat in K). Block
@@ -193,13 +193,11 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Conf
 
   promoted (block scales along K, and constant scales by default): two 64x192
   warpgroup tiles of a 128x192 CTA tile, 4 stages (96 + 96 accumulator registers: the
-  f32 sum and the block accumulator). On the H100 it ran 1007 / 1229 TF/s at 4096^3 /
-  8192^3 with 1x128 / 128x128 block scales, against 993 / 1039 for 128x128 tiles, 5
-  stages: a wider tile loads less per product and spreads each step's promotion over
-  more products. Where N < 384 a 192-column tile would compute up to half padding (N =
-  200 takes two tiles, 384 columns) and leave few tiles for the SMs, so those shapes
-  take 128x128 tiles (64 + 64 registers, like DeepGEMM's m64 warpgroups). Promoted
-  tiles run unpaired (no cluster): a stage is released only once both CTAs' warpgroups
+  f32 sum and the block accumulator): a wider tile loads less per product and spreads
+  each step's promotion over more products. Where N < 384 a 192-column tile would
+  compute up to half padding (N = 200 takes two tiles, 384 columns) and leave few tiles
+  for the SMs, so those shapes take 128x128 tiles (64 + 64 registers, like DeepGEMM's
+  m64 warpgroups). Promoted tiles run unpaired (no cluster): a stage is released only once both CTAs' warpgroups
   waited for their products, tying the two CTAs' promotions together.
   Plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel, with CTAs
   paired along n where there are two column tiles or more, multicasting their shared

@@ -43,7 +43,7 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
     By default the K loop still promotes every 128 of K as above, for the same error
     bound as block scales (f32-result errors on the H100, per tensor: 1.3e-4 promoted
     vs 1.3e-3 at 4096^3 and 2.0e-3 at 8192^3 with fast accumulation).
-    ``Config.fast_accumulation=True`` (opt-in, ~1.3x faster at those sizes) makes it one
+    ``Config.fast_accumulation=True`` (opt-in, faster: no promotion per step) makes it one
     wgmma chain into one accumulator (the bf16 kernel's loop, wgmma_wait=1 overlaps
     consecutive steps): Hopper's fp8 wgmma accumulation keeps ~14 mantissa bits of a
     running sum that then spans all of K.
