@@ -3,7 +3,7 @@
 
     python -m benchmarks.ragged_kernel_probe                  # four MoE shapes, < 3 minutes
     python -m benchmarks.ragged_kernel_probe --shapes qwen3 --configs 128x128x64s4wm
-    python -m benchmarks.ragged_kernel_probe --shapes qwen3,skewed --wgrad-configs 64x256x128e4d
+    python -m benchmarks.ragged_kernel_probe --shapes qwen3,skewed --wgrad-configs 64x256x128e4
 
 Per shape (G groups, M rows, K, N), in one process: a dense bf16 jnp.dot of the same FLOPs
 ((M, K) @ (K, N)), the forward kernel (rhs (G, K, N)), the forward with rhs read transposed
@@ -18,9 +18,8 @@ ragged_dot asks for: the output writes are half as large).
 
 --configs adds forward runs, --wgrad-configs weight-grad runs, at other configs, written
 BMxBNxBK then any of: sS stages (default: the deepest ring that fits), wM|wN the warpgroup
-split, eE epilogue slots per warpgroup, EN epi_block_n, d delay_release=1, i
-item_order="mixed" (weight grad), and for the weight grad @f32 (default bf16 output).
-E.g. 128x128x64s4wm, 64x256x128e4d, 64x256x128s4d@f32.
+split, eE epilogue slots per warpgroup, EN epi_block_n, and for the weight grad @f32
+(default bf16 output). E.g. 128x128x64s4wm, 64x256x128e4, 64x256x128s4@f32.
 """
 
 from __future__ import annotations
@@ -68,19 +67,19 @@ def _time(f, *args):
   return total, (statistics.median(alone) if any(alone) else None), out
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)((?:s\d+|w[mn]|e\d+|E\d+|d|i)*)(@f32)?")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)((?:s\d+|w[mn]|e\d+|E\d+)*)(@f32)?")
 
 
 def _parse_config(spec: str, *, weight_grad: bool) -> tuple[Config, object]:
   """(config, out dtype) of a spec (see the module docstring)."""
   match = _SPEC.fullmatch(spec)
   if match is None:
-    raise SystemExit(f"bad config spec {spec!r}: BMxBNxBK[sS][wM|wN][eE][EN][d][i][@f32]")
+    raise SystemExit(f"bad config spec {spec!r}: BMxBNxBK[sS][wM|wN][eE][EN][@f32]")
   bm, bn, bk = (int(match.group(i)) for i in (1, 2, 3))
   out_dtype = jnp.float32 if match.group(5) else jnp.bfloat16
   fields = dict(block_m=bm, block_n=bn, block_k=bk, wg_split="n",
                 epi_block_n=32 if out_dtype == jnp.float32 else 64)
-  for token in re.findall(r"s\d+|w[mn]|e\d+|E\d+|d|i", match.group(4)):
+  for token in re.findall(r"s\d+|w[mn]|e\d+|E\d+", match.group(4)):
     key, value = token[0], token[1:]
     if key == "s":
       fields["stages"] = int(value)
@@ -88,12 +87,8 @@ def _parse_config(spec: str, *, weight_grad: bool) -> tuple[Config, object]:
       fields["wg_split"] = value
     elif key == "e":
       fields["epi_slots"] = int(value)
-    elif key == "E":
-      fields["epi_block_n"] = int(value)
-    elif key == "d":
-      fields["delay_release"] = 1
     else:
-      fields["item_order"] = "mixed"
+      fields["epi_block_n"] = int(value)
   cfg = Config(**{"stages": 6, **fields})
   tiles = (dict(a_tile=(bm, bk), b_tile=(bm, bn)) if weight_grad
            else dict(a_tile=(bm, bk), b_tile=(bk, bn)))

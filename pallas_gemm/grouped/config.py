@@ -45,14 +45,6 @@ class Config:
     in turn; a slot is rewritten once the TMA store that last read it is done, so with a
     slot per sub-tile of the warpgroup's tile the epilogue never waits on its own stores
     (only on the previous item's, long done) and they drain during the next item.
-  delay_release: 0: each step's wgmma completes before its ring slot is released;
-    1: one wgmma group stays in flight, so step i-1's wgmma overlaps step i's barrier wait
-    (and the weight grad's boundary masking) and its slot is released after step i's
-    wgmma is issued.
-  item_order: weight grad only. "size": items by group size, largest first, dealt to the
-    CTAs back and forth. "mixed": rounds alternately take the largest and the smallest
-    remaining items, so that short items (output writes with little reduction) run beside
-    long ones instead of all at the end.
   num_sms: CTAs of the persistent grid; None: the device's SM count (4 in interpret mode).
   """
 
@@ -66,8 +58,6 @@ class Config:
   epi_block_m: int = 64
   epi_block_n: int = 64
   epi_slots: int = 2
-  delay_release: int = 0
-  item_order: Literal["size", "mixed"] = "size"
   num_sms: int | None = None
 
   def __post_init__(self):
@@ -79,10 +69,6 @@ class Config:
            " with these accumulators fit the register file)")
     if self.wg_split not in ("m", "n"):
       fail("wg_split", "must be 'm' or 'n'")
-    if self.delay_release not in (0, 1) or isinstance(self.delay_release, bool):
-      fail("delay_release", "must be 0 or 1")
-    if self.item_order not in ("size", "mixed"):
-      fail("item_order", "must be 'size' or 'mixed'")
     if self.num_sms is not None and (not isinstance(self.num_sms, int)
                                      or isinstance(self.num_sms, bool) or self.num_sms < 1):
       fail("num_sms", "must be None or a positive int")

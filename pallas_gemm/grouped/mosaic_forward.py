@@ -24,8 +24,8 @@ Design (one CTA per SM, persistent):
     TMA from one warp of a producer warpgroup that runs a single loop over all of the CTA's
     (item, K block) steps. Zero items load nothing. ``num_compute_wgs`` consumer warpgroups
     each own half of the CTA tile (``Config.wg_split``) and run wgmma into an f32 register
-    accumulator; a zero item's accumulator stays zero. With ``delay_release`` one wgmma
-    stays in flight: a step's slot is released once the next step's wgmma is issued.
+    accumulator; a zero item's accumulator stays zero. Each step's wgmma completes before
+    its slot is released.
   * Epilogue (consumer warpgroups, while the producer loads the next item): each
     (epi_block_m x epi_block_n) sub-tile is cast, written to one of ``epi_slots``
     shared-memory slots (taken in turn; waited for only when rewritten) and stored by TMA,
@@ -254,20 +254,8 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
               slot = lax.rem(step + kk, stages)
               plgpu.barrier_wait(produced.at[slot])
               wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
-              if cfg.delay_release:
-                # Step kk-1's wgmma is done (step kk's may still run): release its slot.
-                plgpu.wgmma_wait(1)
-
-                @pl.when(kk > 0)
-                def _():
-                  plgpu.barrier_arrive(consumed.at[lax.rem(step + kk - 1, stages)])
-              else:
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[slot])
-
-            if cfg.delay_release:
               plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[lax.rem(step + k_iters - 1, stages)])
+              plgpu.barrier_arrive(consumed.at[slot])
 
           acc = acc_ref[...]  # (wg_m, wg_n) f32
           sub = 0

@@ -9,9 +9,7 @@ Design (one CTA per SM, persistent):
     round r the CTAs take the next num_ctas items, in reverse CTA order every other round.
     Dealing sorted work back and forth this way evens out the CTAs' totals where groups
     differ a lot in size (taken round-robin, a CTA could get two tiles of the largest
-    group and another one). ``Config.item_order="mixed"`` alternates rounds from the
-    largest and the smallest end, so items that are mostly output writes run beside
-    long reductions.
+    group and another one).
   * Reduction: over the group's rows [start, end) in steps of block_m rows from start
     rounded down to a multiple of 8 (a TMA box of the 8-row-tiled operands starts on such
     a row), ceil((end - that row) / block_m) steps. A step's tiles are lhs (block_m x
@@ -29,7 +27,7 @@ Design (one CTA per SM, persistent):
   * Epilogue: (epi_block_m x epi_block_n) sub-tiles through ``epi_slots`` shared-memory
     slots per warpgroup taken in turn, stored by TMA (clipped at K and N); a slot is only
     waited for when it is rewritten, so with a slot per sub-tile the stores drain while the
-    next item reduces. ``delay_release`` keeps one wgmma in flight across reduction steps.
+    next item reduces.
 """
 
 from __future__ import annotations
@@ -85,14 +83,7 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
 
   def order(j):  # the place by size of the CTA's j-th item
     place = jnp.where(lax.rem(j, 2) == 0, cta, num_ctas - 1 - cta)
-    if cfg.item_order == "size":
-      return j * num_ctas + place
-    # "mixed": even full rounds take the next largest items, odd ones the next smallest;
-    # the partial round takes what lies between them.
-    half = lax.div(j, 2) * num_ctas + place
-    between = (rounds + 1) // 2 * num_ctas + place
-    return jnp.where(j >= rounds, between,
-                     jnp.where(lax.rem(j, 2) == 0, half, num_items - 1 - half))
+    return j * num_ctas + place
 
   def item(j):  # the CTA's j-th item: (group, first row / 8, row steps, start, end, kt, nt)
     w = order(j)
@@ -202,23 +193,8 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
               mask(slot, start - row0, end - row0)
 
             wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
-            if cfg.delay_release:
-              # Step i-1's wgmma is done (step i's may still run): release its slot.
-              plgpu.wgmma_wait(1)
-
-              @pl.when(i > 0)
-              def _():
-                plgpu.barrier_arrive(consumed.at[lax.rem(step + i - 1, stages)])
-            else:
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[slot])
-
-          if cfg.delay_release:
             plgpu.wgmma_wait(0)
-
-            @pl.when(steps > 0)
-            def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(step + steps - 1, stages)])
+            plgpu.barrier_arrive(consumed.at[slot])
 
           acc = acc_ref[...]  # (wg_m, wg_n) f32; zeros for an empty group
           sub = 0
