@@ -15,7 +15,7 @@ This module validates, reads the layouts from the scales' shapes, and picks a ba
             for constant (per-tensor, per-row) scales too: Hopper's fp8 tensor-core
             accumulation keeps ~14 mantissa bits, and all of K in it measured ~10x
             the error (f32 results, 4096^3 on the H100: 1.3e-3 against 1.3e-4) for
-            ~1.3x the speed. That trade is opt-in:
+            ~1.2x the speed. That trade is opt-in:
             config=Config(fast_accumulation=True) with constant scales.
   "auto"    mosaic on a Hopper GPU when it takes the layout, else xla.
 """

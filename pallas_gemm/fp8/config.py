@@ -191,14 +191,11 @@ def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
 def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Config:
   """The shape's default tiles; fast_accumulation = not promoted.
 
-  promoted (block scales along K, and constant scales by default): two 64x192
-  warpgroup tiles of a 128x192 CTA tile, 4 stages (96 + 96 accumulator registers: the
-  f32 sum and the block accumulator): a wider tile loads less per product and spreads
-  each step's promotion over more products. Where N < 384 a 192-column tile would
-  compute up to half padding (N = 200 takes two tiles, 384 columns) and leave few tiles
-  for the SMs, so those shapes take 128x128 tiles (64 + 64 registers, like DeepGEMM's
-  m64 warpgroups). Promoted tiles run unpaired (no cluster): a stage is released only once both CTAs' warpgroups
-  waited for their products, tying the two CTAs' promotions together.
+  promoted (block scales along K, and constant scales by default): two 64x128
+  warpgroup tiles of a 128x128 CTA tile, 5 stages (64 + 64 accumulator registers: the f32
+  sum and the block accumulator, like DeepGEMM's m64 warpgroups), unpaired (no cluster):
+  a stage is released only once both CTAs' warpgroups have waited for their products,
+  which would tie the two CTAs' promotions together.
   Plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel, with CTAs
   paired along n where there are two column tiles or more, multicasting their shared
   lhs tile (the bf16 kernels measured 1-5% from it on the H100 / H200 at these tiles).
@@ -208,8 +205,6 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Conf
   del k
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
-  elif promoted and n >= 384:
-    cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
   elif promoted:
     cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)
   else:
