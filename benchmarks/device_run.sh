@@ -12,6 +12,7 @@
 #   fp8         python -m benchmarks --fp8: fp8 GEMMs with scales
 #   example     examples/flax_mlp.py --full
 #   moe         examples/moe.py --full: the MoE block with jax.lax.ragged_dot vs pallas_gemm.ragged_dot
+#               (on several GPUs also --expert-parallel: experts over every GPU vs one GPU)
 #   fp8_mlp     examples/fp8_mlp.py --full: the MLP trained in bf16 and in fp8
 #   bench       python -m benchmarks --gpu-default (square, ragged, skinny, batched; ~5 min)
 #   full        python -m benchmarks --full (~7-9 min)
@@ -122,7 +123,8 @@ fi
 
 if has moe; then
   log "examples/moe.py --full: MoE block, jax.lax.ragged_dot vs pallas_gemm.ragged_dot"
-  timeout 400 python3 examples/moe.py --full --out "$OUT/moe" 2>&1 | tee "$OUT/moe.log"
+  ep=$([ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo --expert-parallel || true)
+  timeout 400 python3 examples/moe.py --full $ep --out "$OUT/moe" 2>&1 | tee "$OUT/moe.log"
   tail -n 12 "$OUT/moe.log" | summary moe
 fi
 

@@ -4,7 +4,7 @@ pallas_gemm.ragged_dot, side by side; and the same block expert-parallel in jax.
     python examples/moe.py                      # small config: runs on a CPU in seconds
     python examples/moe.py --full               # GPU: 8192 tokens, d 4096, 8 experts of 6144
     python examples/moe.py --out DIR            # + losses.json and loss curves (losses.png)
-    python examples/moe.py --expert-parallel    # + the shard_map variant against one device
+    python examples/moe.py --expert-parallel    # + the shard_map variant over every device
 
 The block (top-k routing as Mixtral's): a router picks k experts per token and weights
 them by a softmax over its k logits; the (token, expert) pairs are sorted by expert so
@@ -21,7 +21,11 @@ of D devices. Each device routes its tokens, sends every other device the rows f
 experts (one all-to-all of padded per-destination chunks), computes the chunks it
 received with its E / D experts: `ragged_dot(..., group_offset=first local expert)` over
 the senders' global expert counts, vmapped over the D chunks, and sends the results back
-(a second all-to-all) to be unsorted and combined where the tokens live.
+(a second all-to-all) to be unsorted and combined where the tokens live. jax 0.11.2's
+`jax.lax.ragged_dot` implements no `group_offset`, so its variant in the same layout
+passes the local experts' counts instead. `--expert-parallel` checks the block's loss and
+gradients against one device's and times three training steps in turns: expert-parallel
+with each grouped GEMM, and the same global batch on one device.
 """
 
 from __future__ import annotations
@@ -132,7 +136,8 @@ class MoE(nn.Module):
 # ----------------------------------------------------------------------------- expert parallel
 
 
-def moe_expert_parallel(params, x, *, top_k: int, mesh, axis: str, backend: str = "auto"):
+def moe_expert_parallel(params, x, *, top_k: int, mesh, axis: str, impl: str = "pallas_gemm",
+                        backend: str = "auto"):
   """`moe` with tokens (x's rows) and experts (the weights' first axis) split over `axis`."""
   d_count = mesh.shape[axis]
   num_experts = params["w_gate"].shape[0]
@@ -140,7 +145,7 @@ def moe_expert_parallel(params, x, *, top_k: int, mesh, axis: str, backend: str 
     raise ValueError(f"experts ({num_experts}) and tokens ({x.shape[0]}) must divide over "
                      f"the {d_count} devices of mesh axis {axis!r}")
   local_experts = num_experts // d_count
-  ragged = functools.partial(pallas_gemm.ragged_dot, backend=backend)
+  ragged = ragged_fn(impl, backend)
 
   def shard(router, w_gate, w_up, w_down, x):
     weights, experts = route(x, router, top_k)
@@ -159,10 +164,16 @@ def moe_expert_parallel(params, x, *, top_k: int, mesh, axis: str, backend: str 
     offset = jax.lax.axis_index(axis).astype(jnp.int32) * local_experts
     mine = (jnp.arange(num_experts) >= offset) & (jnp.arange(num_experts) < offset + local_experts)
     counts = jnp.where(mine, jax.lax.all_gather(sizes, axis), 0)            # (D, E)
+    if impl == "lax":  # the local experts' counts: lax has no group_offset
+      counts = jax.lax.dynamic_slice_in_dim(counts, offset, local_experts, axis=1)
+    local = {} if impl == "lax" else dict(group_offset=offset)
     ffn = lambda chunk, chunk_sizes: swiglu_experts(  # noqa: E731
         chunk, w_gate.astype(x.dtype), w_up.astype(x.dtype), w_down.astype(x.dtype),
-        chunk_sizes, ragged, group_offset=offset)
-    out = jax.vmap(ffn)(received, counts)                                   # (D, C, d)
+        chunk_sizes, ragged, **local)
+    if impl == "lax":  # lax's ragged_dot has no vmap rule for batched group sizes
+      out = jnp.stack([ffn(received[j], counts[j]) for j in range(d_count)])
+    else:
+      out = jax.vmap(ffn)(received, counts)                                 # (D, C, d)
     back = jax.lax.all_to_all(out, axis, 0, 0)                              # (D, C, d)
     # Row r of the sorted order came back from its expert's device, at r - starts[device].
     owner = jnp.repeat(jnp.arange(d_count), per_device, total_repeat_length=capacity)
@@ -188,18 +199,28 @@ def problem(cfg: dict, seed: int = 0):
   return x.astype(dtype), y.astype(dtype), block.init(kp, x.astype(dtype))
 
 
-def trainer(impl: str, cfg: dict, backend: str = "auto", seed: int = 0):
-  """A function that runs the next training step of `impl` and returns (loss, step ms)."""
+def trainer(impl: str, cfg: dict, backend: str = "auto", seed: int = 0, mesh=None,
+            axis: str = "expert"):
+  """A function that runs the next training step of `impl` and returns (loss, step ms).
+  With a mesh: the expert-parallel block, parameters and tokens placed as it splits them."""
   x, y, params = problem(cfg, seed)
-  model = MoE(cfg["experts"], cfg["hidden"], cfg["top_k"], jnp.dtype(cfg["dtype"]), impl,
-              backend)
+  if mesh is None:
+    forward = MoE(cfg["experts"], cfg["hidden"], cfg["top_k"], jnp.dtype(cfg["dtype"]), impl,
+                  backend).apply
+  else:
+    forward = lambda v, x: moe_expert_parallel(  # noqa: E731
+        v["params"], x, top_k=cfg["top_k"], mesh=mesh, axis=axis, impl=impl, backend=backend)
+    split = lambda spec: jax.sharding.NamedSharding(mesh, spec)  # noqa: E731
+    params = jax.device_put(params, {"params": {
+        name: split(P() if name == "router" else P(axis)) for name in params["params"]}})
+    x, y = (jax.device_put(v, split(P(axis))) for v in (x, y))
   opt = optax.adam(1e-3)
   state = opt.init(params)
 
   @jax.jit
   def step(params, state):
     def loss_fn(p):
-      out = model.apply(p, x).astype(jnp.float32)
+      out = forward(p, x).astype(jnp.float32)
       return jnp.mean((out - y.astype(jnp.float32)) ** 2)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -217,11 +238,17 @@ def trainer(impl: str, cfg: dict, backend: str = "auto", seed: int = 0):
   return next_step
 
 
-def expert_parallel_check(cfg: dict, axis: str = "expert") -> float:
+def expert_mesh(axis: str = "expert"):
+  """Every device on one mesh axis."""
+  return jax.make_mesh((len(jax.devices()),), (axis,),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def expert_parallel_check(cfg: dict, axis: str = "expert", impl: str = "pallas_gemm") -> float:
   """The largest relative difference between the expert-parallel block's loss and
-  gradients and the one-device block's (same parameters, data, grouped GEMM)."""
-  devices = jax.devices()
-  mesh = jax.make_mesh((len(devices),), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+  gradients (its grouped GEMM: `impl`'s) and the one-device block's (same parameters and
+  data, pallas_gemm's grouped GEMM)."""
+  mesh = expert_mesh(axis)
   x, y, variables = problem(cfg)
   params = variables["params"]
 
@@ -229,13 +256,28 @@ def expert_parallel_check(cfg: dict, axis: str = "expert") -> float:
     return jnp.mean((forward(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
 
   one = functools.partial(moe, top_k=cfg["top_k"], ragged=ragged_fn("pallas_gemm"))
-  ep = functools.partial(moe_expert_parallel, top_k=cfg["top_k"], mesh=mesh, axis=axis)
+  ep = functools.partial(moe_expert_parallel, top_k=cfg["top_k"], mesh=mesh, axis=axis,
+                         impl=impl)
   ref = jax.jit(jax.value_and_grad(functools.partial(loss, forward=one)))(params)
   got = jax.jit(jax.value_and_grad(functools.partial(loss, forward=ep)))(params)
   diffs = [float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
                  / jnp.maximum(jnp.linalg.norm(b.astype(jnp.float32)), 1e-30))
            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
   return max(diffs)
+
+
+def expert_parallel_timing(cfg: dict, backend: str = "auto") -> dict:
+  """Median step ms of the block expert-parallel over every device, with each grouped GEMM,
+  and of the same global batch on one device; the three step in turns."""
+  mesh = expert_mesh()
+  steps = {"one device, pallas_gemm": trainer("pallas_gemm", cfg, backend),
+           "expert parallel, pallas_gemm": trainer("pallas_gemm", cfg, backend, mesh=mesh),
+           "expert parallel, lax": trainer("lax", cfg, backend, mesh=mesh)}
+  runs = {name: [] for name in steps}
+  for _ in range(cfg["steps"] + 1):
+    for name, next_step in steps.items():
+      runs[name].append(next_step()[1])
+  return {name: statistics.median(ms[1:]) for name, ms in runs.items()}  # step 0 compiles
 
 
 def main(argv=None) -> int:
@@ -245,7 +287,7 @@ def main(argv=None) -> int:
   p.add_argument("--steps", type=int)
   p.add_argument("--backend", default="auto", help="pallas_gemm.ragged_dot's backend")
   p.add_argument("--expert-parallel", action="store_true",
-                 help="also check the shard_map variant against one device")
+                 help="also check and time the shard_map variant over every device")
   p.add_argument("--out", type=pathlib.Path)
   args = p.parse_args(argv)
   cfg = dict(FULL if args.full else SMALL)
@@ -284,6 +326,12 @@ def main(argv=None) -> int:
     print(f"expert parallel over {len(jax.devices())} devices: loss and gradients within "
           f"{ep_diff:.2e} of one device's ({'within' if ep_diff <= ep_tol else 'OUTSIDE'} "
           f"{ep_tol:g})", flush=True)
+    timing = expert_parallel_timing(cfg, args.backend)
+    results["expert_parallel_step_ms"] = timing
+    ep = timing["expert parallel, pallas_gemm"]
+    for name, ms in timing.items():
+      print(f"{name:30s} {ms:10.3f} ms/step  expert-parallel pallas_gemm is {ms / ep:6.3f}x "
+            f"faster", flush=True)
   if args.out is not None:
     _write(args.out, cfg, results)
   return 0 if agree else 1
