@@ -24,8 +24,8 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
     operands may be transposed), so lhs is (M, K) and rhs (N, K), and each stage of a
     ``stages``-deep ring holds a (block_m, 128) lhs tile and a (block_n, 128) rhs tile,
     128-byte swizzled, loaded by TMA. One warp of a producer warpgroup issues the loads
-    of every (tile, K step) of the CTA in one loop, so the next tile's loads start while
-    the consumers still run the previous tile's epilogue.
+    of every (tile, K step) of the CTA in one loop (`mosaic.ring`), so the next tile's
+    loads start while the consumers still run the previous tile's epilogue.
   * Block scales (promoted K loop): one K step is one 128-wide scale block. Its wgmma
     products go into a zeroed accumulator; the step's scale (lhs row scale x rhs column
     or block scale) multiplies it and it is added into an f32 register sum: one
@@ -74,16 +74,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mosaic import launch
+from pallas_gemm.mosaic import launch, ring
 from pallas_gemm.mosaic.layout import (_pad_for_tma, _round_up, _swizzle_transforms,
                                         _tma_padded_shape, _tma_tile, _unpad)
 from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-# Registers per thread left to the producer warpgroup (setmaxnreg).
-_PRODUCER_REGISTERS = 40
 
 
 # ----------------------------------------------------------------------------
@@ -225,55 +222,34 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
              rhs_scale_smem=None):
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == num_wgs)
-    def _producer():
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    @ring.producer_warp(wg, num_wgs)
+    def _loads():
+      @pl.loop(0, local_tiles)
+      def _tile(j):
+        bi, mi, ni = coords(j)
+        bb = 0 if plan.rhs_shared else bi
+        ms, ns = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
 
-      @plgpu.warp_map
-      def _per_warp(warp):
-        @pl.when(warp == 0)
-        def _loads():
-          @pl.loop(0, local_tiles)
-          def _tile(j):
-            bi, mi, ni = coords(j)
-            bb = 0 if plan.rhs_shared else bi
-            ms, ns = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
+        def load(kk, slot):
+          ks = pl.ds(kk * bk, bk)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[bi, ms, ks], lhs_smem.at[slot],
+                                  produced.at[slot], collective_axes=lhs_multicast)
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[bb, ns, ks], rhs_smem.at[slot],
+                                  produced.at[slot], collective_axes=rhs_multicast)
+          if plan.lhs_step:
+            plgpu.copy_gmem_to_smem(lhs_step_gmem.at[bi, kk, ms],
+                                    lhs_scale_smem.at[slot], produced.at[slot])
+          if column_step:
+            plgpu.copy_gmem_to_smem(rhs_step_gmem.at[bb, kk, ns],
+                                    rhs_scale_smem.at[slot], produced.at[slot])
 
-            @pl.loop(0, k_iters)
-            def _k(kk):
-              step = j * k_iters + kk
-              slot = lax.rem(step, stages)
+        ring.fill(consumed, 0, k_iters, step=lambda kk: j * k_iters + kk, stages=stages,
+                  load=load)
 
-              @pl.when(step >= stages)
-              def _():
-                plgpu.barrier_wait(consumed.at[slot])
+      ring.drain(consumed, local_tiles * k_iters, stages=stages)
 
-              ks = pl.ds(kk * bk, bk)
-              plgpu.copy_gmem_to_smem(lhs_gmem.at[bi, ms, ks], lhs_smem.at[slot],
-                                      produced.at[slot], collective_axes=lhs_multicast)
-              plgpu.copy_gmem_to_smem(rhs_gmem.at[bb, ns, ks], rhs_smem.at[slot],
-                                      produced.at[slot], collective_axes=rhs_multicast)
-              if plan.lhs_step:
-                plgpu.copy_gmem_to_smem(lhs_step_gmem.at[bi, kk, ms],
-                                        lhs_scale_smem.at[slot], produced.at[slot])
-              if column_step:
-                plgpu.copy_gmem_to_smem(rhs_step_gmem.at[bb, kk, ns],
-                                        rhs_scale_smem.at[slot], produced.at[slot])
-
-          # Wait for the last releases, so no arrival (from this CTA or the cluster
-          # peer) is pending when the CTA exits.
-          steps = local_tiles * k_iters
-
-          @pl.loop(jnp.maximum(steps - stages, 0), steps)
-          def _drain(step):
-            plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-    @pl.when(wg < num_wgs)
+    @ring.consumer_warpgroups(wg, num_wgs)
     def _consumers():
-      # What the producer leaves of 512 registers per thread slot, shared by the
-      # consumer warpgroups, at most 256, a multiple of 8.
-      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
-                              action="increase")
       wg_m0, wg_n0 = wg_origin(wg)
       wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(wg_n0, wg_n)
 

@@ -22,10 +22,10 @@ Design (one CTA per SM, persistent):
     block_k) and of the item's expert rhs[g] (block_k x block_n, or block_n x block_k when
     rhs is stored transposed: 16-bit wgmma reads either major order, no copy), filled by
     TMA from one warp of a producer warpgroup that runs a single loop over all of the CTA's
-    (item, K block) steps. Zero items load nothing. ``num_compute_wgs`` consumer warpgroups
-    each own half of the CTA tile (``Config.wg_split``) and run wgmma into an f32 register
-    accumulator; a zero item's accumulator stays zero. Each step's wgmma completes before
-    its slot is released.
+    (item, K block) steps (`mosaic.ring`). Zero items load nothing. ``num_compute_wgs``
+    consumer warpgroups each own half of the CTA tile (``Config.wg_split``) and run wgmma
+    into an f32 register accumulator; a zero item's accumulator stays zero. Each step's
+    wgmma completes before its slot is released.
   * Epilogue (consumer warpgroups, while the producer loads the next item): each
     (epi_block_m x epi_block_n) sub-tile is cast, written to one of ``epi_slots``
     shared-memory slots (taken in turn; waited for only when rewritten) and stored by TMA,
@@ -54,12 +54,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mosaic import launch
+from pallas_gemm.mosaic import launch, ring
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 
-# Registers per thread left to the producer warpgroup (setmaxnreg).
-_PRODUCER_REGISTERS = 40
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 # Rows of the item table (`_row_items`): the item's group (-1: rows written as zeros),
@@ -197,49 +195,32 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
   def _scope(a_smem, b_smem, out_smem, produced, consumed):
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == num_wgs)
-    def _producer():
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    @ring.producer_warp(wg, num_wgs)
+    def _loads():
+      def load_item(j, step):  # step: the CTA's K steps so far (ring position)
+        group, row0, _, _, ni = item(j)
 
-      @plgpu.warp_map
-      def _per_warp(warp):
-        @pl.when(warp == 0)
-        def _loads():
-          def load_item(j, step):  # step: the CTA's K steps so far (ring position)
-            group, row0, _, _, ni = item(j)
+        def load(kk, slot):
+          ks = pl.ds(kk * bk, bk)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), ks],  # (bm, bk)
+                                  a_smem.at[slot], produced.at[slot])
+          ns = pl.ds(ni * bn, bn)
+          rhs_tile = (rhs_gmem.at[group, ns, ks] if transpose_rhs  # (bn, bk)
+                      else rhs_gmem.at[group, ks, ns])  # (bk, bn)
+          plgpu.copy_gmem_to_smem(rhs_tile, b_smem.at[slot], produced.at[slot])
 
-            @pl.when(group >= 0)
-            def _():
-              @pl.loop(0, k_iters)
-              def _k(kk):
-                s = step + kk
-                slot = lax.rem(s, stages)
+        @pl.when(group >= 0)  # a zero item loads nothing
+        def _():
+          ring.fill(consumed, 0, k_iters, step=lambda kk: step + kk, stages=stages,
+                    load=load)
 
-                @pl.when(s >= stages)
-                def _():
-                  plgpu.barrier_wait(consumed.at[slot])
+        return step + jnp.where(group >= 0, k_iters, 0)
 
-                ks = pl.ds(kk * bk, bk)
-                plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), ks],  # (bm, bk)
-                                        a_smem.at[slot], produced.at[slot])
-                ns = pl.ds(ni * bn, bn)
-                rhs_tile = (rhs_gmem.at[group, ns, ks] if transpose_rhs  # (bn, bk)
-                            else rhs_gmem.at[group, ks, ns])  # (bk, bn)
-                plgpu.copy_gmem_to_smem(rhs_tile, b_smem.at[slot], produced.at[slot])
+      ring.drain(consumed, lax.fori_loop(0, local_work, load_item, jnp.int32(0)),
+                 stages=stages)
 
-            return step + jnp.where(group >= 0, k_iters, 0)
-
-          steps = lax.fori_loop(0, local_work, load_item, jnp.int32(0))
-
-          # Wait for the last releases, so that no arrival is pending when the CTA exits.
-          @pl.loop(jnp.maximum(steps - stages, 0), steps)
-          def _drain(s):
-            plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
-
-    @pl.when(wg < num_wgs)
+    @ring.consumer_warpgroups(wg, num_wgs)
     def _consumers():
-      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
-                              action="increase")
       m0, n0 = wg_origin(wg)
 
       def mma_item(j, step):

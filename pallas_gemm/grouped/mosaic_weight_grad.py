@@ -40,11 +40,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mosaic import launch
+from pallas_gemm.mosaic import launch, ring
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
-from pallas_gemm.grouped.mosaic_forward import (_DTYPES, _PRODUCER_REGISTERS, _ROW_ALIGN,
-                                                   _out_transforms, local_rows, num_ctas)
+from pallas_gemm.grouped.mosaic_forward import (_DTYPES, _ROW_ALIGN, _out_transforms,
+                                                   local_rows, num_ctas)
 
 # Columns of one masking piece: a 128-byte swizzle atom of 16-bit elements.
 _MASK_COLS = 64
@@ -123,44 +123,26 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
   def _scope(a_smem, b_smem, out_smem, produced, consumed, masked):
     wg = lax.axis_index("wg")
 
-    @pl.when(wg == num_wgs)
-    def _producer():
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    @ring.producer_warp(wg, num_wgs)
+    def _loads():
+      def load_item(j, step):  # step: the CTA's row steps so far (ring position)
+        _, first, steps, _, _, kt, nt = item(j)
 
-      @plgpu.warp_map
-      def _per_warp(warp):
-        @pl.when(warp == 0)
-        def _loads():
-          def load_item(j, step):
-            _, first, steps, _, _, kt, nt = item(j)
+        def load(i, slot):
+          rows = pl.ds(step_row0(first, i), bm)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(kt * bk, bk)],  # (bm, bk)
+                                  a_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(nt * bn, bn)],  # (bm, bn)
+                                  b_smem.at[slot], produced.at[slot])
 
-            @pl.loop(0, steps)
-            def _rows(i):
-              s = step + i
-              slot = lax.rem(s, stages)
+        ring.fill(consumed, 0, steps, step=lambda i: step + i, stages=stages, load=load)
+        return step + steps
 
-              @pl.when(s >= stages)
-              def _():
-                plgpu.barrier_wait(consumed.at[slot])
+      ring.drain(consumed, lax.fori_loop(0, local_work, load_item, jnp.int32(0)),
+                 stages=stages)
 
-              rows = pl.ds(step_row0(first, i), bm)
-              plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(kt * bk, bk)],  # (bm, bk)
-                                      a_smem.at[slot], produced.at[slot])
-              plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(nt * bn, bn)],  # (bm, bn)
-                                      b_smem.at[slot], produced.at[slot])
-
-            return step + steps
-
-          steps = lax.fori_loop(0, local_work, load_item, jnp.int32(0))
-
-          @pl.loop(jnp.maximum(steps - stages, 0), steps)
-          def _drain(s):
-            plgpu.barrier_wait(consumed.at[lax.rem(s, stages)])
-
-    @pl.when(wg < num_wgs)
+    @ring.consumer_warpgroups(wg, num_wgs)
     def _consumers():
-      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
-                              action="increase")
       m0, n0 = wg_origin(wg)
 
       def mask(slot, lo, hi):  # zero rows outside [lo, hi) of the slot's two tiles

@@ -21,8 +21,6 @@ from pallas_gemm.mosaic.layout import _round_up
 SMEM_BYTES_PER_BLOCK = 232448
 # Mosaic GPU reserves this much for cross-warp reductions (CompilerParams).
 _RESERVED_SMEM_BYTES = 128 * 4 * 4
-# Registers per thread left to the producer warpgroup (setmaxnreg).
-_PRODUCER_REGISTERS = 40
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                      jnp.dtype(jnp.float16))

@@ -6,9 +6,10 @@ pieces, each a tile and a range [k0, k1) of its K blocks: whole tiles (k0 = 0, k
 k_iters) strided by the CTA count, then, with stream-K, up to three pieces of a K range
 (`stream_k.StreamK`). Step s (counted over all pieces) uses ring buffer s % stages. One
 warp of the producer warpgroup issues the TMA loads of every step, after the buffer's
-release from step s - stages; the consumer warpgroups wait for step s's loads, run wgmma,
-release the buffer (one step later with wgmma_wait=1) and, after a piece's last step, run
-the epilogue (`epilogue.store_tile`) while the producer is already loading the next piece.
+release from step s - stages (`ring`); the consumer warpgroups wait for step s's loads,
+run wgmma, release the buffer (one step later with wgmma_wait=1) and, after a piece's
+last step, run the epilogue (`epilogue.store_tile`) while the producer is already
+loading the next piece.
 
 Pingpong (Config.pingpong): the CTA's tile j is consumer warpgroup j % 2's alone; the
 ring is the same, each step is released by one warpgroup, and each warpgroup waits for
@@ -33,8 +34,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm import precision as _precision
 from pallas_gemm.mosaic import epilogue as _epilogue
+from pallas_gemm.mosaic import ring
 from pallas_gemm.mosaic import split as _split
-from pallas_gemm.mosaic.config import _PRODUCER_REGISTERS, Config, _swizzle_minor
+from pallas_gemm.mosaic.config import Config, _swizzle_minor
 from pallas_gemm.mosaic.layout import _swizzle_transforms
 from pallas_gemm.mosaic.pair import Peer, placement
 from pallas_gemm.mosaic.stream_k import StreamK, finish_cut_piece
@@ -257,56 +259,33 @@ def kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem,
     def ready(to, slot):  # the `produced` barrier of a slot's loads for warpgroup `to`
       return produced.at[to * stages + slot] if cfg.pingpong else produced.at[slot]
 
-    @pl.when(wg == num_wgs)
-    def _producer():
-      plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+    @ring.producer_warp(wg, num_wgs)
+    def _loads():
+      def load_piece(g, k0, k1, first, cut):
+        del cut  # the loads do not depend on it
+        bi, mi, ni = coords(g)
+        srcs = [(a_window(bi, mi, i), b_window(bi, ni, i), (i,) if ring_pieces else ())
+                for i in range(split.pieces if split else 1)]
 
-      @plgpu.warp_map
-      def _per_warp(warp):
-        @pl.when(warp == 0)
-        def _loads():
-          def load_piece(g, k0, k1, first, cut):
-            del cut  # the loads do not depend on it
-            bi, mi, ni = coords(g)
-            srcs = [(a_window(bi, mi, i), b_window(bi, ni, i), (i,) if ring_pieces else ())
-                    for i in range(split.pieces if split else 1)]
+        to = owner(first) if cfg.pingpong else None  # the consumer warpgroup
 
-            to = owner(first) if cfg.pingpong else None  # the consumer warpgroup
+        def load(kk, slot):
+          ks = pl.ds(kk * bk, bk)
+          for a_src, b_src, piece in srcs:
+            plgpu.copy_gmem_to_smem(a_src.at[:, ks] if p.a_k_major else a_src.at[ks, :],
+                                    a_smem.at[(slot, *piece)], ready(to, slot),
+                                    collective_axes=a_multicast)
+            plgpu.copy_gmem_to_smem(b_src.at[:, ks] if p.b_k_major else b_src.at[ks, :],
+                                    b_smem.at[(slot, *piece)], ready(to, slot),
+                                    collective_axes=b_multicast)
 
-            @pl.loop(k0, k1)
-            def _k(kk):
-              step = first + kk - k0
-              slot = lax.rem(step, stages)
+        ring.fill(consumed, k0, k1, step=lambda kk: first + kk - k0, stages=stages,
+                  load=load)
 
-              @pl.when(step >= stages)
-              def _():
-                plgpu.barrier_wait(consumed.at[slot])
+      ring.drain(consumed, for_each_piece(load_piece), stages=stages)
 
-              ks = pl.ds(kk * bk, bk)
-              for a_src, b_src, piece in srcs:
-                plgpu.copy_gmem_to_smem(a_src.at[:, ks] if p.a_k_major else a_src.at[ks, :],
-                                        a_smem.at[(slot, *piece)], ready(to, slot),
-                                        collective_axes=a_multicast)
-                plgpu.copy_gmem_to_smem(b_src.at[:, ks] if p.b_k_major else b_src.at[ks, :],
-                                        b_smem.at[(slot, *piece)], ready(to, slot),
-                                        collective_axes=b_multicast)
-
-          steps = for_each_piece(load_piece)
-
-          # After the CTA's last loads: wait for the last releases, so no arrival
-          # (from this CTA or the cluster peer) is pending when the CTA exits.
-          @pl.loop(jnp.maximum(steps - stages, 0), steps)
-          def _drain(step):
-            plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-
-    @pl.when(wg < num_wgs)
+    @ring.consumer_warpgroups(wg, num_wgs)
     def _consumers():
-      # The register split emit_pipeline_warp_specialized makes (its private
-      # _compute_registers): what the producer leaves of 512 per thread-slot, shared by
-      # the consumer warpgroups, at most 256, a multiple of 8.
-      plgpu.set_max_registers(min(256, (512 - _PRODUCER_REGISTERS) // num_wgs) // 8 * 8,
-                              action="increase")
-
       def mma_piece(g, k0, k1, first, cut):
         bi, mi, ni = coords(g)
         wg_m0, wg_n0 = _wg_origin(p, wg)
