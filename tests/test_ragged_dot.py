@@ -287,6 +287,24 @@ def test_float32_inputs_run_as_lax(rng):
     ragged_dot(lhs, rhs, sizes, backend="mosaic")
 
 
+@pytest.mark.parametrize("lhs_dtype, rhs_dtype, preferred", [
+    (np.float16, BF16, None), (BF16, np.float16, None), (BF16, BF16, np.float64)])
+def test_result_dtype_is_lax(rng, lhs_dtype, rhs_dtype, preferred):
+  """The result dtype is lax.dot_general's: float16 x bfloat16 gives bfloat16 (the wider
+  exponent wins, not jnp's promotion to float32), and a float64 preferred_element_type
+  is float32 while x64 is off."""
+  m, k, n, g = 24, 16, 8, 3
+  lhs, rhs = random(rng, (m, k), lhs_dtype), random(rng, (g, k, n), rhs_dtype)
+  sizes = shapes.group_sizes("uniform", g, m, rng)
+  expected = jax.eval_shape(functools.partial(jax.lax.dot, preferred_element_type=preferred),
+                            lhs, rhs[0]).dtype
+  out = ragged_dot(lhs, rhs, sizes, preferred_element_type=preferred)
+  assert out.dtype == expected
+  check(out, ref_forward(lhs, rhs, sizes), BF16, k)
+  if lhs_dtype != rhs_dtype:
+    np.testing.assert_array_equal(out, jax.lax.ragged_dot(lhs, rhs, sizes))
+
+
 def test_other_forms_run_on_lax(rng):
   """A form the kernels do not take (lhs with a batch dimension) is lax's."""
   lhs = random(rng, (2, 12, 8), F32)

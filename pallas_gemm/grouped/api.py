@@ -36,6 +36,7 @@ a GPU): the kernels are written for 16-bit operands.
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import jax
@@ -206,14 +207,30 @@ def _group_offset(group_offset, group_sizes, num_groups: int):
 
 
 def _out_dtype(lhs_dtype, rhs_dtype, preferred_element_type) -> np.dtype:
-  """lax's result dtype: preferred_element_type, else the operands' promoted dtype."""
-  if preferred_element_type is None:
-    return np.dtype(jnp.result_type(lhs_dtype, rhs_dtype))
-  out = np.dtype(preferred_element_type)
-  if not jnp.issubdtype(out, jnp.floating):
-    raise TypeError(f"preferred_element_type must be a floating dtype for floating inputs; got "
-                    f"{out}")
-  return out
+  """lax.dot_general's result dtype: preferred_element_type made canonical (float64 is
+  float32 while x64 is off), else the operand dtype of wider range, then precision
+  (float16 x bfloat16 is bfloat16; jnp's promotion would give float32)."""
+  if preferred_element_type is not None:
+    try:
+      out = np.dtype(preferred_element_type)
+    except TypeError:
+      raise TypeError(f"preferred_element_type must be None or a floating dtype; got "
+                      f"{preferred_element_type!r}") from None
+    if not jnp.issubdtype(out, jnp.floating):
+      raise TypeError(f"preferred_element_type must be a floating dtype for floating inputs; "
+                      f"got {out}")
+    preferred_element_type = out
+  # The x64 setting is part of the key: it decides what float64 means.
+  return _lax_dot_dtype(lhs_dtype, rhs_dtype, preferred_element_type,
+                        jax.dtypes.canonicalize_dtype(np.float64))
+
+
+@functools.lru_cache(maxsize=64)
+def _lax_dot_dtype(lhs_dtype, rhs_dtype, preferred_element_type, float64) -> np.dtype:
+  del float64  # the cache key only
+  operand = lambda dtype: jax.ShapeDtypeStruct((1, 1), dtype)  # noqa: E731
+  dot = functools.partial(jax.lax.dot, preferred_element_type=preferred_element_type)
+  return np.dtype(jax.eval_shape(dot, operand(lhs_dtype), operand(rhs_dtype)).dtype)
 
 
 # ----------------------------------------------------------------------------- backends
