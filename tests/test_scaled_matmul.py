@@ -304,6 +304,16 @@ def test_bad_input(rng):
     q(jnp.ones((128,)))
 
 
+def test_dequantize_bad_input():
+  values = jnp.ones((4, 128), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match=r"values must be \(R, K\) or \(B, R, K\); got shape \(128,\)"):
+    sm.dequantize(values[0], jnp.ones((1,), jnp.float32))
+  with pytest.raises(ValueError, match=r"values must be .*got shape \(1, 1, 4, 128\)"):
+    sm.dequantize(values[None, None], jnp.ones((1, 1, 4, 1), jnp.float32))
+  with pytest.raises(ValueError, match=r"scales must have values' rank 2; got shape \(1, 4, 1\)"):
+    sm.dequantize(values, jnp.ones((1, 4, 1), jnp.float32))
+
+
 # ----------------------------------------------------------------------------- training
 
 

@@ -100,6 +100,11 @@ def dequantize(values, scales):
   scales) pair stands for. values (B, R, K) or (R, K), scales in a layout of the module
   docstring (with values' rank)."""
   values, scales = jnp.asarray(values), jnp.asarray(scales)
+  if values.ndim not in (2, 3):
+    raise ValueError(f"values must be (R, K) or (B, R, K); got shape {tuple(values.shape)}")
+  if scales.ndim != values.ndim:
+    raise ValueError(f"scales must have values' rank {values.ndim}; got shape"
+                     f" {tuple(scales.shape)}")
   squeeze = values.ndim == 2
   if squeeze:
     values, scales = values[None], scales[None]
