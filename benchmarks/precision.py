@@ -27,6 +27,7 @@ import pallas_gemm
 from benchmarks.timing import Timer
 from pallas_gemm import mosaic
 from pallas_gemm import precision as P
+from pallas_gemm.reference import input_family
 
 Preset = jax.lax.DotAlgorithmPreset
 PRECISIONS = (Preset.TF32_TF32_F32, Preset.TF32_TF32_F32_X3, Preset.BF16_BF16_F32,
@@ -40,17 +41,8 @@ def _name(precision) -> str:
 
 
 def family(kind: str, shape, seed: int, operand: str = "a") -> np.ndarray:
-  """The input families of tests/test_precision.py: N(0,1), wide (x * exp(1.5 N(0,1))) and
-  range (magnitudes 2^0..2^115 in a, 2^-100..2^0 in b: a few terms dominate each sum)."""
-  rng = np.random.default_rng(seed)
-  x = rng.standard_normal(shape, dtype=np.float32)
-  if kind == "wide":
-    x = x * np.exp(1.5 * rng.standard_normal(shape)).astype(np.float32)
-  elif kind == "range":
-    low, high = (0, 115) if operand == "a" else (-100, 0)
-    x = (np.sign(x) * rng.uniform(1, 2, shape) * np.exp2(rng.integers(low, high + 1, shape))
-         ).astype(np.float32)
-  return x
+  """reference.input_family's inputs (those of tests/test_precision.py), seeded."""
+  return input_family(kind, np.random.default_rng(seed), shape, operand)
 
 
 def errors(out, a, b) -> tuple[float, float]:

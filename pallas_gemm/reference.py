@@ -19,6 +19,24 @@ ACTIVATIONS = {
 }
 
 
+def input_family(kind: str, rng: np.random.Generator, shape, operand: str = "a") -> np.ndarray:
+  """float32 inputs of one family, as the precision tests and benchmarks draw them:
+  "normal" N(0,1); "wide" x * exp(1.5 N(0,1)); "range": magnitudes near float32's limits,
+  sign * [1, 2) * 2^e with e in [0, 115] for operand "a" and [-100, 0] for "b", so that
+  the products (and their sums) stay finite in float32 and every piece of a bf16 split
+  is a normal bf16 (the model of precision.py)."""
+  x = rng.standard_normal(shape).astype(np.float32)
+  if kind == "wide":
+    x = x * np.exp(1.5 * rng.standard_normal(shape)).astype(np.float32)
+  elif kind == "range":
+    low, high = (0, 115) if operand == "a" else (-100, 0)
+    x = (np.sign(x) * rng.uniform(1, 2, shape) * np.exp2(rng.integers(low, high + 1, shape))
+         ).astype(np.float32)
+  elif kind != "normal":
+    raise ValueError(f"kind={kind!r}: expected 'normal', 'wide' or 'range'")
+  return x
+
+
 def reference(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=False,
               bias=None, activation=None, a_activation=None):
   """act(alpha * op(a') @ op(b) + beta * c + bias) in float64 (BLAS semantics: beta == 0

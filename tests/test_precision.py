@@ -13,7 +13,7 @@ import pytest
 from conftest import ON_GPU, random, skip_reason
 from pallas_gemm import gemm, op
 from pallas_gemm import precision as P
-from pallas_gemm.reference import reference, relative_error, tolerance
+from pallas_gemm.reference import input_family, reference, relative_error, tolerance
 
 Preset = jax.lax.DotAlgorithmPreset
 SPLIT_PRECISIONS = [P.FLOAT32_ACCURATE, P.FLOAT32_F16X3, Preset.BF16_BF16_F32_X3,
@@ -22,19 +22,6 @@ OWN_PRECISIONS = [P.FLOAT32_ACCURATE, P.FLOAT32_F16X3]
 F32_MAX = float(np.finfo(np.float32).max)
 
 
-def family(kind, rng, shape, operand="a"):
-  """The three input families: N(0,1); wide range x * exp(1.5 N(0,1)); and
-  "range": magnitudes near float32's limits, sign * [1, 2) * 2^e with e in [0, 115] for
-  a and [-100, 0] for b, so that the products (and their sums) stay finite in float32
-  and every piece of the split is a normal bf16 (the model of precision.py)."""
-  x = rng.standard_normal(shape).astype(np.float32)
-  if kind == "wide":
-    x = x * np.exp(1.5 * rng.standard_normal(shape)).astype(np.float32)
-  elif kind == "range":
-    low, high = (0, 115) if operand == "a" else (-100, 0)
-    x = (np.sign(x) * rng.uniform(1, 2, shape) * np.exp2(rng.integers(low, high + 1, shape))
-         ).astype(np.float32)
-  return x
 
 
 # ----------------------------------------------------------------------------- the split
@@ -42,7 +29,7 @@ def family(kind, rng, shape, operand="a"):
 
 @pytest.mark.parametrize("kind", ["normal", "wide", "range"])
 def test_split_pieces_sum_to_x(kind, rng):
-  x = np.concatenate([family(kind, rng, (4096,), "a"), family(kind, rng, (4096,), "b")])
+  x = np.concatenate([input_family(kind, rng, (4096,), "a"), input_family(kind, rng, (4096,), "b")])
   # Compiled, as gemm runs it: XLA:GPU once simplified a bf16 round trip of the split
   # away (every remainder 0), which op-by-op execution does not show.
   split = jax.jit(P.split, static_argnums=1)
@@ -62,7 +49,7 @@ def test_split_near_the_largest_float32():
 
 @pytest.mark.parametrize("kind", ["normal", "wide", "range"])
 def test_f16_pieces_keep_23_bits_or_2_to_the_minus_38_of_the_line_max(kind, rng):
-  x = jnp.asarray(family(kind, rng, (64, 512)))
+  x = jnp.asarray(input_family(kind, rng, (64, 512)))
   k = jax.jit(P.scale_exponents, static_argnums=1)(x, 1)
   xs = jnp.ldexp(x, k)
   top = np.max(np.abs(np.asarray(xs)), axis=1)
@@ -78,13 +65,13 @@ def test_f16_pieces_keep_23_bits_or_2_to_the_minus_38_of_the_line_max(kind, rng)
 def test_f16x3_rows_and_columns_near_the_float32_limits(backend, rng):
   # Each row of A and column of B is scaled on its own, exactly: rows of 2^100 and 2^-100
   # times columns of 2^-100 and 2^20 stay accurate (a float16 holds neither).
-  a = family("normal", rng, (4, 64)) * np.exp2([[100.], [-100.], [0.], [-120.]]).astype(np.float32)
-  b = family("normal", rng, (64, 3), "b") * np.exp2([[-100., 20., 0.]]).astype(np.float32)
+  a = input_family("normal", rng, (4, 64)) * np.exp2([[100.], [-100.], [0.], [-120.]]).astype(np.float32)
+  b = input_family("normal", rng, (64, 3), "b") * np.exp2([[-100., 20., 0.]]).astype(np.float32)
   _check_given(backend, P.FLOAT32_F16X3, a, b)
 
 
 def test_f16x3_keeps_inf_and_nan(backend, rng):
-  a, b = family("normal", rng, (3, 32)), family("normal", rng, (32, 5), "b")
+  a, b = input_family("normal", rng, (3, 32)), input_family("normal", rng, (32, 5), "b")
   a[0, 3], a[1, 7] = np.inf, np.nan
   out = _check_given(backend, P.FLOAT32_F16X3, a, b, compare=False)
   ref = reference(a, b)
@@ -104,7 +91,7 @@ def test_one_hot_rows_gather_the_table(backend, precision, rng):
   if reason:
     pytest.skip(reason)
   ids = rng.integers(0, 300, 70)
-  table = family("wide", rng, (300, 40), "b")
+  table = input_family("wide", rng, (300, 40), "b")
   out = np.asarray(gemm(jnp.asarray(np.eye(300, dtype=np.float32)[ids]), jnp.asarray(table),
                         precision=precision, backend=backend))
   if precision == P.FLOAT32_ACCURATE:
@@ -138,7 +125,7 @@ def test_split_keeps_inf_and_nan():
 @pytest.mark.parametrize("kind", ["normal", "wide", "range"])
 def test_emulated_products_meet_the_tolerance(precision, kind, rng):
   k = 512
-  a, b = family(kind, rng, (64, k)), family(kind, rng, (k, 48), "b")
+  a, b = input_family(kind, rng, (64, k)), input_family(kind, rng, (k, 48), "b")
   out = P.emulate(jnp.asarray(a), jnp.asarray(b), P.split_of(precision, np.float32))
   assert relative_error(out, reference(a, b)) <= tolerance(np.float32, precision, k)
 
@@ -162,8 +149,8 @@ def _check(backend, precision, rng, m, n, k, *, kind="normal", **kwargs):
     pytest.skip(reason)
   ta, tb = kwargs.get("transpose_a", False), kwargs.get("transpose_b", False)
   batch = kwargs.pop("batch", ())
-  a = family(kind, rng, batch + ((k, m) if ta else (m, k)))
-  b = family(kind, rng, batch + ((n, k) if tb else (k, n)), "b")
+  a = input_family(kind, rng, batch + ((k, m) if ta else (m, k)))
+  b = input_family(kind, rng, batch + ((n, k) if tb else (k, n)), "b")
   c = random(rng, batch + (m, n), np.float32) if kwargs.get("beta") else None
   out = gemm(jnp.asarray(a), jnp.asarray(b), None if c is None else jnp.asarray(c),
              precision=precision, backend=backend, **kwargs)
@@ -190,7 +177,7 @@ def test_dot_products(backend, precision, rng):
   of them, not over one sum that may cancel; and one unbatched, its error measured
   against sum_k |a_k b_k| for the same reason."""
   _check(backend, precision, rng, 1, 1, 33, batch=(64,))
-  a, b = family("normal", rng, (1, 33)), family("normal", rng, (33, 1), "b")
+  a, b = input_family("normal", rng, (1, 33)), input_family("normal", rng, (33, 1), "b")
   out = gemm(jnp.asarray(a), jnp.asarray(b), precision=precision, backend=backend)
   scale = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
   err = np.abs(np.asarray(out, np.float64) - reference(a, b))
@@ -215,7 +202,7 @@ def test_batch_with_a_shared_b(backend, rng):
   reason = skip_reason(backend, np.float32, P.FLOAT32_ACCURATE)
   if reason:
     pytest.skip(reason)
-  a, b = family("wide", rng, (3, 40, 48)), family("wide", rng, (48, 72), "b")
+  a, b = input_family("wide", rng, (3, 40, 48)), input_family("wide", rng, (48, 72), "b")
   out = gemm(jnp.asarray(a), jnp.asarray(b), precision=P.FLOAT32_ACCURATE, backend=backend)
   assert relative_error(out, reference(a, b)) <= tolerance(np.float32, P.FLOAT32_ACCURATE, 48)
 
@@ -225,7 +212,7 @@ def test_gradients_keep_the_precision(backend, precision, rng):
   """The backward GEMMs run with the forward's precision and backend."""
   if skip_reason(backend, np.float32, precision):
     pytest.skip(skip_reason(backend, np.float32, precision))
-  a, b = (jnp.asarray(family("normal", rng, s)) for s in ((24, 40), (40, 16)))
+  a, b = (jnp.asarray(input_family("normal", rng, s)) for s in ((24, 40), (40, 16)))
   loss = lambda a, b: jnp.sum(gemm(a, b, precision=precision, backend=backend) ** 2)
   plans = [e.params["plan"] for e in jax.make_jaxpr(jax.grad(loss, (0, 1)))(a, b).eqns
            if e.primitive is op.gemm_p]
@@ -258,7 +245,7 @@ def test_gpu_error_vs_sgemm(precision, kind, m, n, k, rng):
   """float32_accurate's contract: an error no worse than IEEE SGEMM's (jnp.dot HIGHEST, same
   inputs). float32_f16x3's error model: that, where many terms of a size are summed
   (N(0,1), wide); within its tolerance where a few terms dominate (range)."""
-  a, b = family(kind, rng, (m, k)), family(kind, rng, (k, n), "b")
+  a, b = input_family(kind, rng, (m, k)), input_family(kind, rng, (k, n), "b")
   ref = reference(a, b)
   ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=precision,
                              backend="mosaic"), ref)
@@ -276,7 +263,7 @@ def test_gpu_error_vs_sgemm(precision, kind, m, n, k, rng):
                                        Preset.BF16_BF16_F32_X9, Preset.BF16_BF16_F32], ids=str)
 def test_gpu_presets_vs_jnp_dot(precision, rng):
   """Each preset: an error no worse than jnp.dot's with the same preset (10% slack)."""
-  a, b = family("normal", rng, (2048, 4096)), family("normal", rng, (4096, 1024))
+  a, b = input_family("normal", rng, (2048, 4096)), input_family("normal", rng, (4096, 1024))
   ref = reference(a, b)
   ours = relative_error(gemm(jnp.asarray(a), jnp.asarray(b), precision=precision,
                              backend="mosaic"), ref)
