@@ -253,6 +253,24 @@ def test_quantize_edges():
   np.testing.assert_array_equal(s3[0], s2)
 
 
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantize_near_float32_max_stays_finite(dtype):
+  # A block's amax near 2^128 (float32 or bfloat16 max) can round up to 2^128 / scale,
+  # an fp8 value whose product with the scale overflows: such values saturate at the
+  # largest product below 2^128 with fp8's mantissa, (2 - 2^-nmant) * 2^127.
+  top = (2.0 - 2.0 ** -jnp.finfo(dtype).nmant) * 2.0**127
+  x = np.ones((3, 128), np.float32)
+  x[0, :2] = np.finfo(np.float32).max, -np.finfo(np.float32).max
+  x[1, 0] = float(jnp.finfo(jnp.bfloat16).max)
+  x[2, 0] = top                                         # representable: kept as it is
+  for xs in (jnp.asarray(x), jnp.asarray(x[1:], jnp.bfloat16)):
+    out = np.asarray(sm.dequantize(*sm.quantize(xs, dtype)))
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(out[:, 0], top)
+  out = np.asarray(sm.dequantize(*sm.quantize(jnp.asarray(x), dtype)))
+  assert out[0, 1] == -top
+
+
 def test_quantize_feeds_scaled_matmul(rng):
   x, w = random(rng, (130, 256), np.float32), random(rng, (200, 256), np.float32)
   x8, sx = sm.quantize(x)

@@ -180,7 +180,9 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128)):
   (normal float32): a block whose amax is below ~2^-117 rounds to zeros and subnormals.
 
   Saturating: infinities become +-max(dtype) * scale (the amax ignores them); NaN stays
-  NaN. Rounding to fp8 is to nearest even.
+  NaN. Rounding to fp8 is to nearest even, except that a value which would round to
+  2^128 / scale (within half an fp8 step of float32's max: its product with the scale
+  is inf) saturates at the largest fp8 value below that.
   """
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"x must be an array; got {type(x).__name__}")
@@ -218,5 +220,10 @@ def _quantize(x3, *, dtype, block):
   scales = _pow2(e)
   inverse = _pow2(-e)  # exact too: amax < 2^128 keeps e <= 128 - fmax_exp, so -e >= -126
   scaled = blocks * inverse[:, :, None, :, None]
-  values = jnp.clip(scaled, -fmax, fmax).astype(dtype)  # clip keeps NaN
+  # Rounding to fp8 may carry an amax near 2^128 up to 2^(128 - e), whose product with the
+  # scale is inf: the largest value is then the greatest one below that, fp8's mantissa
+  # all ones, (2 - 2^-nmant) * 2^(127 - e) (exact in fp8 wherever it is below fmax).
+  top = _pow2(127 - jnp.maximum(e, 0)) * (2.0 - 2.0 ** -jnp.finfo(dtype).nmant)
+  limit = jnp.minimum(fmax, top)[:, :, None, :, None]
+  values = jnp.clip(scaled, -limit, limit).astype(dtype)  # clip keeps NaN
   return values.reshape(b, padded_m, k)[:, :m], scales
