@@ -366,6 +366,10 @@ def test_bad_arguments(rng):
     ragged_dot_general(lhs, random(rng, (9, 4), BF16), sizes, DIMS["weight_grad"])
   with pytest.raises(ValueError, match="at least rhs's"):
     ragged_dot(lhs, rhs, jnp.array([5, 5]), group_offset=0)
+  for backend in api.BACKENDS:
+    with pytest.raises(TypeError, match=r"config must be None or a pallas_gemm.grouped.config"
+                                        r".Config; got builtins.dict"):
+      ragged_dot(lhs, rhs, sizes, backend=backend, config={"block_m": 64})
 
 
 def test_traced_negative_sizes_on_xla_are_lax(rng):

@@ -93,6 +93,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
                     f"got {type(dims).__name__}")
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+  _check_config(config)
   precision = canonicalize_precision(precision)
   form = _form(lhs, rhs, dims)
   if form is None:
@@ -132,6 +133,16 @@ def _check_group_sizes_type(group_sizes):
                     f"{type(group_sizes).__name__}")
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise TypeError(f"group_sizes.dtype must be an integer type (int32); got {group_sizes.dtype}")
+
+
+def _check_config(config):
+  """config is the kernels' (unused where the call runs on xla); checked on every backend."""
+  if config is None:
+    return
+  from pallas_gemm.grouped.config import Config  # noqa: PLC0415 - with the kernels
+  if not isinstance(config, Config):
+    raise TypeError(f"config must be None or a pallas_gemm.grouped.config.Config; got "
+                    f"{type(config).__module__}.{type(config).__qualname__}")
 
 
 def _form(lhs, rhs, dims) -> str | None:
