@@ -276,6 +276,30 @@ def test_vmap(backend, rng):
     check(out[i], ref_forward(lhs[i], rhs[i], sizes[i]), BF16, k)
 
 
+def test_x64(backend, rng):
+  """With jax_enable_x64 on: int64 group sizes and offset, forward and both gradients."""
+  m, k, n, g, total = 40, 64, 24, 2, 3
+  lhs, rhs = operands(rng, m, k, n, g)
+  sizes = shapes.group_sizes("partial", total, m, rng)
+  ct = random(rng, (m, n), BF16)
+  # Set globally, as users do: the interpreter's callbacks run outside a context manager.
+  before = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    out, vjp = jax.vjp(lambda x, w: ragged_dot(x, w, jnp.asarray(sizes, jnp.int64),
+                                               group_offset=jnp.int64(1), backend=backend),
+                       lhs, rhs)
+    dlhs, drhs = vjp(jnp.asarray(ct))
+  finally:
+    jax.config.update("jax_enable_x64", before)
+  check(out, ref_forward(lhs, rhs, sizes, 1), BF16, k)
+  ref_dlhs = np.zeros((m, k))
+  for i, lo, hi in _rows(sizes, 1, g, m):
+    ref_dlhs[lo:hi] = np.asarray(reference(ct[lo:hi], rhs[i], transpose_b=True))
+  check(dlhs, ref_dlhs, BF16, n)
+  check(drhs, ref_weight_grad(lhs, ct, sizes, 1, g), BF16, m)
+
+
 def test_float32_inputs_run_as_lax(rng):
   """float32 operands: "auto" runs lax's computation (the kernels are 16-bit), bitwise."""
   m, k, n, g = 24, 16, 8, 3

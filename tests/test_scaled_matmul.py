@@ -133,6 +133,20 @@ def test_nan_and_inf_propagate(rng, backend):
   _check(out, lhs, rhs, ls, rs)  # relative_error demands the same NaN / Inf elements
 
 
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_x64(rng, backend):
+  # jax_enable_x64 on: the same product (the kernel's index arithmetic is 32-bit).
+  _skip_backend(backend)
+  # Set globally, as users do: the interpreter's callbacks run outside a context manager.
+  before = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    _run(rng, backend, 1, 64, 72, 256, "1x128", "128x128")
+    _run(rng, backend, 1, 64, 72, 256, "1xK", "tensor")
+  finally:
+    jax.config.update("jax_enable_x64", before)
+
+
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (1, 5, 32), (3, 1, 1), (0, 4, 128),
                                      (4, 0, 128), (4, 5, 0)])
 def test_tiny_and_empty(rng, m, n, k):

@@ -216,6 +216,9 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
   else:
     ls = _for_kernel(lhs_scales, lhs_layout, lhs.shape, row_blocks=False)
     rs = _for_kernel(rhs_scales, rhs_layout, rhs.shape, row_blocks=True)
-    out = _mosaic().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype, config=config,
-                                interpret=not _on_gpu())
+    # The kernel's index arithmetic is int32: traced with jax_enable_x64 on, its Python-int
+    # constants would become int64 and mix with it.
+    with jax.enable_x64(False):
+      out = _mosaic().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype, config=config,
+                                  interpret=not _on_gpu())
   return out[0] if squeeze else out

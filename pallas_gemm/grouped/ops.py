@@ -25,6 +25,7 @@ Operands: lhs, rhs, group_sizes, and with `Plan.offset` an int32 scalar group_of
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -114,10 +115,13 @@ def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
     module = importlib.import_module(f"pallas_gemm.grouped.{plan.backend}_{plan.form}")
     kwargs = {} if plan.form == "forward" else dict(num_groups=plan.num_groups)
   common = dict(out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret, **kwargs)
-  if plan.form == "forward":
-    return module.forward(lhs, rhs, group_sizes, row_start, transpose_rhs=plan.transpose_rhs,
-                          **common)
-  return module.weight_grad(lhs, rhs, group_sizes, row_start, **common)
+  # The kernels' index arithmetic is int32 (group_sizes and row_start are, above): traced
+  # with jax_enable_x64 on, their Python-int constants would become int64 and mix with it.
+  with contextlib.nullcontext() if plan.backend == "xla" else jax.enable_x64(False):
+    if plan.form == "forward":
+      return module.forward(lhs, rhs, group_sizes, row_start, transpose_rhs=plan.transpose_rhs,
+                            **common)
+    return module.weight_grad(lhs, rhs, group_sizes, row_start, **common)
 
 
 def out_shape(plan: Plan, lhs_shape, rhs_shape) -> tuple[int, ...]:
