@@ -155,6 +155,19 @@ def test_weight_grad_form(backend, rng):
           out, jax.lax.ragged_dot_general(lhs, dy, sizes, DIMS["weight_grad"]))
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+def test_narrow_group_size_dtypes(backend, rng, dtype):
+  """int8 / uint8 sizes that each fit their dtype while their sum does not: the groups
+  still end at the sums of the sizes (a cumulative sum in the given dtype wraps)."""
+  m, k, n, g = 300, 64, 24, 3
+  lhs, rhs = operands(rng, m, k, n, g)
+  dy = random(rng, (m, n), BF16)
+  sizes = np.full(g, 100, dtype)
+  check(ragged_dot(lhs, rhs, sizes, backend=backend), ref_forward(lhs, rhs, sizes), BF16, k)
+  check(ragged_dot_general(lhs, dy, sizes, DIMS["weight_grad"], backend=backend),
+        ref_weight_grad(lhs, dy, sizes), BF16, m)
+
+
 # ----------------------------------------------------------------------------- group_offset
 
 

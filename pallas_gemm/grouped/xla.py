@@ -3,7 +3,8 @@
 Same signatures as the Mosaic entry points (`mosaic_forward.forward`,
 `mosaic_weight_grad.weight_grad`), on the normalised problem of `ops.py`:
 
-- `group_sizes` (G,) int32: the sizes of this call's G groups, in row order.
+- `group_sizes` (G,) integers: the sizes of this call's G groups, in row order; sizes
+  narrower than int32 are widened to it first (lax would sum them in their own dtype).
 - `row_start`: None (the first group starts at row 0; the call is then exactly
   `jax.lax.ragged_dot_general`, negative sizes included) or an int32 scalar array: the
   first row of group 0. Rows before it (other shards' groups, under `group_offset`)
@@ -35,10 +36,19 @@ _WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[])
 
 
+def _widened(group_sizes):
+  """lax sums the sizes in their own dtype: int8 / uint8 / int16 sizes that each fit
+  while their total does not would wrap. int32 holds any total of rows."""
+  if jnp.iinfo(group_sizes.dtype).bits < 32:
+    return group_sizes.astype(jnp.int32)
+  return group_sizes
+
+
 def forward(lhs, rhs, group_sizes, row_start, *, transpose_rhs: bool, out_dtype, config=None,
             interpret: bool = False, precision=None):
   """out[rows of g] = lhs[rows of g] @ rhs[g] (rhs[g].T when transpose_rhs); other rows 0."""
   del config, interpret  # XLA chooses its own
+  group_sizes = _widened(group_sizes)
   dims = _FORWARD_T if transpose_rhs else _FORWARD
   if row_start is None:
     return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, dims, precision=precision,
@@ -54,6 +64,7 @@ def weight_grad(lhs, dy, group_sizes, row_start, *, out_dtype, config=None,
                 interpret: bool = False, precision=None):
   """out[g] = lhs[rows of g].T @ dy[rows of g], (G, K, N); an empty group gives zeros."""
   del config, interpret
+  group_sizes = _widened(group_sizes)
   if row_start is None:
     return jax.lax.ragged_dot_general(lhs, dy, group_sizes, _WEIGHT_GRAD, precision=precision,
                                       preferred_element_type=out_dtype)
