@@ -32,6 +32,10 @@ dense (G, M, K) operand, G times the work), "mosaic" (the Hopper kernels; their 
 on a CPU), "auto" (mosaic on an sm_90 GPU for the forms and dtypes it takes, else xla).
 float32 inputs run on xla, as lax computes them (its precision argument, TF32 by default on
 a GPU): the kernels are written for 16-bit operands.
+NaN and Inf: lax's dense formulation multiplies every rhs[g] by the zeros of the rows
+outside group g, so on xla a NaN or Inf in column n of any rhs[g], even of a group of no
+rows, makes column n NaN in every other row (0 * Inf), rows past sum(group_sizes)
+included. The kernels read only a row's own group's matrix.
 """
 
 from __future__ import annotations
