@@ -18,6 +18,11 @@ This module validates, reads the layouts from the scales' shapes, and picks a ba
             ~1.2x the speed. That trade is opt-in:
             config=Config(fast_accumulation=True) with constant scales.
   "auto"    mosaic on a Hopper GPU when it takes the layout, else xla.
+
+An infinite scale: xla multiplies each element by it, so a block's terms of both signs
+sum to NaN (inf - inf), as the definition above does elementwise; the kernel multiplies
+the block's (or, for constant scales, K's) sum of products by it and gives +-inf there.
+A NaN scale, and an infinite one on a block of zeros, give NaN on both.
 """
 
 from __future__ import annotations
