@@ -178,12 +178,24 @@ def _module(plan: Plan):
   return importlib.import_module(f"pallas_gemm.{plan.backend}")
 
 
+def _x64_off(kernel):
+  """`kernel` traced with jax_enable_x64 off: the Pallas and FFI kernels' index arithmetic
+  is int32, and with x64 on their Python-int constants would become int64 and mix with it
+  (lax.div of int32 by int64). Their operands and results are the same either way."""
+
+  def traced(*args, **kwargs):
+    with jax.enable_x64(False):
+      return kernel(*args, **kwargs)
+
+  return traced
+
+
 def _kernel(plan: Plan, ops: Operands):
   """The backend call on (local) operands: its result, or (act(z), z) for keep_pre."""
   a, b, c, bias = _local_operands(plan, ops)
   module = _module(plan)
   call = functools.partial(
-      module.gemm, a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
+      module.gemm if plan.backend == "xla" else _x64_off(module.gemm), a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
       transpose_b=plan.transpose_b, precision=plan.precision, config=plan.config,
       interpret=plan.interpret)
   if plan.c_gate is not None:

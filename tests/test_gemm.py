@@ -155,6 +155,27 @@ def test_grad_matches_analytic(backend, transpose_a, transpose_b, shared_b, rng)
   assert relative_error(dc, beta * w64) <= tol
 
 
+def test_x64(backend, rng):
+  """With jax_enable_x64 on (set globally, as users do: Mosaic GPU's interpreter runs its
+  callbacks outside any context manager), value and gradients match the reference."""
+  dtype = preferred_dtype(backend)
+  precision = HIGHEST if not skip_reason(backend, dtype, HIGHEST) else None
+  m, n, k = 40, 24, 64
+  a, b, w = random(rng, (m, k), dtype), random(rng, (k, n), dtype), random(rng, (m, n), dtype)
+  before = jax.config.jax_enable_x64
+  jax.config.update("jax_enable_x64", True)
+  try:
+    out, vjp = jax.vjp(lambda a, b: gemm(a, b, precision=precision, backend=backend), a, b)
+    da, db = vjp(jnp.asarray(w))
+  finally:
+    jax.config.update("jax_enable_x64", before)
+  a64, b64, w64 = (x.astype(np.float64) for x in (a, b, w))
+  assert out.dtype == np.dtype(dtype)
+  assert relative_error(out, a64 @ b64) <= tolerance(dtype, precision, k)
+  assert relative_error(da, w64 @ b64.T) <= tolerance(dtype, precision, n)
+  assert relative_error(db, a64.T @ w64) <= tolerance(dtype, precision, m)
+
+
 def test_grad_keeps_wide_cotangents(backend, rng):
   """f16 inputs with an f32 output: a cotangent above f16's range must not become inf."""
   dtype = np.float16 if not skip_reason(backend, np.float16) else np.float32
