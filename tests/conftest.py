@@ -1,5 +1,6 @@
 """Shared fixtures; every skip decision of the suite is made here, in `skip_reason`."""
 
+import contextlib
 import os
 import zlib
 
@@ -46,6 +47,20 @@ def skip_reason(backend: str, dtype=None, precision=None) -> str | None:
     if reason is not None:
       return f"backend {backend} does not support {np.dtype(dtype)}/{precision}: {reason}"
   return None
+
+
+@contextlib.contextmanager
+def jax_config(name: str, value):
+  """Sets a jax config option process-wide for the block, as users set it, then restores
+  it. Not `with jax.enable_x64(...)` / `jax.default_device(...)`: those are thread-local,
+  and Mosaic GPU's interpreter runs its callbacks and compiles its simulated warpgroups on
+  worker threads."""
+  previous = getattr(jax.config, name)
+  jax.config.update(name, value)
+  try:
+    yield
+  finally:
+    jax.config.update(name, previous)
 
 
 @pytest.fixture(params=api.BACKENDS)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from conftest import ON_GPU, random, skip_reason
+from conftest import ON_GPU, jax_config, random, skip_reason
 import pallas_gemm
 from pallas_gemm import gemm, op
 from pallas_gemm.reference import ACTIVATIONS as reference_activations
@@ -156,19 +156,14 @@ def test_grad_matches_analytic(backend, transpose_a, transpose_b, shared_b, rng)
 
 
 def test_x64(backend, rng):
-  """With jax_enable_x64 on (set globally, as users do: Mosaic GPU's interpreter runs its
-  callbacks outside any context manager), value and gradients match the reference."""
+  """With jax_enable_x64 on, value and gradients match the reference."""
   dtype = preferred_dtype(backend)
   precision = HIGHEST if not skip_reason(backend, dtype, HIGHEST) else None
   m, n, k = 40, 24, 64
   a, b, w = random(rng, (m, k), dtype), random(rng, (k, n), dtype), random(rng, (m, n), dtype)
-  before = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
+  with jax_config("jax_enable_x64", True):
     out, vjp = jax.vjp(lambda a, b: gemm(a, b, precision=precision, backend=backend), a, b)
     da, db = vjp(jnp.asarray(w))
-  finally:
-    jax.config.update("jax_enable_x64", before)
   a64, b64, w64 = (x.astype(np.float64) for x in (a, b, w))
   assert out.dtype == np.dtype(dtype)
   assert relative_error(out, a64 @ b64) <= tolerance(dtype, precision, k)

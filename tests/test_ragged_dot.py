@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import ON_GPU, random
+from conftest import ON_GPU, jax_config, random
 from pallas_gemm.grouped import api, ops, shapes
 from pallas_gemm.grouped import ragged_dot, ragged_dot_general
 from pallas_gemm.reference import reference, relative_error, tolerance
@@ -295,16 +295,11 @@ def test_x64(backend, rng):
   lhs, rhs = operands(rng, m, k, n, g)
   sizes = shapes.group_sizes("partial", total, m, rng)
   ct = random(rng, (m, n), BF16)
-  # Set globally, as users do: the interpreter's callbacks run outside a context manager.
-  before = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
+  with jax_config("jax_enable_x64", True):
     out, vjp = jax.vjp(lambda x, w: ragged_dot(x, w, jnp.asarray(sizes, jnp.int64),
                                                group_offset=jnp.int64(1), backend=backend),
                        lhs, rhs)
     dlhs, drhs = vjp(jnp.asarray(ct))
-  finally:
-    jax.config.update("jax_enable_x64", before)
   check(out, ref_forward(lhs, rhs, sizes, 1), BF16, k)
   ref_dlhs = np.zeros((m, k))
   for i, lo, hi in _rows(sizes, 1, g, m):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conftest import random
+from conftest import jax_config, random
 from pallas_gemm.grouped import mosaic_forward, mosaic_weight_grad
 from pallas_gemm.grouped.config import Config, default_config, smem_bytes
 from pallas_gemm.reference import reference, relative_error, tolerance
@@ -339,14 +339,11 @@ def _races_found() -> bool:
 @pytest.fixture
 def cpu_device():
   # The interpreter is a host simulation whose race verdict depends on callback scheduling;
-  # pinning it to the CPU backend makes it the same on every host. It is the process-wide
-  # default device: the interpreter compiles each simulated warpgroup on a worker thread,
-  # which a `with jax.default_device(...)` block (thread-local) would not reach.
+  # pinning it to the CPU backend (process-wide: see jax_config) makes it the same on
+  # every host.
   cpu = jax.devices("cpu")[0]
-  previous = jax.config.jax_default_device
-  jax.config.update("jax_default_device", cpu)
-  yield cpu
-  jax.config.update("jax_default_device", previous)
+  with jax_config("jax_default_device", cpu):
+    yield cpu
 
 
 def test_no_races(rng, cpu_device):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pallas_gemm
-from conftest import ON_GPU, random
+from conftest import ON_GPU, jax_config, random
 from pallas_gemm import reference
 from pallas_gemm.fp8 import api, scales
 from pallas_gemm.fp8 import xla as sm_xla
@@ -137,14 +137,9 @@ def test_nan_and_inf_propagate(rng, backend):
 def test_x64(rng, backend):
   # jax_enable_x64 on: the same product (the kernel's index arithmetic is 32-bit).
   _skip_backend(backend)
-  # Set globally, as users do: the interpreter's callbacks run outside a context manager.
-  before = jax.config.jax_enable_x64
-  jax.config.update("jax_enable_x64", True)
-  try:
+  with jax_config("jax_enable_x64", True):
     _run(rng, backend, 1, 64, 72, 256, "1x128", "128x128")
     _run(rng, backend, 1, 64, 72, 256, "1xK", "tensor")
-  finally:
-    jax.config.update("jax_enable_x64", before)
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 1, 128), (1, 5, 32), (3, 1, 1), (0, 4, 128),
