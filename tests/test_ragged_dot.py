@@ -57,6 +57,7 @@ def _rows(group_sizes, group_offset, num_groups, m):
 
 
 def ref_forward(lhs, rhs, group_sizes, group_offset=None, transpose_rhs=False):
+  """Per group, lhs rows @ rhs[g] (or rhs[g].T); also dlhs = ct @ rhs[g].T of the forward."""
   m = lhs.shape[0]
   out = np.zeros((m, rhs.shape[1] if transpose_rhs else rhs.shape[2]))
   for i, lo, hi in _rows(group_sizes, group_offset, rhs.shape[0], m):
@@ -201,11 +202,7 @@ def test_group_offset_gradients(backend, rng):
   _, vjp = jax.vjp(lambda x, w: ragged_dot(x, w, sizes, group_offset=jnp.int32(offset),
                                            backend=backend), lhs, rhs)
   dlhs, drhs = vjp(jnp.asarray(ct))
-  rows = _rows(sizes, offset, g, m)
-  ref_dlhs = np.zeros((m, k))
-  for i, lo, hi in rows:
-    ref_dlhs[lo:hi] = np.asarray(reference(ct[lo:hi], rhs[i], transpose_b=True))
-  check(dlhs, ref_dlhs, BF16, n)
+  check(dlhs, ref_forward(ct, rhs, sizes, offset, transpose_rhs=True), BF16, n)
   check(drhs, ref_weight_grad(lhs, ct, sizes, offset, g), BF16, m)
 
 
@@ -231,9 +228,7 @@ def test_grad(backend, rng, transpose_rhs):
       x, w, sizes, dims, preferred_element_type=out_dtype), lhs, rhs)
   lax_dlhs, lax_drhs = lax_vjp(jnp.asarray(ct))
   assert dlhs.dtype == lhs.dtype and drhs.dtype == rhs.dtype
-  ref_dlhs = np.zeros((m, k))
-  for i, lo, hi in _rows(sizes, None, g, m):
-    ref_dlhs[lo:hi] = np.asarray(reference(ct[lo:hi], rhs[i], transpose_b=not transpose_rhs))
+  ref_dlhs = ref_forward(ct, rhs, sizes, transpose_rhs=not transpose_rhs)
   ref_drhs = ref_weight_grad(ct, lhs, sizes) if transpose_rhs else ref_weight_grad(lhs, ct, sizes)
   check(dlhs, ref_dlhs, BF16, n)
   check(drhs, ref_drhs, BF16, m)
@@ -254,12 +249,8 @@ def test_grad_of_weight_grad_form(backend, rng):
   _, vjp = jax.vjp(lambda x, y: ragged_dot_general(x, y, sizes, DIMS["weight_grad"],
                                                    backend=backend), lhs, dy)
   dx, ddy = vjp(jnp.asarray(ct))
-  ref_dx, ref_ddy = np.zeros((m, k)), np.zeros((m, n))
-  for i, lo, hi in _rows(sizes, None, g, m):
-    ref_dx[lo:hi] = np.asarray(reference(dy[lo:hi], ct[i], transpose_b=True))
-    ref_ddy[lo:hi] = np.asarray(reference(lhs[lo:hi], ct[i]))
-  check(dx, ref_dx, BF16, n)
-  check(ddy, ref_ddy, BF16, k)
+  check(dx, ref_forward(dy, ct, sizes, transpose_rhs=True), BF16, n)
+  check(ddy, ref_forward(lhs, ct, sizes), BF16, k)
 
 
 def test_jvp(backend, rng):
@@ -301,10 +292,7 @@ def test_x64(backend, rng):
                        lhs, rhs)
     dlhs, drhs = vjp(jnp.asarray(ct))
   check(out, ref_forward(lhs, rhs, sizes, 1), BF16, k)
-  ref_dlhs = np.zeros((m, k))
-  for i, lo, hi in _rows(sizes, 1, g, m):
-    ref_dlhs[lo:hi] = np.asarray(reference(ct[lo:hi], rhs[i], transpose_b=True))
-  check(dlhs, ref_dlhs, BF16, n)
+  check(dlhs, ref_forward(ct, rhs, sizes, 1, transpose_rhs=True), BF16, n)
   check(drhs, ref_weight_grad(lhs, ct, sizes, 1, g), BF16, m)
 
 
@@ -477,10 +465,7 @@ def test_gpu_group_offset_and_grad_poisoned(rng):
   out, vjp = jax.vjp(lambda x, w: ragged_dot(x, w, sizes, group_offset=jnp.int32(8)), lhs, rhs)
   dlhs, drhs = vjp(jnp.asarray(ct))
   check(out, ref_forward(lhs, rhs, sizes, 8), BF16, k)
-  ref_dlhs = np.zeros((m, k))
-  for i, lo, hi in _rows(sizes, 8, g, m):
-    ref_dlhs[lo:hi] = np.asarray(reference(ct[lo:hi], rhs[i], transpose_b=True))
-  check(dlhs, ref_dlhs, BF16, n)
+  check(dlhs, ref_forward(ct, rhs, sizes, 8, transpose_rhs=True), BF16, n)
   check(drhs, ref_weight_grad(lhs, ct, sizes, 8, g), BF16, m)
 
 
