@@ -144,6 +144,27 @@ def store_rows(out_smem, out_gmem, *, row0, col0, lo, hi):
   plgpu.commit_smem_to_gmem_group()
 
 
+def store_subtiles(acc, out_smem, wg, store):
+  """The epilogue of one item: the warpgroup's f32 accumulator acc (wg_m, wg_n), sub-tile
+  by sub-tile, cast into the warpgroup's slots out_smem[wg] (num_wgs, epi_slots, epi_m,
+  epi_n) in turn, then store(slot_smem, i, jj) TMA-stores sub-tile (i, jj) as one bulk
+  group. Every item stores the same number of sub-tiles, a multiple of epi_slots
+  (Config checks it), so the store that last read a slot is epi_slots - 1 groups ago,
+  across items too: waiting until at most that many still read frees the slot."""
+  _, epi_slots, epi_m, epi_n = out_smem.shape
+  wg_m, wg_n = acc.shape
+  sub = 0
+  for i in range(wg_m // epi_m):
+    for jj in range(wg_n // epi_n):
+      slot = sub % epi_slots
+      plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
+      out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
+                               jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
+      plgpu.commit_smem()
+      store(out_smem.at[wg, slot], i, jj)
+      sub += 1
+
+
 def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Config,
             k: int, n: int, transpose_rhs: bool, num_ctas: int):
   """One persistent CTA. lhs_gmem (M', K'); rhs_gmem (G, K', N') or (G, N', K');
@@ -238,22 +259,9 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
 
-          acc = acc_ref[...]  # (wg_m, wg_n) f32
-          sub = 0
-          for i in range(wg_m // epi_m):
-            for jj in range(wg_n // epi_n):
-              slot = sub % epi_slots
-              # Every item stores the same number of sub-tiles (one bulk group each),
-              # epi_slots per turn: the store that last read this slot is epi_slots - 1
-              # groups ago.
-              plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
-              out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
-                                       jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
-              plgpu.commit_smem()
-              store_rows(out_smem.at[wg, slot], out_gmem,
-                         row0=row0 + m0 + i * epi_m, col0=ni * bn + n0 + jj * epi_n,
-                         lo=lo, hi=hi)
-              sub += 1
+          store_subtiles(acc_ref[...], out_smem, wg, lambda slot_smem, i, jj: store_rows(
+              slot_smem, out_gmem, row0=row0 + m0 + i * epi_m,
+              col0=ni * bn + n0 + jj * epi_n, lo=lo, hi=hi))
 
         return step + jnp.where(group >= 0, k_iters, 0)
 

@@ -43,6 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_gemm.mosaic import launch, ring
 from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
+from pallas_gemm.grouped.mosaic_forward import store_subtiles
 from pallas_gemm.grouped.mosaic_forward import (_DTYPES, _ROW_ALIGN, _out_transforms,
                                                    local_rows, num_ctas)
 
@@ -178,22 +179,11 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
             plgpu.wgmma_wait(0)
             plgpu.barrier_arrive(consumed.at[slot])
 
-          acc = acc_ref[...]  # (wg_m, wg_n) f32; zeros for an empty group
-          sub = 0
-          for i in range(wg_m // epi_m):
-            for jj in range(wg_n // epi_n):
-              slot = sub % epi_slots
-              # Every item stores the same number of sub-tiles, epi_slots of them per
-              # turn: the store that last read this slot is epi_slots - 1 stores ago.
-              plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
-              out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
-                                       jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(
-                  out_smem.at[wg, slot],
-                  out_gmem.at[group, pl.ds(kt * bk + m0 + i * epi_m, epi_m),
-                              pl.ds(nt * bn + n0 + jj * epi_n, epi_n)])
-              sub += 1
+          # acc_ref holds zeros for an empty group.
+          store_subtiles(acc_ref[...], out_smem, wg, lambda slot_smem, i, jj: (
+              plgpu.copy_smem_to_gmem(slot_smem, out_gmem.at[
+                  group, pl.ds(kt * bk + m0 + i * epi_m, epi_m),
+                  pl.ds(nt * bn + n0 + jj * epi_n, epi_n)])))
 
         return step + steps
 
