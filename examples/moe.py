@@ -270,14 +270,26 @@ def expert_parallel_timing(cfg: dict, backend: str = "auto") -> dict:
   """Median step ms of the block expert-parallel over every device, with each grouped GEMM,
   and of the same global batch on one device; the three step in turns."""
   mesh = expert_mesh()
-  steps = {"one device, pallas_gemm": trainer("pallas_gemm", cfg, backend),
-           "expert parallel, pallas_gemm": trainer("pallas_gemm", cfg, backend, mesh=mesh),
-           "expert parallel, lax": trainer("lax", cfg, backend, mesh=mesh)}
-  runs = {name: [] for name in steps}
-  for _ in range(cfg["steps"] + 1):
-    for name, next_step in steps.items():
-      runs[name].append(next_step()[1])
-  return {name: statistics.median(ms[1:]) for name, ms in runs.items()}  # step 0 compiles
+  runs = in_turns({
+      "one device, pallas_gemm": trainer("pallas_gemm", cfg, backend),
+      "expert parallel, pallas_gemm": trainer("pallas_gemm", cfg, backend, mesh=mesh),
+      "expert parallel, lax": trainer("lax", cfg, backend, mesh=mesh)}, cfg["steps"])
+  return {name: step_ms(run) for name, run in runs.items()}
+
+
+def in_turns(trainers: dict, steps: int) -> dict:
+  """{name: [(loss, ms)] * (steps + 1)}: the trainers take their steps in turns, so a drift
+  of the GPU's clock reaches all alike."""
+  runs = {name: [] for name in trainers}
+  for _ in range(steps + 1):
+    for name, next_step in trainers.items():
+      runs[name].append(next_step())
+  return runs
+
+
+def step_ms(run) -> float:
+  """The median step time of a run; step 0 compiles and is not timed."""
+  return statistics.median(ms for _, ms in run[1:])
 
 
 def main(argv=None) -> int:
@@ -295,17 +307,11 @@ def main(argv=None) -> int:
     cfg["steps"] = args.steps
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg}",
         flush=True)
-  steps = {impl: trainer(impl, cfg, args.backend) for impl in IMPLS}
-  # The models take their steps in turns, so a drift of the GPU's clock reaches both
-  # alike; step 0 compiles and is not timed.
-  runs = {impl: [] for impl in IMPLS}
-  for _ in range(cfg["steps"] + 1):
-    for impl in IMPLS:
-      runs[impl].append(steps[impl]())
+  runs = in_turns({impl: trainer(impl, cfg, args.backend) for impl in IMPLS}, cfg["steps"])
   results = {}
   for impl in IMPLS:
     losses = [loss for loss, _ in runs[impl]]
-    ms = statistics.median(t for _, t in runs[impl][1:])
+    ms = step_ms(runs[impl])
     results[impl] = dict(losses=losses, step_ms=ms)
     base = results["lax"]["step_ms"]
     print(f"{impl:12s} {ms:10.3f} ms/step  {base / ms:6.3f}x lax  "
