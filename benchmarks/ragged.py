@@ -85,8 +85,10 @@ def _tokamax():
 def variants(on_gpu: bool, with_tokamax: bool) -> tuple[dict, dict]:
   """({name: forward(lhs, rhs, group_sizes)}, {name: why it is left out})."""
   fns = {
-      "dense": lambda x, w, s: jnp.dot(x, w[0], preferred_element_type=jnp.float32).astype(
-          x.dtype),
+      # bf16 in and out (cuBLAS accumulates in f32), as the grouped variants: its vjp is
+      # two more bf16 GEMMs. An f32 result cast to bf16 would add an f32 pass and make
+      # the backward GEMMs f32.
+      "dense": lambda x, w, s: jnp.dot(x, w[0]),
       "lax": jax.lax.ragged_dot,
       # On a CPU "auto" would pick xla: the interpreter is named to run the kernels' code.
       "pallas_gemm": functools.partial(ragged_dot, backend="auto" if on_gpu else "mosaic"),
