@@ -69,13 +69,30 @@ def test_check_names_registers_and_shared_memory():
     fp8_config.check(deep, jnp.float32, promoted=True, row_scales=True)
 
 
-@pytest.mark.parametrize("m", [1, 64, 4096])
-@pytest.mark.parametrize("promoted", [True, False])
+@pytest.mark.parametrize("m", [1, 64, 4096, 8192])
+@pytest.mark.parametrize("promoted, step_scales", [(True, True), (True, False),
+                                                   (False, False)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_default_configs_fit(m, promoted, out_dtype):
-  cfg = fp8_config.default_config(m, 4096, 4096, out_dtype=out_dtype, promoted=promoted)
+def test_default_configs_fit(m, promoted, step_scales, out_dtype):
+  cfg = fp8_config.default_config(m, 8192, 4096, out_dtype=out_dtype, promoted=promoted,
+                                  step_scales=step_scales)
   fp8_config.check(cfg, out_dtype, promoted=promoted, row_scales=promoted,
                    column_scales=promoted)
+
+
+@pytest.mark.parametrize("m, n, step_scales, tile", [
+    (4096, 4096, True, (128, 192)),    # block scales: 128x192 wherever N allows
+    (4096, 7168, True, (128, 192)),
+    (4096, 200, True, (128, 128)),     # 192-wide tiles would compute 384 of 200 columns
+    (4096, 4096, False, (128, 128)),   # constant scales: 128x192 only from ~11 waves
+    (4096, 7168, False, (128, 128)),
+    (8192, 8192, False, (128, 192)),
+    (4096, 24576, False, (128, 192)),
+])
+def test_default_tiles(m, n, step_scales, tile):
+  cfg = fp8_config.default_config(m, n, 4096, out_dtype=jnp.bfloat16, promoted=True,
+                                  step_scales=step_scales)
+  assert (cfg.block_m, cfg.block_n) == tile
 
 
 # ----------------------------------------------------------------------------
@@ -126,7 +143,9 @@ def _check(rng, batch, m, n, k, *, lhs_kind="step", rhs_kind="block", dtypes=(E4
   rs = _scales(rng, rhs_kind, batch_r, n, k, exps)
   if config is None and interpret:
     # The kernel's default: promoted, for constant scales too.
-    config = fp8_config.default_config(m, n, k, out_dtype=out_dtype, promoted=True)
+    config = fp8_config.default_config(
+        m, n, k, out_dtype=out_dtype, promoted=True,
+        step_scales=lhs_kind == "step" or rhs_kind in ("step", "block"))
     config = config.replace(num_sms=3)
   if not interpret:  # a NaN block freed last, so that the output likely reuses it
     nbytes = batch * m * n * jnp.dtype(out_dtype).itemsize
@@ -304,13 +323,15 @@ def test_bad_input(args, error, match):
     (4096, 4096, 4096, (1, 4096, 32), (1, 4096, 32), True),   # 1x128 both
     (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), True),           # per tensor (default)
     (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), False),          # fast accumulation
-    (4096, 200, 4096, (1, 4096, 32), (1, 2, 32), True),       # N < 384: 128x128 tiles
+    (8192, 8192, 8192, (1, 1, 1), (1, 1, 1), True),           # per tensor, 128x192 tiles
+    (4096, 200, 4096, (1, 4096, 32), (1, 2, 32), True),       # N = 200: 128x128 tiles
     (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), True),     # per row / column, ragged
     (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), False),
     (64, 7168, 2048, (1, 64, 16), (1, 56, 16), True),         # short M
 ])
 def test_lowers_for_cuda(m, n, k, lhs_shape, rhs_shape, promoted):
-  cfg = fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16, promoted=promoted)
+  cfg = fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16, promoted=promoted,
+                                  step_scales=lhs_shape[2] > 1 or rhs_shape[2] > 1)
   cfg = cfg.replace(num_sms=132)
   args = (jax.ShapeDtypeStruct((1, m, k), E4M3), jax.ShapeDtypeStruct((1, n, k), E4M3),
           jax.ShapeDtypeStruct(lhs_shape, jnp.float32),

@@ -188,23 +188,33 @@ def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
         " lower stages, block_m/block_n or epi_block_m/epi_block_n")
 
 
-def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool) -> Config:
+def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
+                   step_scales: bool = True) -> Config:
   """The shape's default tiles; fast_accumulation = not promoted.
 
-  promoted (block scales along K, and constant scales by default): two 64x128
-  warpgroup tiles of a 128x128 CTA tile, 5 stages (64 + 64 accumulator registers: the f32
-  sum and the block accumulator, like DeepGEMM's m64 warpgroups), unpaired (no cluster):
-  a stage is released only once both CTAs' warpgroups have waited for their products,
-  which would tie the two CTAs' promotions together.
+  Promoted (block scales along K, and constant scales by default): two 64-row warpgroup
+  tiles of a 128 x 192 CTA tile (96 + 96 accumulator registers: the f32 sum and the
+  block accumulator), 4 stages, unpaired (no cluster: a stage is released only once both
+  CTAs' warpgroups have waited for their products, which would tie the two CTAs'
+  promotions together). The 192-wide tile does more MMA per promotion and per byte of
+  shared memory than 128 x 128; it ran 1.0-1.2x faster than 128 x 128 with block scales
+  at every measured shape (docs/performance.md). With constant scales (per tensor, row,
+  column) the loop holds no scale loads and 128 x 128 keeps up, so 128 x 192 is taken
+  only where M * N gives >= ~11 waves of its tiles on 132 SMs (M * N >= 6144^2): below
+  that, its coarser last wave cost more than it gained (4096 x 4096, 4096 x 7168). Either
+  way only where its padded columns stay within 5% of 128-wide tiles' (N = 200 would
+  compute 384 columns instead of 256).
   Plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel, with CTAs
   paired along n where there are two column tiles or more, multicasting their shared
   lhs tile (the bf16 kernels measured 1-5% from it on the H100 / H200 at these tiles).
   A short M (<= 64 rows) takes one 64-row band split by columns, unpaired (its rhs
   tiles, the traffic that matters there, are not shared).
   """
-  del k
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
+  elif promoted and (step_scales or m * n >= 6144 * 6144) and (
+      _round_up(n, 192) <= 1.05 * _round_up(n, 128)):
+    cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
   elif promoted:
     cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)
   else:

@@ -464,7 +464,8 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   step_scales = lhs_kind == "step" or rhs_kind in ("step", "block")
   # Promoted unless a config asks for fast accumulation (block scales always are).
   if config is None:
-    config = default_config(m, n, k, out_dtype=out_dtype, promoted=True)
+    config = default_config(m, n, k, out_dtype=out_dtype, promoted=True,
+                            step_scales=step_scales)
   promoted = step_scales or not config.fast_accumulation
   bm, bn = config.block_m, config.block_n
   rhs_step = {"step": "column", "block": "block"}.get(rhs_kind)
