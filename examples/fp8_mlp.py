@@ -14,8 +14,8 @@ Adam), the same steps:
   fp8_e5m2   as fp8 with e5m2 gradients (the per-tensor recipes' choice), for comparison.
 The task: regress a fixed random "teacher" MLP from Gaussian inputs (mean squared error).
 Prints each model's step time (median of the timed steps, wall clock of the jitted step,
-the models step in turns) and checks that the fp8 loss curves stay within LOSS_TOL
-(a fraction of the first loss) of the bf16 curve at every step.
+the models step in turns) and checks that the fp8 loss curves stay within a band around
+the bf16 curve at every step (LOSS_ATOL of the first loss + LOSS_RTOL of that step's).
 """
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ from pallas_gemm import fp8_dot_general
 
 SMALL = dict(batch=256, d_in=256, hidden=512, d_out=256, steps=30)
 FULL = dict(batch=8192, d_in=4096, hidden=16384, d_out=4096, steps=30)
-# The fp8 curves agree with bf16's when every step's loss is within LOSS_TOL of the bf16
-# loss at that step, measured in units of the first step's loss: an absolute band, since
-# fp8 rounding (4 significant bits in e4m3: ~3.6% rms on a GEMM's output against bf16's
-# 0.4%) puts a floor under the loss the regression can reach, and a relative band would
-# close on it as the loss falls. On the small config, 100 steps: the gap stays at
-# 0.1-0.2% of the first loss (e4m3 gradients a little closer than e5m2), while the loss
-# itself falls 175x.
-LOSS_TOL = 1e-2
+# The fp8 curves agree with bf16's when at every step |fp8 - bf16| <= LOSS_ATOL * (first
+# bf16 loss) + LOSS_RTOL * (bf16 loss at that step), numpy.allclose's form. The absolute
+# part: fp8 rounding (4 significant bits in e4m3: ~3.6% rms on a GEMM's output against
+# bf16's 0.4%) puts a floor under the loss the regression can reach, so a purely relative
+# band would close on it as the loss falls (small config, 100 steps: the gap stays at
+# 0.1-0.2% of the first loss while the loss falls 175x). The relative part: where the
+# loss rises above its start, as when Adam's first steps overshoot on the full config
+# (the loss jumps ~19x at step 1 and is back below its start by step 8, in every
+# variant alike), the fp8 loss follows within ~1.5% of the bf16 loss there.
+LOSS_ATOL = 1e-2
+LOSS_RTOL = 2e-2
 VARIANTS = ("bf16", "fp8", "fp8_e5m2")
 
 
@@ -127,17 +130,20 @@ def main(argv=None) -> int:
   for v in VARIANTS:
     losses = [loss for loss, _ in runs[v]]
     ms = statistics.median(t for _, t in runs[v][1:])
-    diff = float(np.max(np.abs(np.array(losses) - bf16)) / bf16[0])
-    results[v] = dict(losses=losses, step_ms=ms, max_loss_diff_of_first=diff)
-    agree &= diff <= LOSS_TOL
+    gap = np.abs(np.array(losses) - bf16)
+    # The largest gap as a fraction of the band at its step: <= 1 agrees.
+    band_used = float(np.max(gap / (LOSS_ATOL * bf16[0] + LOSS_RTOL * bf16)))
+    results[v] = dict(losses=losses, step_ms=ms, band_used=band_used)
+    agree &= band_used <= 1
     print(f"{v:9s} {ms:9.3f} ms/step  {base / ms:5.3f}x bf16  loss {losses[0]:.5f} ->"
-          f" {losses[-1]:.5f}  max |loss - bf16's| {diff:.2e} of the first loss"
-          + ("" if v == "bf16" else f" ({'within' if diff <= LOSS_TOL else 'OUTSIDE'}"
-                                    f" {LOSS_TOL:g})"), flush=True)
+          f" {losses[-1]:.5f}  largest |loss - bf16's| {band_used:.2f} of the band"
+          + ("" if v == "bf16" else f" ({'within' if band_used <= 1 else 'OUTSIDE'})"),
+          flush=True)
   if args.out is not None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "losses.json").write_text(json.dumps(
-        dict(device=device, jax=jax.__version__, config=cfg, loss_tol=LOSS_TOL,
+        dict(device=device, jax=jax.__version__, config=cfg, loss_atol=LOSS_ATOL,
+             loss_rtol=LOSS_RTOL,
              results=results), indent=1))
     try:
       import matplotlib  # noqa: PLC0415 - optional (the bench extra)

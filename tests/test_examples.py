@@ -3,7 +3,7 @@
 flax_mlp: stock layers, dot_general and fused layers reach the same losses. moe: the MoE block
 trains to the same losses with jax.lax.ragged_dot and pallas_gemm.ragged_dot, and its
 expert-parallel form (shard_map over 8 CPU devices, group_offset and all-to-all) computes the
-one-device block's loss and gradients. fp8_mlp: the fp8 MLP's loss curves stay within LOSS_TOL
+one-device block's loss and gradients. fp8_mlp: the fp8 MLP's loss curves stay within the band
 of the bf16 curve."""
 
 import importlib.util
