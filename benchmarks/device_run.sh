@@ -111,7 +111,7 @@ fi
 
 if has fp8; then
   log "fp8 GEMMs with scales vs jnp"
-  bench 400 fp8 --fp8 ${FP8_ARGS:-}
+  bench 580 fp8 --fp8 ${FP8_ARGS:-}
   tail -n 20 "$OUT/fp8.log" | summary "fp8 (last lines)"
 fi
 
