@@ -143,8 +143,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "losses.json").write_text(json.dumps(
         dict(device=device, jax=jax.__version__, config=cfg, loss_atol=LOSS_ATOL,
-             loss_rtol=LOSS_RTOL,
-             results=results), indent=1))
+             loss_rtol=LOSS_RTOL, results=results), indent=1))
     try:
       import matplotlib  # noqa: PLC0415 - optional (the bench extra)
       matplotlib.use("Agg")

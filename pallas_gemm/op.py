@@ -194,8 +194,9 @@ def _kernel(plan: Plan, ops: Operands):
   """The backend call on (local) operands: its result, or (act(z), z) for keep_pre."""
   a, b, c, bias = _local_operands(plan, ops)
   module = _module(plan)
+  gemm = module.gemm if plan.backend == "xla" else _x64_off(module.gemm)
   call = functools.partial(
-      module.gemm if plan.backend == "xla" else _x64_off(module.gemm), a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
+      gemm, a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
       transpose_b=plan.transpose_b, precision=plan.precision, config=plan.config,
       interpret=plan.interpret)
   if plan.c_gate is not None:

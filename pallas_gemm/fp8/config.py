@@ -192,6 +192,9 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
                    step_scales: bool = True) -> Config:
   """The shape's default tiles; fast_accumulation = not promoted.
 
+  step_scales: the scales vary along K (1x128 or 128x128 blocks), so the promoted loop
+  loads a scale every step; False for scales constant along K (per tensor, row, column).
+
   Promoted (block scales along K, and constant scales by default): two 64-row warpgroup
   tiles of a 128 x 192 CTA tile (96 + 96 accumulator registers: the f32 sum and the
   block accumulator), 4 stages, unpaired (no cluster: a stage is released only once both
