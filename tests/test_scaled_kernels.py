@@ -67,32 +67,44 @@ def test_check_names_registers_and_shared_memory():
   deep = Config(block_m=128, block_n=128, stages=8)
   with pytest.raises(ValueError, match="232448"):
     fp8_config.check(deep, jnp.float32, promoted=True, row_scales=True)
+  # Per-column step scales add the (wg_block_n,) vector: 96 + 96 + 48 for 64x192.
+  tile192 = Config(block_m=128, block_n=192, stages=4)
+  fp8_config.check(tile192, jnp.bfloat16, promoted=True, row_scales=True)
+  with pytest.raises(ValueError, match="48 for the step's per-column scales"):
+    fp8_config.check(tile192, jnp.bfloat16, promoted=True, row_scales=True,
+                     column_scales=True)
 
 
 @pytest.mark.parametrize("m", [1, 64, 4096, 8192])
 @pytest.mark.parametrize("promoted, step_scales", [(True, True), (True, False),
                                                    (False, False)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-def test_default_configs_fit(m, promoted, step_scales, out_dtype):
+@pytest.mark.parametrize("column_scales", [False, True])
+def test_default_configs_fit(m, promoted, step_scales, out_dtype, column_scales):
+  column_scales = column_scales and step_scales
   cfg = fp8_config.default_config(m, 8192, 4096, out_dtype=out_dtype, promoted=promoted,
-                                  step_scales=step_scales)
+                                  step_scales=step_scales, column_scales=column_scales)
   fp8_config.check(cfg, out_dtype, promoted=promoted, row_scales=promoted,
-                   column_scales=promoted)
+                   column_scales=column_scales)
 
 
-@pytest.mark.parametrize("m, n, step_scales, tile", [
-    (4096, 4096, True, (128, 192)),    # block scales: 128x192 wherever N allows
-    (4096, 7168, True, (128, 192)),
-    (4096, 200, True, (128, 128)),     # 192-wide tiles would compute 384 of 200 columns
-    (4096, 4096, False, (128, 128)),   # constant scales: 128x192 only from ~11 waves
-    (4096, 7168, False, (128, 128)),
-    (8192, 8192, False, (128, 192)),
-    (4096, 24576, False, (128, 192)),
+@pytest.mark.parametrize("m, n, step_scales, column_scales, tile", [
+    (4096, 4096, True, False, (128, 192)),    # block scales: 128x192 wherever N allows
+    (4096, 7168, True, False, (128, 192)),
+    (4096, 200, True, False, (128, 128)),     # 192-wide would compute 384 of 200 columns
+    (4096, 4096, False, False, (128, 128)),   # constant scales: 128x192 from ~11 waves
+    (4096, 7168, False, False, (128, 128)),
+    (8192, 8192, False, False, (128, 192)),
+    (4096, 24576, False, False, (128, 192)),
+    (16384, 4096, True, True, (128, 128)),    # per-column steps: their vector's registers
+    (4096, 16384, True, True, (128, 128)),
 ])
-def test_default_tiles(m, n, step_scales, tile):
+def test_default_tiles(m, n, step_scales, column_scales, tile):
   cfg = fp8_config.default_config(m, n, 4096, out_dtype=jnp.bfloat16, promoted=True,
-                                  step_scales=step_scales)
+                                  step_scales=step_scales, column_scales=column_scales)
   assert (cfg.block_m, cfg.block_n) == tile
+  fp8_config.check(cfg, jnp.bfloat16, promoted=True, row_scales=step_scales,
+                   column_scales=column_scales)
 
 
 # ----------------------------------------------------------------------------
@@ -145,7 +157,8 @@ def _check(rng, batch, m, n, k, *, lhs_kind="step", rhs_kind="block", dtypes=(E4
     # The kernel's default: promoted, for constant scales too.
     config = fp8_config.default_config(
         m, n, k, out_dtype=out_dtype, promoted=True,
-        step_scales=lhs_kind == "step" or rhs_kind in ("step", "block"))
+        step_scales=lhs_kind == "step" or rhs_kind in ("step", "block"),
+        column_scales=rhs_kind == "step")
     config = config.replace(num_sms=3)
   if not interpret:  # a NaN block freed last, so that the output likely reuses it
     nbytes = batch * m * n * jnp.dtype(out_dtype).itemsize
@@ -331,7 +344,8 @@ def test_bad_input(args, error, match):
 ])
 def test_lowers_for_cuda(m, n, k, lhs_shape, rhs_shape, promoted):
   cfg = fp8_config.default_config(m, n, k, out_dtype=jnp.bfloat16, promoted=promoted,
-                                  step_scales=lhs_shape[2] > 1 or rhs_shape[2] > 1)
+                                  step_scales=lhs_shape[2] > 1 or rhs_shape[2] > 1,
+                                  column_scales=rhs_shape[1] == n and rhs_shape[2] > 1)
   cfg = cfg.replace(num_sms=132)
   args = (jax.ShapeDtypeStruct((1, m, k), E4M3), jax.ShapeDtypeStruct((1, n, k), E4M3),
           jax.ShapeDtypeStruct(lhs_shape, jnp.float32),

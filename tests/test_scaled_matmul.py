@@ -344,9 +344,10 @@ def test_dequantize_bad_input():
 # ----------------------------------------------------------------------------- training
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "grad_dtype"))
-def _fp8_grads(x, w, dy, backend, grad_dtype=E4M3):
-  f = functools.partial(sm.fp8_dot_general, grad_dtype=grad_dtype, backend=backend)
+@functools.partial(jax.jit, static_argnames=("backend", "grad_dtype", "wgrad"))
+def _fp8_grads(x, w, dy, backend, grad_dtype=E4M3, wgrad="fp8"):
+  f = functools.partial(sm.fp8_dot_general, grad_dtype=grad_dtype, wgrad=wgrad,
+                        backend=backend)
   y, vjp = jax.vjp(lambda a, b: f(a, b, (((1,), (0,)), ((), ()))), x, w)
   return (y, *vjp(dy))
 
@@ -370,6 +371,13 @@ def test_fp8_dot_general_gemms(rng, backend):
   xt8, sxt = sm.quantize(pad(x.T, 0, -m % 128))
   _check(dw.T, dyt8, xt8, sdyt, sxt)
   assert dx.dtype == x.dtype and dw.dtype == w.dtype
+  # wgrad="input": the same forward and dgrad, the weight gradient x^T @ dy unquantized.
+  y2, dx2, dw2 = _fp8_grads(x, w, dy, backend, E5M2, "input")
+  np.testing.assert_array_equal(y2, y)
+  np.testing.assert_array_equal(dx2, dx)
+  err = reference.relative_error(dw2, reference.reference(x.T, dy))
+  # f32 operands at the default precision: TF32 on a GPU.
+  assert dw2.dtype == w.dtype and err <= reference.tolerance(np.float32, None, m), err
 
 
 def test_fp8_dot_general_in_flax(rng):
@@ -396,6 +404,9 @@ def test_fp8_dot_general_bad_input():
   with pytest.raises(TypeError, match="grad_dtype must be float8"):
     sm.fp8_dot_general(jnp.ones((4, 128)), jnp.ones((128, 8)), (((1,), (0,)), ((), ())),
                        grad_dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="wgrad must be 'fp8' or 'input'; got 'bf16'"):
+    sm.fp8_dot_general(jnp.ones((4, 128)), jnp.ones((128, 8)), (((1,), (0,)), ((), ())),
+                       wgrad="bf16")
 
 
 # ----------------------------------------------------------------------------- GPU, real sizes

@@ -169,16 +169,22 @@ def smem_bytes(config: Config, out_dtype, *, k: int | None = None, row_scales: b
 def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
           row_scales: bool = False, column_scales: bool = False) -> None:
   """Raises ValueError if the config does not fit the shared memory or the registers
-  of the K loop it runs (promoted: two accumulators per warpgroup)."""
+  of the K loop it runs (promoted: two accumulators per warpgroup; with per-column step
+  scales also the step's (wg_block_n,) column vector, wg_block_n / 4 per thread)."""
   limit = _MAX_ACC_REGISTERS[promoted]
   accumulators = 2 if promoted else 1
   regs = config.acc_registers() * accumulators
-  if regs > limit:
+  columns = config.wg_block_n // 4 if (promoted and column_scales) else 0
+  if regs + columns > limit:
+    held = (f"{accumulators} accumulator(s): the f32 sum and the block accumulator each"
+            " take wg_block_m * wg_block_n / 128")
+    if columns:
+      held += f", and {columns} for the step's per-column scales"
     raise ValueError(
-        f"Config: a {config.wg_block_m}x{config.wg_block_n} warpgroup tile holds {regs}"
-        f" accumulator registers per thread in the {'promoted' if promoted else 'plain'}"
-        f" K loop, more than {limit} ({accumulators} accumulator(s): the f32 sum and the"
-        " block accumulator each take wg_block_m * wg_block_n / 128); use smaller tiles")
+        f"Config: a {config.wg_block_m}x{config.wg_block_n} warpgroup tile holds"
+        f" {regs + columns} registers per thread in the"
+        f" {'promoted' if promoted else 'plain'} K loop, more than {limit} ({held});"
+        " use smaller tiles")
   used = smem_bytes(config, out_dtype, k=k, row_scales=row_scales,
                     column_scales=column_scales)
   if used > SMEM_BYTES_PER_BLOCK:
@@ -189,11 +195,15 @@ def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
 
 
 def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
-                   step_scales: bool = True) -> Config:
+                   step_scales: bool = True, column_scales: bool = False) -> Config:
   """The shape's default tiles; fast_accumulation = not promoted.
 
   step_scales: the scales vary along K (1x128 or 128x128 blocks), so the promoted loop
   loads a scale every step; False for scales constant along K (per tensor, row, column).
+  column_scales: the rhs scales are 1x128 blocks too (one per output column and step, a
+  weight gradient's), so each step also holds a (wg_block_n,) column vector in
+  registers: 128 x 128 tiles (64 + 64 + 32 registers per thread, where a 64x192
+  warpgroup tile's 96 + 96 + 48 pass the 192 that `check` allows).
 
   Promoted (block scales along K, and constant scales by default): two 64-row warpgroup
   tiles of a 128 x 192 CTA tile (96 + 96 accumulator registers: the f32 sum and the
@@ -215,7 +225,7 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   """
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
-  elif promoted and (step_scales or m * n >= 6144 * 6144) and (
+  elif promoted and not column_scales and (step_scales or m * n >= 6144 * 6144) and (
       _round_up(n, 192) <= 1.05 * _round_up(n, 128)):
     cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
   elif promoted:

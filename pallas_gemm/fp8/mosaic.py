@@ -465,7 +465,7 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   # Promoted unless a config asks for fast accumulation (block scales always are).
   if config is None:
     config = default_config(m, n, k, out_dtype=out_dtype, promoted=True,
-                            step_scales=step_scales)
+                            step_scales=step_scales, column_scales=rhs_kind == "step")
   promoted = step_scales or not config.fast_accumulation
   bm, bn = config.block_m, config.block_n
   rhs_step = {"step": "column", "block": "block"}.get(rhs_kind)
