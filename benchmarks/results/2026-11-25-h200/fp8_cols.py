@@ -1,5 +1,12 @@
-"""Same-process A/B of fp8 tiles with 1x128 scales on both operands (a weight gradient's
-per-column step scales), rotated rounds (CUPTI). usage: fp8_cols.py ROUNDS MxNxK,... BMxBNsST,..."""
+"""The fp8 kernel with 1x128 block scales on both operands (a weight gradient's: per-row
+and per-column scales at every step of K) at its default and given CTA tiles, beside bf16
+jnp.dot, rounds in rotated order (CUPTI).
+
+    PYTHONPATH=. python benchmarks/results/2026-11-25-h200/fp8_cols.py ROUNDS \
+        16384x4096x8192,... 128x128s5,...
+
+Shapes are MxNxK, tiles BMxBNsSTAGES.
+"""
 import statistics, sys
 import jax, jax.numpy as jnp
 from jax.experimental.mosaic.gpu import profiler

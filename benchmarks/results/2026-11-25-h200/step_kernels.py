@@ -1,4 +1,9 @@
-"""Where one training step's device time goes: CUPTI kernels of the bf16 and fp8 steps."""
+"""Where one training step of examples/fp8_mlp.py (--full) spends its device time: the
+CUPTI kernels of the bf16 step, the fp8 step and the fp8 step with wgrad="input", grouped
+and largest first, then the kernels of at least 0.03 ms in launch order.
+
+    PYTHONPATH=. python benchmarks/results/2026-11-25-h200/step_kernels.py
+"""
 import collections, sys
 sys.path.insert(0, "examples")
 import jax, jax.numpy as jnp, optax
