@@ -4,7 +4,7 @@
     python examples/fp8_mlp.py --full           # GPU: x 8192x4096, hidden 16384
     python examples/fp8_mlp.py --out DIR        # + losses.json and loss curves (losses.png)
 
-Three models, one set of initial parameters (bf16 compute, float32 master weights in
+Four models, one set of initial parameters (bf16 compute, float32 master weights in
 Adam), the same steps:
   bf16       nn.Dense layers, dtype bfloat16 (XLA's bf16 dot);
   fp8        the same layers with `dot_general=pallas_gemm.fp8_dot_general`:

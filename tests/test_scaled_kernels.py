@@ -76,12 +76,10 @@ def test_check_names_registers_and_shared_memory():
 
 
 @pytest.mark.parametrize("m", [1, 64, 4096, 8192])
-@pytest.mark.parametrize("promoted, step_scales", [(True, True), (True, False),
-                                                   (False, False)])
+@pytest.mark.parametrize("promoted, step_scales, column_scales", [
+    (True, True, False), (True, True, True), (True, False, False), (False, False, False)])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("column_scales", [False, True])
-def test_default_configs_fit(m, promoted, step_scales, out_dtype, column_scales):
-  column_scales = column_scales and step_scales
+def test_default_configs_fit(m, promoted, step_scales, column_scales, out_dtype):
   cfg = fp8_config.default_config(m, 8192, 4096, out_dtype=out_dtype, promoted=promoted,
                                   step_scales=step_scales, column_scales=column_scales)
   fp8_config.check(cfg, out_dtype, promoted=promoted, row_scales=promoted,

@@ -344,11 +344,13 @@ def test_dequantize_bad_input():
 # ----------------------------------------------------------------------------- training
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "grad_dtype", "wgrad"))
-def _fp8_grads(x, w, dy, backend, grad_dtype=E4M3, wgrad="fp8"):
+@functools.partial(jax.jit, static_argnames=("backend", "grad_dtype", "wgrad", "dims",
+                                             "precision"))
+def _fp8_grads(x, w, dy, backend, grad_dtype=E4M3, wgrad="fp8",
+               dims=(((1,), (0,)), ((), ())), precision=None):
   f = functools.partial(sm.fp8_dot_general, grad_dtype=grad_dtype, wgrad=wgrad,
                         backend=backend)
-  y, vjp = jax.vjp(lambda a, b: f(a, b, (((1,), (0,)), ((), ()))), x, w)
+  y, vjp = jax.vjp(lambda a, b: f(a, b, dims, precision), x, w)
   return (y, *vjp(dy))
 
 
@@ -371,13 +373,31 @@ def test_fp8_dot_general_gemms(rng, backend):
   xt8, sxt = sm.quantize(pad(x.T, 0, -m % 128))
   _check(dw.T, dyt8, xt8, sdyt, sxt)
   assert dx.dtype == x.dtype and dw.dtype == w.dtype
-  # wgrad="input": the same forward and dgrad, the weight gradient x^T @ dy unquantized.
-  y2, dx2, dw2 = _fp8_grads(x, w, dy, backend, E5M2, "input")
+  # wgrad="input": the same forward and dgrad, the weight gradient x^T @ dy unquantized
+  # at the call's precision (HIGHEST: IEEE float32, where the default is TF32 on a GPU).
+  highest = jax.lax.Precision.HIGHEST
+  y2, dx2, dw2 = _fp8_grads(x, w, dy, backend, E5M2, "input", precision=highest)
   np.testing.assert_array_equal(y2, y)
   np.testing.assert_array_equal(dx2, dx)
   err = reference.relative_error(dw2, reference.reference(x.T, dy))
-  # f32 operands at the default precision: TF32 on a GPU.
-  assert dw2.dtype == w.dtype and err <= reference.tolerance(np.float32, None, m), err
+  assert dw2.dtype == w.dtype and err <= reference.tolerance(np.float32, highest, m), err
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_fp8_dot_general_wgrad_input_batched_bf16(rng, backend):
+  # A batched bf16 layer: the unquantized weight gradient per batch entry, in bf16.
+  _skip_backend(backend)
+  b, m, k, n = 2, 130, 256, 136
+  x = jnp.asarray(random(rng, (b, m, k), np.float32), jnp.bfloat16)
+  w = jnp.asarray(random(rng, (b, k, n), np.float32), jnp.bfloat16)
+  dy = jnp.asarray(random(rng, (b, m, n), np.float32), jnp.bfloat16)
+  y, dx, dw = _fp8_grads(x, w, dy, backend, wgrad="input",
+                         dims=(((2,), (1,)), ((0,), (0,))))
+  assert y.shape == dy.shape and dx.shape == x.shape and dw.shape == w.shape
+  assert dw.dtype == jnp.bfloat16
+  ref = np.einsum("bmk,bmn->bkn", np.asarray(x, np.float64), np.asarray(dy, np.float64))
+  err = reference.relative_error(dw.astype(jnp.float32), ref)
+  assert err <= reference.tolerance(jnp.bfloat16, None, m), err
 
 
 def test_fp8_dot_general_in_flax(rng):

@@ -17,10 +17,11 @@ from pallas_gemm.mosaic.layout import _round_up
 # block's, so promoting them into the f32 sum is one scale-multiply-add per step. 128 fp8
 # bytes are also one 128-byte swizzle row of an operand tile.
 BLOCK_K = 128
-# Accumulator registers per thread a consumer warpgroup may hold: 232 are left to each
-# of two consumer warpgroups beside a 40-register producer; the rest holds addresses,
-# the scale vectors and loop state. The promoted K loop holds two accumulators (the
-# f32 sum and the zeroed block accumulator), the plain one one.
+# Data registers per thread a consumer warpgroup may hold: 232 are left to each of two
+# consumer warpgroups beside a 40-register producer; the rest holds addresses, the row
+# scales and loop state. The promoted K loop holds two accumulators (the f32 sum and
+# the zeroed block accumulator), and with per-column step scales also their column
+# vector; the plain loop one accumulator.
 _MAX_ACC_REGISTERS = {True: 192, False: 128}
 
 
@@ -203,15 +204,16 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   column_scales: the rhs scales are 1x128 blocks too (one per output column and step, a
   weight gradient's), so each step also holds a (wg_block_n,) column vector in
   registers: 128 x 128 tiles (64 + 64 + 32 registers per thread, where a 64x192
-  warpgroup tile's 96 + 96 + 48 pass the 192 that `check` allows).
+  warpgroup tile's 96 + 96 + 48 exceed the 192 that `check` allows).
 
   Promoted (block scales along K, and constant scales by default): two 64-row warpgroup
   tiles of a 128 x 192 CTA tile (96 + 96 accumulator registers: the f32 sum and the
   block accumulator), 4 stages, unpaired (no cluster: a stage is released only once both
   CTAs' warpgroups have waited for their products, which would tie the two CTAs'
   promotions together). The 192-wide tile does more MMA per promotion and per byte of
-  shared memory than 128 x 128; it ran 1.0-1.2x faster than 128 x 128 with block scales
-  at every measured shape (docs/performance.md). With constant scales (per tensor, row,
+  shared memory than 128 x 128; with block scales it ran 1.0-1.2x faster than 128 x 128
+  at every shape measured on the H100 (on the H200, 2.4% slower at 4096^3 and as fast
+  at 4096 x 4096 x 7168; docs/performance.md). With constant scales (per tensor, row,
   column) the loop holds no scale loads and 128 x 128 keeps up, so 128 x 192 is taken
   only where M * N gives >= ~11 waves of its tiles on 132 SMs (M * N >= 6144^2): below
   that, its coarser last wave cost more than it gained (4096 x 4096, 4096 x 7168). Either

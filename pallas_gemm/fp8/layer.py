@@ -25,13 +25,13 @@ halves the rounding error: DeepSeek-V3 and TransformerEngine's block-scaling rec
 kept for comparison (examples/fp8_mlp.py runs both).
 
 wgrad="input" computes the weight gradient as the stock layer does, x^T @ dy in the
-operands' own dtype, and keeps fp8 for the forward and dgrad GEMMs. Its operands then need
-no quantization down the batch, which is a transposing pass over x and dy each. Those
-passes and the wgrad's per-column step scales are where the fp8 step loses its time
-today: with both operands scaled per 1x128 block the kernel multiplies every element by
-a row and a column scale at each step of K, and it ran at the speed of bf16's cuBLAS
-(docs/fp8.md). wgrad="input" is the faster step for that reason; "fp8" (the default)
-keeps every GEMM in fp8, as DeepSeek-V3's recipe does.
+operands' own dtype at the call's `precision`, and keeps fp8 for the forward and dgrad
+GEMMs. Its operands then need no quantization down the batch (a transposing pass over x
+and one over dy), and it avoids the kernel's costliest scale layout: with both operands
+scaled per 1x128 block, every step of K multiplies each product by a row and a column
+scale, where 128x128 weight blocks fold into the row scales. docs/fp8.md gives what each
+choice costs in a training step; "fp8" (the default) keeps every GEMM in fp8, as
+DeepSeek-V3's recipe does.
 
 Contractions whose length is not a multiple of 128 are padded with zeros inside (zeros
 change neither a block's amax nor a sum), so any shape works; aligned shapes copy
@@ -73,16 +73,17 @@ def _gemm(a, b, a_block, b_block, dtypes, out_dtype, backend):
   return api.scaled_matmul(a8, b8, sa, sb, out_dtype, backend=backend)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def fp8_matmul(x, w, out_dtype, grad_dtype, wgrad, backend):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def fp8_matmul(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
   """(B, M, N) = x (B, M, K) @ w (B, N, K)^T in fp8 (module docstring); out_dtype,
-  grad_dtype (numpy dtypes), wgrad and backend are static."""
-  y, _ = _forward(x, w, out_dtype, grad_dtype, wgrad, backend)
+  grad_dtype (numpy dtypes), wgrad, precision (that of an unquantized weight gradient)
+  and backend are static."""
+  y, _ = _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend)
   return y
 
 
-def _forward(x, w, out_dtype, grad_dtype, wgrad, backend):
-  del grad_dtype, wgrad
+def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
+  del grad_dtype, wgrad, precision
   n = w.shape[1]
   # W padded on both axes: its fp8 copy is also the dgrad's operand, contracted over N.
   w8, sw = scales.quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
@@ -92,7 +93,7 @@ def _forward(x, w, out_dtype, grad_dtype, wgrad, backend):
   return y, (x, w8, sw, jnp.zeros((0,), w.dtype))
 
 
-def _backward(out_dtype, grad_dtype, wgrad, backend, residuals, dy):
+def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
   del out_dtype
   x, w8, sw, w_like = residuals
   k = x.shape[2]
@@ -107,7 +108,8 @@ def _backward(out_dtype, grad_dtype, wgrad, backend, residuals, dy):
   # below cancels against the one in its gradient, and the optimizer update reads dW
   # in place (a transposing update of the f32 parameters and moments ran 3x slower).
   if wgrad == "input":  # x^T @ dy as the stock layer computes it, in x's and dy's dtype
-    dwt = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,)))).astype(w_like.dtype)
+    dwt = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,))), precision=precision)
+    dwt = dwt.astype(w_like.dtype)
     return dx, jnp.swapaxes(dwt, 1, 2)
   dwt = _gemm(jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy, 1, 2), (1, _BLOCK), (1, _BLOCK),
               (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
@@ -128,21 +130,25 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
                     *, out_sharding=None, grad_dtype=jnp.float8_e4m3fn, wgrad="fp8",
                     backend="auto"):
   """`jax.lax.dot_general` computed in fp8 (module docstring): lhs quantized in 1x128
-  blocks, rhs (the weight) in 128x128 blocks, float32 accumulation, fp8 gradients.
+  blocks, rhs (the weight) in 128x128 blocks, float32 accumulation; the backward GEMMs
+  in fp8 too (the weight gradient's unless wgrad="input").
 
   Args:
     lhs, rhs, dimension_numbers, preferred_element_type, out_sharding: as for
       `jax.lax.dot_general` (result shape and dtype are lax's). Operands float32,
       bfloat16 or float16.
-    precision: accepted for the signature and ignored: fp8 is the precision.
-    grad_dtype: the fp8 dtype of the output gradient in the backward GEMMs
-      (float8_e4m3fn by default; see the module docstring for why).
+    precision: ignored by the fp8 GEMMs (fp8 is their precision); with wgrad="input",
+      the precision of the weight gradient's dot_general, as in the stock layer.
+    grad_dtype: the fp8 dtype of the output gradient in the backward fp8 GEMMs: the
+      dgrad's, and the weight gradient's with wgrad="fp8" (float8_e4m3fn by default;
+      see the module docstring for why).
     wgrad: "fp8" (default) computes the weight gradient in fp8 as above; "input"
       computes it as the stock layer does, from lhs and the output gradient in their
       own dtype (no transposed quantization passes; see the module docstring).
     backend: scaled_matmul's backend ("auto" | "xla" | "mosaic").
   """
-  del precision
+  if wgrad not in ("fp8", "input"):
+    raise ValueError(f"fp8_dot_general's wgrad must be 'fp8' or 'input'; got {wgrad!r}")
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if np.dtype(x.dtype) not in scales.INPUT_DTYPES:
@@ -165,9 +171,13 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
   # nn.Dense that transposes the (K, N) kernel, which XLA folds into the quantize pass.
   x = jnp.transpose(lhs, lhs_batch + lhs_free + lhs_contract).reshape(b, m, k)
   w = jnp.transpose(rhs, rhs_batch + rhs_free + rhs_contract).reshape(b, n, k)
-  if wgrad not in ("fp8", "input"):
-    raise ValueError(f"fp8_dot_general's wgrad must be 'fp8' or 'input'; got {wgrad!r}")
-  out = fp8_matmul(x, w, np.dtype(out_type.dtype), _grad_dtype(grad_dtype), wgrad, backend)
+  # A static argument of the custom_vjp, so hashable (a list of two becomes a tuple).
+  if wgrad == "fp8":
+    precision = None
+  elif isinstance(precision, list):
+    precision = tuple(precision)
+  out = fp8_matmul(x, w, np.dtype(out_type.dtype), _grad_dtype(grad_dtype), wgrad,
+                   precision, backend)
   out = out.reshape(out_type.shape)
   if out_sharding is not None:
     out = jax.sharding.reshard(out, out_sharding)
