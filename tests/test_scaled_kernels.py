@@ -153,10 +153,7 @@ def _check(rng, batch, m, n, k, *, lhs_kind="step", rhs_kind="block", dtypes=(E4
   rs = _scales(rng, rhs_kind, batch_r, n, k, exps)
   if config is None and interpret:
     # The kernel's default: promoted, for constant scales too.
-    config = fp8_config.default_config(
-        m, n, k, out_dtype=out_dtype, promoted=True,
-        step_scales=lhs_kind == "step" or rhs_kind in ("step", "block"),
-        column_scales=rhs_kind == "step")
+    config = mosaic.default_config_for(m, n, k, out_dtype, lhs_kind, rhs_kind)
     config = config.replace(num_sms=3)
   if not interpret:  # a NaN block freed last, so that the output likely reuses it
     nbytes = batch * m * n * jnp.dtype(out_dtype).itemsize

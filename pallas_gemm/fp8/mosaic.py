@@ -134,6 +134,20 @@ def _classify(name: str, scales, batch: int, rows: int, k_blocks: int,
   return "block"
 
 
+def _step_scales(lhs_kind: str, rhs_kind: str) -> bool:
+  """Whether the scales vary along K (`_classify`'s "step" or "block")."""
+  return lhs_kind == "step" or rhs_kind in ("step", "block")
+
+
+def default_config_for(m: int, n: int, k: int, out_dtype, lhs_kind: str,
+                       rhs_kind: str) -> Config:
+  """The Config `scaled_gemm` runs when given none, for the scale layouts `_classify`
+  names: promoted, with the tiles `default_config` picks for those layouts."""
+  return default_config(m, n, k, out_dtype=out_dtype, promoted=True,
+                        step_scales=_step_scales(lhs_kind, rhs_kind),
+                        column_scales=rhs_kind == "step")
+
+
 # ----------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------
@@ -461,11 +475,10 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   if k == 0:
     return jnp.zeros((batch, m, n), out_dtype)
 
-  step_scales = lhs_kind == "step" or rhs_kind in ("step", "block")
+  step_scales = _step_scales(lhs_kind, rhs_kind)
   # Promoted unless a config asks for fast accumulation (block scales always are).
   if config is None:
-    config = default_config(m, n, k, out_dtype=out_dtype, promoted=True,
-                            step_scales=step_scales, column_scales=rhs_kind == "step")
+    config = default_config_for(m, n, k, out_dtype, lhs_kind, rhs_kind)
   promoted = step_scales or not config.fast_accumulation
   bm, bn = config.block_m, config.block_n
   rhs_step = {"step": "column", "block": "block"}.get(rhs_kind)
