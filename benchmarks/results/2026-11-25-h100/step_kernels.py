@@ -1,7 +1,8 @@
 """Where one training step of examples/fp8_mlp.py (--full) spends its device time: the
-CUPTI kernels of the bf16 and the fp8 step, grouped and largest first.
+CUPTI kernels of each model's step (the example's variant names; by default bf16 and fp8),
+grouped and largest first, then the kernels of at least 0.03 ms in launch order.
 
-    PYTHONPATH=. python benchmarks/results/2026-11-25-h100/step_kernels.py
+    PYTHONPATH=. python benchmarks/results/2026-11-25-h100/step_kernels.py [VARIANT ...]
 """
 import collections, sys
 sys.path.insert(0, "examples")
@@ -19,7 +20,7 @@ x = x.astype(jnp.bfloat16)
 params = teacher.init(kp, x)
 opt = optax.adam(1e-3)
 state = opt.init(params)
-for v in ("bf16", "fp8"):
+for v in sys.argv[1:] or ("bf16", "fp8"):
   model = ex.MLP(cfg["hidden"], cfg["d_out"], ex._dot_general(v, "auto"))
   def step(params, state, x, y):
     def loss_fn(p):
@@ -45,3 +46,7 @@ for v in ("bf16", "fp8"):
     print(f"   {cat:20s} {t:8.3f} ms", flush=True)
   for name, (t, c) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:18]:
     print(f"   {t:8.3f} ms x{c:2d}  {name[:110]}", flush=True)
+  print("   launch order (>= 0.03 ms):")
+  for i, (name, t) in enumerate(run):
+    if t >= 0.03:
+      print(f"   #{i:3d} {t:7.3f} ms  {name[:100]}", flush=True)
