@@ -29,8 +29,8 @@ operands' own dtype at the call's `precision`, and keeps fp8 for the forward and
 GEMMs. Its operands then need no quantization down the batch (a transposing pass over x
 and one over dy), and it avoids the kernel's costliest scale layout: with both operands
 scaled per 1x128 block, every step of K multiplies each product by a row and a column
-scale, where 128x128 weight blocks fold into the row scales. docs/fp8.md gives what each
-choice costs in a training step; "fp8" (the default) keeps every GEMM in fp8, as
+scale, where 128x128 weight blocks fold into the row scales. docs/performance.md gives
+what each choice costs in a training step; "fp8" (the default) keeps every GEMM in fp8, as
 DeepSeek-V3's recipe does.
 
 Contractions whose length is not a multiple of 128 are padded with zeros inside (zeros
