@@ -210,16 +210,19 @@ def _exact_fp8(x, scales_full, dtype):
   return np.clip(np.asarray(x, np.float64) / scales_full, -fmax, fmax).astype(dtype)
 
 
+# The Hopper kernel takes (1, 128) blocks over B * M rows in multiples of 8; xla all.
+_QUANTIZE_CASES = [("xla", (1, 128), (2, 130, 256)), ("mosaic", (1, 128), (2, 132, 256)),
+                   ("xla", (128, 128), (200, 384)), ("xla", (1, 32), (3, 64)),
+                   ("xla", None, (2, 33, 40)), ("xla", (1, 40), (5, 40))]
+
+
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("block_shape, x_shape", [((1, 128), (2, 130, 256)),
-                                                  ((128, 128), (200, 384)),
-                                                  ((1, 32), (3, 64)),
-                                                  (None, (2, 33, 40)),
-                                                  ((1, 40), (5, 40))])
-def test_quantize_round_trip(rng, dtype, block_shape, x_shape):
+@pytest.mark.parametrize("backend, block_shape, x_shape", _QUANTIZE_CASES)
+def test_quantize_round_trip(rng, dtype, backend, block_shape, x_shape):
+  _skip_backend(backend)
   x = random(rng, x_shape, np.float32) * np.exp2(rng.integers(-30, 30, x_shape[:-1] + (1,)))
   x = x.astype(np.float32)
-  values, scales = sm.quantize(jnp.asarray(x), dtype, block_shape)
+  values, scales = sm.quantize(jnp.asarray(x), dtype, block_shape, backend=backend)
   assert values.dtype == dtype and values.shape == x.shape
   assert scales.dtype == np.float32 and scales.ndim == x.ndim
   scales = np.asarray(scales)
@@ -241,43 +244,69 @@ def test_quantize_round_trip(rng, dtype, block_shape, x_shape):
   assert np.all((top >= FMAX[dtype] / 2) & (top <= FMAX[dtype]))
 
 
-def test_quantize_edges():
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_quantize_edges(backend):
+  _skip_backend(backend)
+  q = functools.partial(sm.quantize, backend=backend)
   fmax = FMAX[E4M3]
-  x = np.ones((4, 256), np.float32)
+  x = np.ones((8, 256), np.float32)
   x[0] = 0.0                                # a zero block: scale 1, values 0
   x[1, 0], x[1, 1] = np.inf, -np.inf        # saturates to +-max * scale
   x[2, 3] = np.nan                          # kept
   x[3, :128] = 448.0 * 2.0**20              # amax exactly max * 2^20: scale 2^20
-  values, scales = sm.quantize(jnp.asarray(x))
+  x[4, :128] = 2.0**-120                    # scale clipped at 2^-126: values 2^6
+  x[5, 128:] = np.nan                       # a block of NaN: scale 1
+  values, scales = q(jnp.asarray(x))
   values, scales = np.asarray(values, np.float32), np.asarray(scales)
   assert np.all(values[0] == 0) and np.all(scales[0] == 1)
   assert values[1, 0] == fmax and values[1, 1] == -fmax and scales[1, 0] == 2.0**-8
   assert np.isnan(values[2, 3]) and np.isfinite(np.delete(values[2], 3)).all()
   assert scales[3, 0] == 2.0**20 and np.all(values[3, :128] == fmax)
+  assert scales[4, 0] == 2.0**-126 and np.all(values[4, :128] == 2.0**6)
+  assert scales[5, 1] == 1 and np.isnan(values[5, 128:]).all()
   # bfloat16 / float16 inputs, and 2-D/3-D agree.
-  xb = jnp.asarray(x[2:3], jnp.bfloat16)
-  v2, s2 = sm.quantize(xb)
-  v3, s3 = sm.quantize(xb[None])
+  xb = jnp.asarray(x[:8], jnp.bfloat16)
+  v2, s2 = q(xb)
+  v3, s3 = q(xb[None])
   np.testing.assert_array_equal(np.asarray(v3[0], np.float32), np.asarray(v2, np.float32))
   np.testing.assert_array_equal(s3[0], s2)
 
 
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
-def test_quantize_near_float32_max_stays_finite(dtype):
+def test_quantize_near_float32_max_stays_finite(dtype, backend):
+  _skip_backend(backend)
   # A block's amax near 2^128 (float32 or bfloat16 max) can round up to 2^128 / scale,
   # an fp8 value whose product with the scale overflows: such values saturate at the
   # largest product below 2^128 with fp8's mantissa, (2 - 2^-nmant) * 2^127.
   top = (2.0 - 2.0 ** -jnp.finfo(dtype).nmant) * 2.0**127
-  x = np.ones((3, 128), np.float32)
+  x = np.ones((8, 128), np.float32)  # rows 3-7: ones (8 rows, as the kernel takes)
   x[0, :2] = np.finfo(np.float32).max, -np.finfo(np.float32).max
   x[1, 0] = float(jnp.finfo(jnp.bfloat16).max)
   x[2, 0] = top                                         # representable: kept as it is
-  for xs in (jnp.asarray(x), jnp.asarray(x[1:], jnp.bfloat16)):
-    out = np.asarray(sm.dequantize(*sm.quantize(xs, dtype)))
+  x[3:, 0] = top
+  for xs in (jnp.asarray(x), jnp.asarray(np.roll(x, -1, axis=0), jnp.bfloat16)):
+    out = np.asarray(sm.dequantize(*sm.quantize(xs, dtype, backend=backend)))
     assert np.isfinite(out).all()
-    np.testing.assert_array_equal(out[:, 0], top)
-  out = np.asarray(sm.dequantize(*sm.quantize(jnp.asarray(x), dtype)))
+    np.testing.assert_array_equal(out[:-1, 0], top)
+  out = np.asarray(sm.dequantize(*sm.quantize(jnp.asarray(x), dtype, backend=backend)))
   assert out[0, 1] == -top
+
+
+@pytest.mark.parametrize("x_dtype", [np.float32, jnp.bfloat16, np.float16])
+def test_quantize_kernel_matches_xla_bitwise(rng, x_dtype):
+  # The kernel and xla compute the same arithmetic: equal values and scales, bit for bit,
+  # on wide-range rows with zeros, infinities, NaN, and rows that are not whole tiles.
+  _skip_backend("mosaic")
+  shape = (3, 1000, 1024) if ON_GPU else (2, 68, 256)
+  x = random(rng, shape, np.float32) * np.exp2(rng.integers(-60, 60, shape[:-1] + (1,)))
+  x[0, 1], x[0, 2, :5] = 0.0, [np.inf, -np.inf, np.nan, 1e-40, -1e-45]
+  x = jnp.asarray(x, x_dtype)
+  for dtype in (E4M3, E5M2):
+    v_k, s_k = sm.quantize(x, dtype, backend="mosaic")
+    v_x, s_x = sm.quantize(x, dtype, backend="xla")
+    np.testing.assert_array_equal(np.asarray(s_k), np.asarray(s_x))
+    np.testing.assert_array_equal(np.asarray(v_k).view(np.uint8), np.asarray(v_x).view(np.uint8))
 
 
 def test_quantize_feeds_scaled_matmul(rng):
@@ -329,6 +358,14 @@ def test_bad_input(rng):
     q(jnp.ones((4, 128)), block_shape=(64, 128))
   with pytest.raises(ValueError, match="x must be"):
     q(jnp.ones((128,)))
+  with pytest.raises(ValueError, match="backend must be 'auto', 'xla' or 'mosaic'; got 'triton'"):
+    q(jnp.ones((8, 128)), backend="triton")
+  if api.mosaic_unavailable_reason() is None:
+    with pytest.raises(ValueError, match=r"backend='mosaic' cannot quantize.*block_shape \(1,"
+                                         r" 128\).*got \(128, 128\).*backend='xla' can"):
+      q(jnp.ones((8, 128)), block_shape=(128, 128), backend="mosaic")
+    with pytest.raises(ValueError, match="rows .* in multiples of 8.*got 12"):
+      q(jnp.ones((3, 4, 128)), backend="mosaic")
 
 
 def test_dequantize_bad_input():

@@ -148,7 +148,37 @@ def _pow2(exponent):
   return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
 
 
-def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128)):
+def _kernel_reason(block, rows: int, k: int) -> str | None:
+  """Why the Hopper quantize kernel cannot take this call, or None."""
+  if block[0] != 1 or block[1] != 128:
+    return (f"it takes block_shape (1, 128) (one scale per row and 128 columns); got"
+            f" ({block[0]}, {block[1]})")
+  if rows % 8:
+    return f"it takes rows (B * M) in multiples of 8 (a TMA tile); got {rows}"
+  return None
+
+
+def _choose(backend, block, rows: int, k: int) -> str:
+  """The quantize backend for a validated call: "xla" or "mosaic" (see `quantize`)."""
+  from pallas_gemm.fp8 import api  # noqa: PLC0415 - api imports this module
+
+  if backend not in ("auto", "xla", "mosaic"):
+    raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
+  if backend == "xla" or rows == 0 or k == 0:  # an empty x: nothing to compute
+    return "xla"
+  reason = _kernel_reason(block, rows, k)
+  if backend == "auto":
+    usable = (reason is None and jax.default_backend() == "gpu"
+              and api.mosaic_unavailable_reason() is None)
+    return "mosaic" if usable else "xla"
+  reason = api.mosaic_unavailable_reason() or reason
+  if reason is not None:
+    raise ValueError(f"backend='mosaic' cannot quantize this x: {reason} (backend='xla'"
+                     " can)")
+  return "mosaic"
+
+
+def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"):
   """Splits x into fp8 values and float32 scales in the layout `scaled_matmul` takes.
 
       values, scales = quantize(x)                       # 1x128 blocks (activations)
@@ -162,6 +192,10 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128)):
     block_shape: (1, bk): a scale per row and bk columns; (128, bk): per 128 rows and bk
       columns (the last block of rows may be partial); None: one scale per tensor (per
       batch entry). bk must divide K (jax.nn.scaled_matmul's block size is K // K_s).
+    backend: "xla": a reduction and a scaled cast (two passes over x), everywhere.
+      "mosaic": the Hopper kernel of quantize_mosaic.py (one pass, the same numbers
+      bit for bit) for block_shape (1, 128) with B * M a multiple of 8; interpret mode
+      on a CPU. "auto": mosaic on a Hopper GPU where it takes the call, else xla.
 
   Returns:
     (values, scales): values of x's shape in `dtype`; scales float32 of x's rank:
@@ -193,7 +227,18 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128)):
   dtype = _check_dtype(dtype)
   squeeze = x.ndim == 2
   x3 = jnp.asarray(x)[None] if squeeze else jnp.asarray(x)
-  values, scales = _quantize(x3, dtype=dtype, block=_block(block_shape, *x3.shape[1:]))
+  b, m, k = x3.shape
+  block = _block(block_shape, m, k)
+  if _choose(backend, block[:2], b * m, k) == "mosaic":
+    from pallas_gemm.fp8 import quantize_mosaic  # noqa: PLC0415 - GPU kernel, on demand
+
+    # The kernel's index arithmetic is int32 (see api.scaled_matmul).
+    with jax.enable_x64(False):
+      values, scales = quantize_mosaic.quantize_rows(
+          x3.reshape(b * m, k), dtype, interpret=jax.default_backend() != "gpu")
+    values, scales = values.reshape(b, m, k), scales.reshape(b, m, k // 128)
+  else:
+    values, scales = _quantize(x3, dtype=dtype, block=block)
   return (values[0], scales[0]) if squeeze else (values, scales)
 
 

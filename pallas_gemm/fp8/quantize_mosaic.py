@@ -1,0 +1,167 @@
+"""One-pass 1x128 quantize on Hopper (sm_90) in Pallas Mosaic GPU.
+
+``quantize_rows(x, dtype)`` is `scales.quantize(x, dtype, block_shape=(1, 128))` for x
+(R, K) with R a multiple of 8 and K of 128: bitwise the same values and scales, from one
+read of x. XLA computes the same thing in two kernels (the blocks' amax, then the scaled
+cast), which read x twice; this kernel reads each block into registers once, takes its
+amax there and writes its fp8 values and scale.
+
+Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mosaic.ring`):
+  * Work: (128, 128) tiles of x, row tile-major, CTA c taking tiles c, c + num_ctas, ...
+    One warp of a producer warpgroup loads them by TMA into a ring of 128 KiB;
+    several tiles in flight per SM are what keep HBM busy.
+  * Two consumer warpgroups each take 64 rows of a tile into registers (the wgmma
+    layout: a row's 128 values lie in 4 threads of a warp, so its amax is 32 maxes in
+    a thread and two shuffles), compute the row's scale exactly as `scales._quantize`
+    does (bit operations on float32: no rounding anywhere but the cast to fp8), and
+    write the fp8 values and the (64,) scales into shared memory, which TMA stores to
+    the values (R, K) and to the scales transposed, (K / 128, R): a block's scales are
+    a contiguous run of rows there (the layout the GEMM kernel reads its lhs scales
+    in; `quantize_rows` returns them as (R, K / 128)).
+  * Rows past R: TMA reads zeros and clips the stores.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_gemm.mosaic import launch, ring
+from pallas_gemm.mosaic.layout import _swizzle_transforms
+
+BLOCK = 128  # the scale block along K, and a tile's K extent
+BLOCK_ROWS = 128  # rows of a tile: 64 per consumer warpgroup
+NUM_WGS = 2
+RING_BYTES = 128 * 1024  # x tiles in flight per SM: 4 of bf16 / f16, 2 of f32
+OUT_SLOTS = 2  # shared-memory output buffers per consumer warpgroup
+INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def supports(shape, x_dtype) -> bool:
+  """Whether `quantize_rows` takes an x of this (R, K) shape and dtype."""
+  r, k = shape
+  return (np.dtype(x_dtype) in INPUT_DTYPES and r > 0 and r % 8 == 0 and k > 0
+          and k % BLOCK == 0)
+
+
+def _pow2(e):
+  """2**e as float32 for int32 e in [-126, 127] (the exponent field)."""
+  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
+
+
+def _row_scales(x, dtype):
+  """(scale exponent e, x scaled and clipped) for x (rows, 128) float32: one block per
+  row. The arithmetic of `scales._quantize`, with frexp spelled in bits."""
+  fmax = float(jnp.finfo(dtype).max)
+  fmax_mant, fmax_exp = np.frexp(fmax)
+  ax = jnp.abs(x)
+  amax = jnp.max(jnp.where(ax < np.float32(np.inf), ax, 0.0), axis=1)  # inf, NaN: 0
+  bits = lax.bitcast_convert_type(amax, jnp.int32)
+  # frexp: amax = mant * 2^exp with mant in [0.5, 1), exp = biased exponent - 126 for
+  # normal amax. A subnormal amax (field 0) gets exp -126 instead of its own, which the
+  # clip below maps to -126 either way.
+  exp = lax.shift_right_logical(bits, 23) - 126
+  # mant > fmax_mant, i.e. the fraction bits above those of fmax_mant's mantissa
+  mant_above = (bits & 0x7FFFFF) > int((fmax_mant * 2 - 1) * (1 << 23))
+  e = exp - int(fmax_exp) + mant_above.astype(jnp.int32)
+  e = jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)
+  inverse = _pow2(-e)
+  top = _pow2(127 - jnp.maximum(e, 0)) * np.float32(2.0 - 2.0 ** -jnp.finfo(dtype).nmant)
+  limit = jnp.minimum(np.float32(fmax), top)
+  scaled = x * lax.broadcast_in_dim(inverse, x.shape, [0])
+  limit = lax.broadcast_in_dim(limit, x.shape, [0])
+  return e, jnp.minimum(jnp.maximum(scaled, -limit), limit)
+
+
+def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int,
+            num_ctas: int):
+  """x_gmem (R, K); values_gmem (R, K) fp8; scales_gmem (K / 128, R') f32."""
+  stages = RING_BYTES // (BLOCK_ROWS * BLOCK * x_gmem.dtype.itemsize)
+  row_tiles = pl.cdiv(rows, BLOCK_ROWS)
+  tiles = row_tiles * k_blocks
+  cta = lax.axis_index("sm")
+  local_tiles = lax.div(tiles - cta + num_ctas - 1, num_ctas)
+  wg_rows = BLOCK_ROWS // NUM_WGS
+
+  def coords(j):  # the CTA's j-th tile -> (row tile, k block)
+    t = cta + j * num_ctas
+    return lax.div(t, k_blocks), lax.rem(t, k_blocks)
+
+  scoped = dict(
+      x_smem=plgpu.SMEM((stages, BLOCK_ROWS, BLOCK), x_gmem.dtype,
+                        transforms=_swizzle_transforms(BLOCK, x_gmem.dtype)),
+      values_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_rows, BLOCK), dtype,
+                             transforms=_swizzle_transforms(BLOCK, dtype)),
+      scales_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_rows), jnp.float32),
+      produced=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages),
+  )
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(x_smem, values_smem, scales_smem, produced, consumed):
+    wg = lax.axis_index("wg")
+
+    @ring.producer_warp(wg, NUM_WGS)
+    def _loads():
+      def load(j, slot):
+        ri, kj = coords(j)
+        plgpu.copy_gmem_to_smem(
+            x_gmem.at[pl.ds(ri * BLOCK_ROWS, BLOCK_ROWS), pl.ds(kj * BLOCK, BLOCK)],
+            x_smem.at[slot], produced.at[slot])
+
+      ring.fill(consumed, 0, local_tiles, step=lambda j: j, stages=stages, load=load)
+      ring.drain(consumed, local_tiles, stages=stages)
+
+    @ring.consumer_warpgroups(wg, NUM_WGS)
+    def _consumers():
+      my_rows = pl.ds(wg * wg_rows, wg_rows)
+
+      @pl.loop(0, local_tiles)
+      def _tile(j):
+        ri, kj = coords(j)
+        slot = lax.rem(j, stages)
+        out = lax.rem(j, OUT_SLOTS)
+        plgpu.barrier_wait(produced.at[slot])
+        x = plgpu.load(x_smem.at[slot, my_rows], (), layout=plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(consumed.at[slot])
+        e, q = _row_scales(x.astype(jnp.float32), dtype)
+        # The stores from OUT_SLOTS tiles ago must have read this slot.
+        plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
+        values_smem[wg, out] = q.astype(dtype)
+        scales_smem[wg, out] = _pow2(e)
+        plgpu.commit_smem()
+        row0 = ri * BLOCK_ROWS + wg * wg_rows
+        plgpu.copy_smem_to_gmem(values_smem.at[wg, out],
+                                values_gmem.at[pl.ds(row0, wg_rows), pl.ds(kj * BLOCK, BLOCK)])
+        plgpu.copy_smem_to_gmem(scales_smem.at[wg, out], scales_gmem.at[kj, pl.ds(row0, wg_rows)])
+
+  del _scope
+  plgpu.wait_smem_to_gmem(0)
+
+
+def quantize_rows(x, dtype, *, num_sms: int | None = None, interpret=False):
+  """(values (R, K) dtype, scales (R, K / 128) f32) of x (R, K), `supports` it: each row
+  of each 128 columns scaled by a power of two, as `scales.quantize` does."""
+  r, k = x.shape
+  if not supports(x.shape, x.dtype):
+    raise ValueError(f"x: shape {x.shape} / {x.dtype}; quantize_rows takes float32,"
+                     " bfloat16 or float16 (R, K) with R a multiple of 8 and K of 128")
+  dtype = jnp.dtype(dtype)
+  k_blocks = k // BLOCK
+  num_ctas = launch.grid_sms(num_sms, interpret, need_gpu=True)
+  # The scales' rows padded to whole tiles: every tile's (64,) TMA store lies inside.
+  r_all = -(-r // BLOCK_ROWS) * BLOCK_ROWS
+  body = functools.partial(_kernel, dtype=dtype, rows=r, k_blocks=k_blocks,
+                           num_ctas=num_ctas)
+  kernel = launch.warpgroup_kernel(
+      body, out_type=(jax.ShapeDtypeStruct((r, k), dtype),
+                      jax.ShapeDtypeStruct((k_blocks, r_all), jnp.float32)),
+      num_ctas=num_ctas, num_compute_wgs=NUM_WGS, kernel_name="pallas_gemm_quantize_fp8")
+  values, scales_t = launch.call(kernel, x, interpret=interpret)
+  return values, scales_t[:, :r].T
