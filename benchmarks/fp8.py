@@ -13,7 +13,9 @@ Per shape (M, N, K), in the same run, bf16 results:
                         the block-scaled path JAX has on Hopper;
   pallas per tensor     scaled_matmul with (1, 1) scales;
   pallas blocks         scaled_matmul with 1x128 lhs and 128x128 rhs scales;
-  quantize x / w        quantize(x) (1x128) and quantize(w, (128, 128)) from bf16, alone;
+  quantize x / w        quantize(x) (1x128) and quantize(w, (128, 128)) from bf16, alone
+                        (backend "auto": x through the one-pass Hopper kernel on a GPU);
+                        "(xla)": quantize(x) on the xla path, its two passes over x;
   q(x) + pallas         quantize x, then the block-scaled GEMM (pre-quantized weights);
   q(x, w) + pallas      both quantized in the call: a training step's forward GEMM.
 Time: CUPTI kernel time on a GPU (wall clock elsewhere), `--rounds` rounds with the
@@ -114,6 +116,7 @@ def implementations(backend: str) -> dict:
       "pallas blocks": (jax.jit(lambda a, b, sa, sb: sm(a, b, sa, sb)),
                         ("a8", "b8", "sa", "sb")),
       "quantize x 1x128": (jax.jit(lambda x: quantize(x)), ("x",)),
+      "quantize x 1x128 (xla)": (jax.jit(lambda x: quantize(x, backend="xla")), ("x",)),
       "quantize w 128x128": (jax.jit(lambda w: quantize(w, block_shape=(128, 128))), ("w",)),
       "q(x) + pallas blocks": (jax.jit(lambda x, b, sb: _quantized_gemm(sm, x, b, sb)),
                                ("x", "b8", "sb")),
@@ -127,7 +130,7 @@ def _quantized_gemm(sm, x, b8, sb):
   return sm(a8, b8, sa, sb)
 
 
-QUANTIZE_ROWS = ("quantize x 1x128", "quantize w 128x128")
+QUANTIZE_ROWS = ("quantize x 1x128", "quantize x 1x128 (xla)", "quantize w 128x128")
 
 
 def inputs(m: int, n: int, k: int, seed: int, family: str = "normal") -> dict:
