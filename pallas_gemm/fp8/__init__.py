@@ -7,7 +7,8 @@
 
 Modules: api.py (validation, layouts, backend choice), scales.py (the scale layouts,
 quantize/dequantize), xla.py (dequantize + float32 dot: the reference and CPU path),
-mosaic.py (the Hopper kernel), layer.py (fp8_dot_general and its backward GEMMs).
+mosaic.py (the Hopper kernel), quantize_mosaic.py (the Hopper kernel of quantize, 1x128
+blocks), layer.py (fp8_dot_general and its backward GEMMs).
 """
 
 from pallas_gemm.fp8.api import scaled_matmul
