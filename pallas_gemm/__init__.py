@@ -18,10 +18,11 @@ from pallas_gemm.lax_dot import dot_general
 # The function takes its package's name as an attribute: the package's modules stay
 # importable with `from pallas_gemm.fp8 import api` (not `import ... as`).
 from pallas_gemm.grouped import ragged_dot, ragged_dot_general
-from pallas_gemm.fp8 import dequantize, fp8_dot_general, quantize, scaled_matmul
+from pallas_gemm.fp8 import (dequantize, fp8_dot_general, quantize, scaled_matmul,
+                              scaled_ragged_dot)
 from pallas_gemm.tuning import autotune
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "dense", "dequantize",
            "dot_general", "fp8_dot_general", "gemm", "mlp", "quantize", "ragged_dot",
-           "ragged_dot_general", "scaled_matmul"]
+           "ragged_dot_general", "scaled_matmul", "scaled_ragged_dot"]
 __version__ = "0.1.0"

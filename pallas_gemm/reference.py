@@ -88,6 +88,22 @@ def scaled_reference(lhs, rhs, lhs_scales, rhs_scales):
     return xp.matmul(a, xp.swapaxes(b, -1, -2))
 
 
+def scaled_ragged_reference(lhs, rhs, group_sizes, lhs_scales, rhs_scales):
+  """scaled_ragged_dot's product in float64, (M, N): the rows of group g (consecutive from
+  row 0) times rhs[g] as `scaled_reference` takes them (lhs_scales (M, K_s), rhs_scales
+  (G, ceil(N/128), K_s)); rows past the groups are zeros."""
+  m, n = lhs.shape[0], rhs.shape[1]
+  out = np.zeros((m, n))
+  start = 0
+  for g, size in enumerate(np.asarray(group_sizes)):
+    rows = slice(start, min(start + int(size), m))
+    if rows.stop > rows.start:
+      out[rows] = np.asarray(scaled_reference(lhs[rows], rhs[g], lhs_scales[rows],
+                                              rhs_scales[g]))
+    start = rows.stop
+  return out
+
+
 def gated_gradient(a, b, g, activation):
   """The float64 gradient in a of sum(g * (act(a) @ b)): act'(a) * (g @ b^T), on the host."""
   with jax.enable_x64(True):

@@ -319,6 +319,104 @@ def test_quantize_feeds_scaled_matmul(rng):
                                 np.asarray(x8, np.float32) * np.repeat(sx, 128, axis=1))
 
 
+# ----------------------------------------------------------------------------- scaled_ragged_dot
+
+
+def _ragged_operands(rng, m, k, n, sizes, dtypes=(E4M3, E4M3), wide=False):
+  """Quantized (x8, w8, sizes, sx, sw): x (M, K) in 1x128 blocks, w (G, N, K) in 128x128
+  blocks per group; wide: every group's weight and every row scaled by 2^u, u in
+  [-20, 20], so the scales span 2^40."""
+  g = len(sizes)
+  x = random(rng, (m, k), np.float32)
+  w = random(rng, (g, n, k), np.float32)
+  if wide:
+    x = x * np.exp2(rng.integers(-20, 20, (m, 1)))
+    w = w * np.exp2(rng.integers(-20, 20, (g, 1, 1)))
+  x8, sx = sm.quantize(jnp.asarray(x, np.float32), dtypes[0])
+  w8, sw = sm.quantize(jnp.asarray(w, np.float32), dtypes[1], block_shape=(128, 128))
+  return x8, w8, np.asarray(sizes, np.int32), sx, sw
+
+
+def _check_ragged(out, x8, w8, sizes, sx, sw, out_dtype):
+  ref = reference.scaled_ragged_reference(x8, w8, sizes, sx, sw)
+  assert out.dtype == out_dtype and out.shape == ref.shape
+  tol = reference.tolerance(x8.dtype, None, x8.shape[1], out_dtype)
+  err = reference.relative_error(out, ref)
+  assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+  past = int(np.sum(sizes))  # rows in no group are zeros
+  assert np.all(np.asarray(out, np.float32)[past:] == 0)
+
+
+# (M, K, N, group sizes): an empty group, 1-row groups, groups that are no multiple of 8
+# or of the 128-row tile, rows past the groups, M and N that are not tile multiples.
+_RAGGED_CASES = [(300, 256, 200, (50, 0, 130, 97)),
+                 (261, 128, 136, (1, 1, 200, 0, 59)),
+                 (64, 384, 128, (0, 64))]
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+@pytest.mark.parametrize("m, k, n, sizes", _RAGGED_CASES)
+def test_scaled_ragged_dot(rng, backend, m, k, n, sizes):
+  _skip_backend(backend)
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, m, k, n, sizes)
+  for out_dtype in (np.float32, jnp.bfloat16)[:1 if backend == "mosaic" and not ON_GPU else 2]:
+    out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, out_dtype, backend=backend)
+    _check_ragged(out, x8, w8, sizes, sx, sw, np.dtype(out_dtype))
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_scaled_ragged_dot_wide_scales_e5m2_and_nan(rng, backend):
+  _skip_backend(backend)
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, 200, 256, 144, (70, 0, 100), (E4M3, E5M2),
+                                           wide=True)
+  out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, backend=backend)
+  _check_ragged(out, x8, w8, sizes, sx, sw, np.dtype(np.float32))
+  # NaN in one row of lhs reaches that row of the output only.
+  x_nan = x8.at[75, 3].set(jnp.nan)
+  out = np.asarray(sm.scaled_ragged_dot(x_nan, w8, jnp.asarray(sizes), sx, sw, backend=backend))
+  assert np.isnan(out[75]).all() and np.isfinite(np.delete(out, 75, axis=0)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["uniform", "pareto", "zeros"])
+def test_scaled_ragged_dot_at_size(rng, kind):
+  # MoE-sized: 8 experts, a skewed router (pareto), half the experts empty (zeros).
+  from pallas_gemm.grouped import shapes  # noqa: PLC0415
+  m, k, n, g = 4096, 2048, 1408, 8
+  sizes = shapes.group_sizes(kind, g, m, rng)
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, m, k, n, sizes)
+  out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, jnp.bfloat16)
+  _check_ragged(out, x8, w8, sizes, sx, sw, np.dtype(jnp.bfloat16))
+
+
+def test_scaled_ragged_dot_bad_input(rng):
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, 16, 256, 64, (8, 8))
+  f, gs = sm.scaled_ragged_dot, jnp.asarray(sizes)
+  with pytest.raises(TypeError, match="lhs.dtype must be float8_e4m3fn"):
+    f(x8.astype(jnp.bfloat16), w8, gs, sx, sw)
+  with pytest.raises(ValueError, match=r"lhs must be \(M, K\) and rhs \(G, N, K\)"):
+    f(x8, w8[0], gs, sx, sw)
+  with pytest.raises(ValueError, match="rhs .* must have lhs's K=256"):
+    f(x8, w8[:, :, :128], gs, sx, sw)
+  with pytest.raises(ValueError, match=r"K=64 must be a multiple of 128"):
+    f(x8[:, :64], w8[:, :, :64], gs, sx[:, :1], sw[:, :, :1])
+  with pytest.raises(ValueError, match=r"lhs_scales must be \(16, 2\) \(1x128 blocks.*got"
+                                       r" shape \(16, 1\)"):
+    f(x8, w8, gs, sx[:, :1], sw)
+  with pytest.raises(ValueError, match=r"rhs_scales must be \(2, 1, 2\) \(128x128 blocks"):
+    f(x8, w8, gs, sx, sw[:, :, :1])
+  with pytest.raises(TypeError, match="rhs_scales.dtype must be float32"):
+    f(x8, w8, gs, sx, sw.astype(jnp.int32))
+  with pytest.raises(TypeError, match="group_sizes must be integers; got float32"):
+    f(x8, w8, gs.astype(jnp.float32), sx, sw)
+  with pytest.raises(ValueError, match=r"group_sizes must be \(G,\) = \(2,\).*got shape \(3,\)"):
+    f(x8, w8, jnp.ones((3,), jnp.int32), sx, sw)
+  with pytest.raises(ValueError, match="backend must be"):
+    f(x8, w8, gs, sx, sw, backend="cublas")
+  with pytest.raises(TypeError, match="preferred_element_type"):
+    f(x8, w8, gs, sx, sw, jnp.int8)
+
+
 # ----------------------------------------------------------------------------- bad input
 
 

@@ -4,15 +4,18 @@
     w8, w_scales = quantize(w_nk, block_shape=(128, 128))   # weights, K-major (N, K)
     out = scaled_matmul(values, w8, scales, w_scales)       # (B, M, N) float32
     nn.Dense(features, dot_general=fp8_dot_general)         # training in fp8
+    scaled_ragged_dot(values, w8_gnk, group_sizes, scales, w_scales)   # MoE experts
 
 Modules: api.py (validation, layouts, backend choice), scales.py (the scale layouts,
 quantize/dequantize), xla.py (dequantize + float32 dot: the reference and CPU path),
 mosaic.py (the Hopper kernel), quantize_mosaic.py (the Hopper kernel of quantize, 1x128
-blocks), layer.py (fp8_dot_general and its backward GEMMs).
+blocks), layer.py (fp8_dot_general and its backward GEMMs), ragged.py and
+ragged_mosaic.py (scaled_ragged_dot and its Hopper kernel).
 """
 
 from pallas_gemm.fp8.api import scaled_matmul
 from pallas_gemm.fp8.layer import fp8_dot_general
+from pallas_gemm.fp8.ragged import scaled_ragged_dot
 from pallas_gemm.fp8.scales import dequantize, quantize
 
-__all__ = ["dequantize", "fp8_dot_general", "quantize", "scaled_matmul"]
+__all__ = ["dequantize", "fp8_dot_general", "quantize", "scaled_matmul", "scaled_ragged_dot"]

@@ -332,7 +332,8 @@ def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consu
                    lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan: Plan, wg_m,
                    wg_n, k_iters):
   """Each 128 of K: products into a zeroed accumulator, times the step's scale, added
-  to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum.
+  to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum. k_iters may be
+  traced (the grouped kernel runs none for rows outside every group): zeros then.
 
   The step's scale is rows[r] (lhs) x cols[c] or the 128x128 block's number (rhs). A
   block scale is folded into the row vector (a few multiplies per thread), so the

@@ -1,0 +1,191 @@
+"""Block-scaled fp8 grouped GEMM on Hopper (sm_90) in Pallas Mosaic GPU: `scaled_ragged_dot`.
+
+``ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales)`` computes, for the rows of
+each group g (consecutive from row 0, `jax.lax.ragged_dot`'s layout; DeepGEMM's
+"contiguous" one),
+
+    out[rows of g] = (lhs[rows] * repeat(lhs_scales[rows])) @ (rhs[g] * repeat(rhs_scales[g])).T
+
+with lhs (M, K) and rhs (G, N, K) fp8 (K-major), lhs_scales (M, K/128) (1x128 blocks, an
+activation's) and rhs_scales (G, ceil(N/128), K/128) (each expert's 128x128 weight
+blocks); rows past sum(group_sizes) are zeros.
+
+It is the two kernels it is built from, joined:
+  * the grouped forward's work items (`grouped.mosaic_forward`): each group's rows cut
+    into row tiles from its first row rounded down to a multiple of 8, an item one row
+    tile of one group (or of the rows in no group), built on the device from the traced
+    group sizes; each CTA walks (item, column tile) pairs; an item's epilogue stores only
+    its own rows (`store_rows`), so no row of a neighbouring group is ever written;
+  * the fp8 kernel's promoted K loop (`fp8.mosaic._promoted_loop`): per 128 of K the
+    wgmma products go into a zeroed accumulator, multiplied by the row scales times the
+    item's expert's block scale, and added into an f32 register sum. The step's lhs
+    scales, a (block_m,) vector, ride in the ring stage (TMA from the scales transposed to
+    (K/128, M)); the block scales are read from an L2-resident (G, K/128, N/128) array.
+Rows outside every group run no K step: their accumulator stays zero.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_gemm.fp8 import mosaic as fp8_mosaic
+from pallas_gemm.fp8.config import BLOCK_K, Config, check
+from pallas_gemm.grouped import mosaic_forward as grouped
+from pallas_gemm.mosaic import launch, ring
+from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
+
+_PLAN = fp8_mosaic.Plan(lhs_step=True, rhs_step="block", epi_scalar=False, epi_rows=False,
+                        epi_cols=False, promoted=True, rhs_shared=False)
+
+
+def default_config(out_dtype) -> Config:
+  """128 x 128 tiles (two 64-row warpgroup tiles: 64 + 64 accumulator registers), 5
+  stages. A group's last row tile is partly wasted work, so the narrower tile of the two
+  the dense kernel runs; its two 64x64 epilogue sub-tiles per warpgroup also keep every
+  item's stores a multiple of the two epilogue slots (`grouped.store_subtiles`)."""
+  epi_n = 32 if jnp.dtype(out_dtype).itemsize == 4 else 64
+  return Config(block_m=128, block_n=128, stages=5, epi_block_n=epi_n)
+
+
+def _epi_slots(config: Config) -> int:
+  """Epilogue slots per warpgroup: 2 where every item's sub-tile count is even (the
+  slot reuse across items that `grouped.store_subtiles` relies on), else 1."""
+  sub_tiles = ((config.wg_block_m // config.epi_block_m)
+               * (config.wg_block_n // config.epi_block_n))
+  return 2 if sub_tiles % 2 == 0 else 1
+
+
+def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_gmem,
+            out_gmem, *, config: Config, k_iters: int, n: int, num_ctas: int):
+  """One persistent CTA. lhs_gmem (M', K') fp8; rhs_gmem (G, N', K') fp8;
+  lhs_step_gmem (K_b, M'') f32; rhs_step_gmem (G, K_b, N_b') f32; out_gmem (M, N'');
+  items_gmem (4, T) and count_gmem (1,) from `grouped._row_items`."""
+  cfg = config
+  bm, bn, bk = cfg.block_m, cfg.block_n, BLOCK_K
+  wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
+  epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
+  num_wgs = cfg.num_compute_wgs
+  n_tiles = pl.cdiv(n, bn)
+  stages = min(cfg.stages, k_iters)
+  epi_slots = _epi_slots(cfg)
+
+  count = count_gmem[0]
+  cta = lax.axis_index("sm")
+  local_work = lax.div(count * n_tiles - cta + num_ctas - 1, num_ctas)
+
+  def item(j):  # the CTA's j-th work item: (group, row0, lo, hi, column tile)
+    t, ni = plgpu.planar_snake(cta + j * num_ctas, (count, n_tiles), 1, cfg.grid_tile_width)
+    row0 = items_gmem[grouped._ROW8, t] * grouped._ROW_ALIGN
+    return (items_gmem[grouped._GROUP, t], row0, items_gmem[grouped._LO, t],
+            items_gmem[grouped._HI, t], ni)
+
+  def steps_of(group):  # rows outside every group run no K step
+    return jnp.where(group >= 0, k_iters, 0)
+
+  scoped = dict(
+      lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype,
+                          transforms=_swizzle_transforms(bk, lhs_gmem.dtype)),
+      rhs_smem=plgpu.SMEM((stages, bn, bk), rhs_gmem.dtype,
+                          transforms=_swizzle_transforms(bk, rhs_gmem.dtype)),
+      lhs_scale_smem=plgpu.SMEM((stages, bm), jnp.float32),
+      out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
+                          transforms=grouped._out_transforms(epi_n, out_gmem.dtype)),
+      produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+  )
+
+  @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
+  def _scope(lhs_smem, rhs_smem, lhs_scale_smem, out_smem, produced, consumed):
+    wg = lax.axis_index("wg")
+
+    @ring.producer_warp(wg, num_wgs)
+    def _loads():
+      def load_item(j, step):  # step: the CTA's K steps so far (ring position)
+        group, row0, _, _, ni = item(j)
+        rows, cols = pl.ds(row0, bm), pl.ds(ni * bn, bn)
+
+        def load(kk, slot):
+          ks = pl.ds(kk * bk, bk)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, ks], lhs_smem.at[slot], produced.at[slot])
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[group, cols, ks], rhs_smem.at[slot],
+                                  produced.at[slot])
+          plgpu.copy_gmem_to_smem(lhs_step_gmem.at[kk, rows], lhs_scale_smem.at[slot],
+                                  produced.at[slot])
+
+        @pl.when(group >= 0)  # rows in no group load nothing
+        def _():
+          ring.fill(consumed, 0, k_iters, step=lambda kk: step + kk, stages=stages,
+                    load=load)
+
+        return step + steps_of(group)
+
+      ring.drain(consumed, lax.fori_loop(0, local_work, load_item, jnp.int32(0)),
+                 stages=stages)
+
+    @ring.consumer_warpgroups(wg, num_wgs)
+    def _consumers():
+      wg_m0 = wg * wg_m  # Config: the CTA tile is split among warpgroups along m
+      wg_ms, wg_ns = pl.ds(wg_m0, wg_m), pl.ds(0, wg_n)
+
+      def wgmma(acc_ref, slot):  # acc_ref += (wg_m, 128) @ (128, wg_n)
+        plgpu.wgmma(acc_ref, lhs_smem.at[slot, wg_ms], rhs_smem.at[slot].T)
+
+      def mma_item(j, step):
+        group, row0, lo, hi, ni = item(j)
+        steps = steps_of(group)
+        acc = fp8_mosaic._promoted_loop(
+            wgmma, step, group, ni * bn, wg_ms, wg_ns, stages, produced, consumed,
+            lhs_scale_smem, None, rhs_step_gmem, plan=_PLAN, wg_m=wg_m, wg_n=wg_n,
+            k_iters=steps)
+        grouped.store_subtiles(acc, out_smem, wg, lambda slot_smem, i, jj: grouped.store_rows(
+            slot_smem, out_gmem, row0=row0 + wg_m0 + i * epi_m, col0=ni * bn + jj * epi_n,
+            lo=lo, hi=hi))
+        return step + steps
+
+      lax.fori_loop(0, local_work, mma_item, jnp.int32(0))
+
+  del _scope  # run_scoped ran it
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
+                config: Config | None = None, interpret=False):
+  """(M, N) out_dtype (module docstring). lhs (M, K) and rhs (G, N, K) fp8 with K a
+  multiple of 128; lhs_scales (M, K/128), rhs_scales (G, ceil(N/128), K/128) float32;
+  group_sizes (G,) int, traced. Validation is the caller's (`fp8.ragged`)."""
+  m, k = lhs.shape
+  g, n, _ = rhs.shape
+  out_dtype = jnp.dtype(out_dtype)
+  if config is None:
+    config = default_config(out_dtype)
+  if config.wg_split != "m" or config.cluster_size != 1:
+    raise ValueError(f"config: the grouped kernel splits tiles among warpgroups along m"
+                     f" (wg_split='m') and runs no clusters; got {config}")
+  check(config, out_dtype, k=k, promoted=True, row_scales=True)
+  if m == 0 or n == 0 or k == 0 or g == 0:
+    return jnp.zeros((m, n), out_dtype)
+  bm, bn = config.block_m, config.block_n
+  k_iters = k // BLOCK_K
+
+  starts, ends = grouped.local_rows(group_sizes, None, g, m)
+  items, count = grouped._row_items(starts, ends, m, bm)
+  tile = _tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
+  lhs, rhs = _pad_for_tma(lhs, tile, BLOCK_K), _pad_for_tma(rhs, tile, BLOCK_K)
+  # Every item's (block_m,) scale box lies inside: rows up to the last row tile's end.
+  lhs_step = fp8_mosaic._pad_to(lhs_scales.T, _round_up(m, 8) + bm)
+  # (G, K_b, N_b'): every column tile's 128-column blocks lie inside.
+  rhs_step = fp8_mosaic._pad_to(jnp.swapaxes(rhs_scales, 1, 2), _round_up(n, bn) // 128 + 1)
+  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), bn)
+  ctas = launch.grid_sms(config.num_sms, interpret, need_gpu=True)
+  body = functools.partial(_kernel, config=config, k_iters=k_iters, n=n, num_ctas=ctas)
+  kernel = launch.warpgroup_kernel(
+      body, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype), num_ctas=ctas,
+      num_compute_wgs=config.num_compute_wgs, kernel_name="pallas_gemm_scaled_ragged_fp8")
+  out = launch.call(kernel, items, count, lhs, rhs, lhs_step, rhs_step, interpret=interpret)
+  return out if n_out == n else out[:, :n]
