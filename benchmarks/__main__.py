@@ -14,6 +14,7 @@
   python -m benchmarks --precision          # float32 presets / float32_accurate: speed, error
   python -m benchmarks --ragged             # grouped GEMM (benchmarks/ragged.py)
   python -m benchmarks --fp8                # fp8 GEMMs with scales (benchmarks/fp8.py)
+  python -m benchmarks --fp8-ragged         # fp8 grouped GEMM (benchmarks/fp8_ragged.py)
 
 The headline sweep compares bf16 (aligned and misaligned), f32 HIGHEST, float32_accurate
 and a fused bias + GELU layer with jnp.dot in the same run: ratios per round, variants in
@@ -124,9 +125,9 @@ def _default_out() -> pathlib.Path:
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   # Each of these has its own table and options (`python -m benchmarks --mlp --help`).
-  for flag in ("--sharded", "--mlp", "--precision", "--ragged", "--fp8"):
+  for flag in ("--sharded", "--mlp", "--precision", "--ragged", "--fp8", "--fp8-ragged"):
     if flag in argv:
-      return _delegate(flag, flag[2:], argv)
+      return _delegate(flag, flag[2:].replace("-", "_"), argv)
   args = parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   sweep = any(getattr(args, name) for name in _SWEEP_FLAGS)

@@ -78,6 +78,15 @@ def test_mlp_steps_on_cpu(tmp_path):
   assert "stock again (A/A)" in (tmp_path / "mlp.md").read_text()
 
 
+def test_fp8_ragged_on_cpu(tmp_path):
+  assert main(["--fp8-ragged", "--out", str(tmp_path)]) == 0
+  rows = json.loads((tmp_path / "fp8_ragged.json").read_text())["rows"]
+  assert [r["impl"] for r in rows] == ["bf16 pallas ragged_dot", "bf16 lax.ragged_dot",
+                                       "fp8 scaled_ragged_dot", "q(x) + fp8 scaled_ragged_dot"]
+  for r in rows:  # bf16 output: its rounding, ~1e-3
+    assert r["ms"] > 0 and len(r["round_ms"]) == 2 and r["relerr_bf16_out"] < 1e-2, r
+
+
 def test_missing_benchmark_module_exits_2(capsys):
   assert _delegate("--nope", "no_such_benchmark", ["--nope"]) == 2
   assert "benchmarks/no_such_benchmark.py" in capsys.readouterr().err
