@@ -415,6 +415,11 @@ def test_scaled_ragged_dot_bad_input(rng):
     f(x8, w8, gs, sx, sw, backend="cublas")
   with pytest.raises(TypeError, match="preferred_element_type"):
     f(x8, w8, gs, sx, sw, jnp.int8)
+  if api.mosaic_unavailable_reason() is None:
+    from pallas_gemm.fp8.config import Config  # noqa: PLC0415
+    with pytest.raises(ValueError, match="block_n dividing 128"):
+      f(x8, w8, gs, sx, sw, config=Config(block_m=128, block_n=192, stages=2),
+        backend="mosaic")
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -164,9 +164,12 @@ def ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, out_dtype=jnp.
   out_dtype = jnp.dtype(out_dtype)
   if config is None:
     config = default_config(out_dtype)
-  if config.wg_split != "m" or config.cluster_size != 1:
-    raise ValueError(f"config: the grouped kernel splits tiles among warpgroups along m"
-                     f" (wg_split='m') and runs no clusters; got {config}")
+  if config.wg_split != "m" or config.cluster_size != 1 or 128 % config.block_n:
+    # Wider column tiles (128 x 192: a tile across two weight blocks) stopped the kernel
+    # with CUDA_ERROR_MISALIGNED_ADDRESS on the H200, where the dense kernel runs them.
+    raise ValueError(f"config: the grouped kernel takes tiles split among warpgroups along"
+                     f" m (wg_split='m'), no clusters, and block_n dividing 128 (a column"
+                     f" tile inside one 128x128 weight block); got {config}")
   check(config, out_dtype, k=k, promoted=True, row_scales=True)
   if m == 0 or n == 0 or k == 0 or g == 0:
     return jnp.zeros((m, n), out_dtype)
