@@ -351,7 +351,8 @@ def _check_ragged(out, x8, w8, sizes, sx, sw, out_dtype):
 # or of the 128-row tile, rows past the groups, M and N that are not tile multiples.
 _RAGGED_CASES = [(300, 256, 200, (50, 0, 130, 97)),
                  (261, 128, 136, (1, 1, 200, 0, 59)),
-                 (64, 384, 128, (0, 64))]
+                 (64, 384, 128, (0, 64)),
+                 (40, 128, 64, (3, 0, 30))]  # one K step, N under one column tile
 
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic"])
