@@ -148,9 +148,19 @@ def test_tiny_and_empty(rng, m, n, k):
   lhs, rhs = _fp8(rng, (2, m, k), E4M3), _fp8(rng, (2, n, k), E4M3)
   ls, rs = _scales(rng, (2, m, 1)), _scales(rng, (2, 1, 1))
   out = sm.scaled_matmul(lhs, rhs, ls, rs)
-  assert out.shape == (2, m, n)
-  if m * n:
-    _check(out, lhs, rhs, ls, rs)
+  assert out.shape == (2, m, n) and out.dtype == np.float32
+  if m * n and k == 0:  # the empty sum
+    assert np.all(np.asarray(out) == 0)
+  elif m * n:
+    # A handful of dot products can cancel to near zero, where any float32 sum loses its
+    # relative accuracy (the kernel's tensor-core sum within a 128 block most): the error
+    # is bounded against the sum of the products' magnitudes, |lhs| . |rhs|, instead.
+    ref = reference.scaled_reference(lhs, rhs, ls, rs)
+    mag = reference.scaled_reference(np.abs(np.asarray(lhs, np.float32)),
+                                     np.abs(np.asarray(rhs, np.float32)), ls, rs)
+    err = np.linalg.norm(np.asarray(out, np.float64) - ref) / np.linalg.norm(mag)
+    tol = reference.tolerance(lhs.dtype, None, k, np.float32)
+    assert err <= tol, f"error {err:.3g} of |lhs| . |rhs| > {tol:.3g}"
 
 
 def test_two_d_and_jit(rng):
