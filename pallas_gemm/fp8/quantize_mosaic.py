@@ -32,6 +32,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.fp8.scales import _pow2, _saturation, _scale_exponent
 from pallas_gemm.mosaic import launch, ring
 from pallas_gemm.mosaic.layout import _swizzle_transforms
 
@@ -50,30 +51,14 @@ def supports(shape, x_dtype) -> bool:
           and k % BLOCK == 0)
 
 
-def _pow2(e):
-  """2**e as float32 for int32 e in [-126, 127] (the exponent field)."""
-  return lax.bitcast_convert_type((e + 127) << 23, jnp.float32)
-
-
 def _row_scales(x, dtype):
   """(scale exponent e, x scaled and clipped) for x (rows, 128) float32: one block per
-  row. The arithmetic of `scales._quantize`, with frexp spelled in bits."""
-  fmax = float(jnp.finfo(dtype).max)
-  fmax_mant, fmax_exp = np.frexp(fmax)
+  row, with `scales._quantize`'s arithmetic (its `_scale_exponent` and `_saturation`)."""
   ax = jnp.abs(x)
   amax = jnp.max(jnp.where(ax < np.float32(np.inf), ax, 0.0), axis=1)  # inf, NaN: 0
-  bits = lax.bitcast_convert_type(amax, jnp.int32)
-  # frexp: amax = mant * 2^exp with mant in [0.5, 1), exp = biased exponent - 126 for
-  # normal amax. A subnormal amax (field 0) gets exp -126 instead of its own, which the
-  # clip below maps to -126 either way.
-  exp = lax.shift_right_logical(bits, 23) - 126
-  # mant > fmax_mant, i.e. the fraction bits above those of fmax_mant's mantissa
-  mant_above = (bits & 0x7FFFFF) > int((fmax_mant * 2 - 1) * (1 << 23))
-  e = exp - int(fmax_exp) + mant_above.astype(jnp.int32)
-  e = jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)
+  e = _scale_exponent(amax, dtype)
   inverse = _pow2(-e)
-  top = _pow2(127 - jnp.maximum(e, 0)) * np.float32(2.0 - 2.0 ** -jnp.finfo(dtype).nmant)
-  limit = jnp.minimum(np.float32(fmax), top)
+  limit = _saturation(e, dtype)
   scaled = x * lax.broadcast_in_dim(inverse, x.shape, [0])
   limit = lax.broadcast_in_dim(limit, x.shape, [0])
   return e, jnp.minimum(jnp.maximum(scaled, -limit), limit)

@@ -148,7 +148,32 @@ def _pow2(exponent):
   return jax.lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
 
 
-def _kernel_reason(block, rows: int, k: int) -> str | None:
+def _scale_exponent(amax, dtype):
+  """e of a block's scale 2^e, int32, from its float32 amax (finite, >= 0): the smallest
+  e with amax <= 2^e * max(dtype), kept in [-126, 127] (normal float32); 0 for a zero
+  block. frexp is spelled in bits, ops the Hopper kernel (quantize_mosaic.py) lowers too,
+  so both paths compute the same numbers: amax = mant * 2^exp with mant in [0.5, 1) and
+  exp the exponent field - 126; a subnormal amax (field 0) gets -126 instead of its own
+  exponent, which the clip maps to -126 either way."""
+  fmax_mant, fmax_exp = np.frexp(float(jnp.finfo(dtype).max))
+  bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
+  exp = jax.lax.shift_right_logical(bits, 23) - 126
+  # mant > fmax_mant, compared exactly: the fraction bits above fmax_mant's.
+  mant_above = (bits & 0x7FFFFF) > int((fmax_mant * 2 - 1) * (1 << 23))
+  e = exp - int(fmax_exp) + mant_above.astype(jnp.int32)
+  return jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)
+
+
+def _saturation(e, dtype):
+  """The largest |value| kept in a block of scale 2^e: max(dtype), or where that is
+  larger, the greatest value below 2^(128 - e) with fp8's mantissa, (2 - 2^-nmant) *
+  2^(127 - e), whose product with the scale stays finite. (Rounding to fp8 may carry an
+  amax near 2^128 up to 2^(128 - e); the bound is exact in fp8 wherever it is below max.)"""
+  top = _pow2(127 - jnp.maximum(e, 0)) * np.float32(2.0 - 2.0 ** -jnp.finfo(dtype).nmant)
+  return jnp.minimum(np.float32(jnp.finfo(dtype).max), top)
+
+
+def _kernel_reason(block, rows: int) -> str | None:
   """Why the Hopper quantize kernel cannot take this call, or None."""
   if block[0] != 1 or block[1] != 128:
     return (f"it takes block_shape (1, 128) (one scale per row and 128 columns); got"
@@ -159,23 +184,15 @@ def _kernel_reason(block, rows: int, k: int) -> str | None:
 
 
 def _choose(backend, block, rows: int, k: int) -> str:
-  """The quantize backend for a validated call: "xla" or "mosaic" (see `quantize`)."""
+  """The quantize backend for a validated call: "xla" or "mosaic" (see `quantize`), as
+  scaled_matmul chooses (`api._choose`); an empty x takes xla under any backend."""
   from pallas_gemm.fp8 import api  # noqa: PLC0415 - api imports this module
 
-  if backend not in ("auto", "xla", "mosaic"):
+  if backend not in (*api.BACKENDS, "auto"):
     raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
-  if backend == "xla" or rows == 0 or k == 0:  # an empty x: nothing to compute
+  if rows == 0 or k == 0:  # nothing to compute
     return "xla"
-  reason = _kernel_reason(block, rows, k)
-  if backend == "auto":
-    usable = (reason is None and jax.default_backend() == "gpu"
-              and api.mosaic_unavailable_reason() is None)
-    return "mosaic" if usable else "xla"
-  reason = api.mosaic_unavailable_reason() or reason
-  if reason is not None:
-    raise ValueError(f"backend='mosaic' cannot quantize this x: {reason} (backend='xla'"
-                     " can)")
-  return "mosaic"
+  return api._choose(backend, None, _kernel_reason(block, rows))
 
 
 def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"):
@@ -249,26 +266,16 @@ def _quantize(x3, *, dtype, block):
   rows, block_k, scale_rows, scale_cols = block
   if k == 0:  # no values; one scale of 1 per row block (the layout K == 0 takes)
     return x3.astype(dtype), jnp.ones((b, scale_rows, 1), jnp.float32)
-  fmax = float(jnp.finfo(dtype).max)
-  fmax_mant, fmax_exp = np.frexp(fmax)
-
   xf = x3.astype(jnp.float32)
   padded_m = scale_rows * rows
   if padded_m != m:  # a partial last block of rows: zeros do not change its amax
     xf = jnp.pad(xf, ((0, 0), (0, padded_m - m), (0, 0)))
   blocks = xf.reshape(b, scale_rows, rows, scale_cols, block_k)
   amax = jnp.max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), 0.0), axis=(2, 4))
-  mant, exp = jnp.frexp(amax)  # amax = mant * 2^exp, mant in [0.5, 1)
-  # The smallest e with mant * 2^exp <= fmax_mant * 2^(fmax_exp + e), compared exactly.
-  e = exp - fmax_exp + (mant > fmax_mant).astype(exp.dtype)
-  e = jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)
+  e = _scale_exponent(amax, dtype)
   scales = _pow2(e)
   inverse = _pow2(-e)  # exact too: amax < 2^128 keeps e <= 128 - fmax_exp, so -e >= -126
   scaled = blocks * inverse[:, :, None, :, None]
-  # Rounding to fp8 may carry an amax near 2^128 up to 2^(128 - e), whose product with the
-  # scale is inf: the largest value is then the greatest one below that, fp8's mantissa
-  # all ones, (2 - 2^-nmant) * 2^(127 - e) (exact in fp8 wherever it is below fmax).
-  top = _pow2(127 - jnp.maximum(e, 0)) * (2.0 - 2.0 ** -jnp.finfo(dtype).nmant)
-  limit = jnp.minimum(fmax, top)[:, :, None, :, None]
+  limit = _saturation(e, dtype)[:, :, None, :, None]
   values = jnp.clip(scaled, -limit, limit).astype(dtype)  # clip keeps NaN
   return values.reshape(b, padded_m, k)[:, :m], scales
