@@ -64,13 +64,13 @@ def inputs(problem: shapes.Problem, seed: int) -> dict:
 
 
 def implementations(backend: str) -> dict:
-  """{label: (jitted fn, names of its inputs)}."""
+  """{label: (jitted fn, names of its inputs)}; backend ("auto" or "xla") for both
+  pallas_gemm paths."""
   fp8 = jax.jit(lambda x8, w8, sizes, sx, sw: pallas_gemm.scaled_ragged_dot(
       x8, w8, sizes, sx, sw, BF16, backend=backend))
-  ragged_backend = "auto" if backend == "auto" else "xla"
   return {
       BASE: (jax.jit(lambda x, w, sizes: pallas_gemm.ragged_dot(
-          x, w, sizes, backend=ragged_backend)), ("x", "w", "sizes")),
+          x, w, sizes, backend=backend)), ("x", "w", "sizes")),
       "bf16 lax.ragged_dot": (jax.jit(jax.lax.ragged_dot), ("x", "w", "sizes")),
       "fp8 scaled_ragged_dot": (fp8, ("x8", "w8", "sizes", "sx", "sw")),
       "q(x) + fp8 scaled_ragged_dot": (jax.jit(functools.partial(_quantized, fp8)),
