@@ -151,7 +151,7 @@ if has tune; then
   timeout ${TUNE_TIMEOUT:-300} python3 -m benchmarks --autotune ${TUNE_ARGS:-} --out "$OUT/tune" 2>&1 \
     | tee "$OUT/tune.log" | tail -40
   # A new process: gemm(config=None) now finds the tuned configs in the cache.
-  python3 -c "import json, pallas_gemm.tuning as t; p = t.cache_path(); e = json.loads(p.read_text())
+  python3 -c "import json, pallas_gemm.matmul.tuning as t; p = t.cache_path(); e = json.loads(p.read_text())
 print('cache', p, 'entries:', len(e.get('entries', e)))
 for k in list(e.get('entries', e))[:5]: print('  ', k)"
 fi

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import Timer, ratio_stats, rounds_ms
-from pallas_gemm import reference
+from pallas_gemm.testing import reference
 from pallas_gemm import quantize, scaled_matmul
 from pallas_gemm.fp8 import xla as sm_xla
 

@@ -1,4 +1,4 @@
-"""Probe of the fp8 Mosaic kernel alone (`pallas_gemm.fp8.mosaic.scaled_gemm`) on one GPU.
+"""Probe of the fp8 Mosaic kernel alone (`pallas_gemm.fp8.mosaic_gemm.scaled_gemm`) on one GPU.
 
     python -m benchmarks.fp8_kernel_probe                 # 4096^3 and 8192^3, < 2 minutes
     python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5p,128x192s4cn
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.reference import relative_error, scaled_reference
+from pallas_gemm.testing.reference import relative_error, scaled_reference
 from pallas_gemm.fp8 import config as fp8_config
-from pallas_gemm.fp8 import mosaic
+from pallas_gemm.fp8 import mosaic_gemm as mosaic
 from pallas_gemm.fp8 import xla as sm_xla
 
 ITERATIONS = 20

@@ -30,8 +30,8 @@ import numpy as np
 
 import pallas_gemm
 from benchmarks.timing import Timer, ratio_stats, rounds_ms
-from pallas_gemm import reference
-from pallas_gemm.grouped import shapes
+from pallas_gemm.testing import reference
+from pallas_gemm.testing import grouped_shapes as shapes
 
 BF16 = jnp.bfloat16
 BASE = "bf16 pallas ragged_dot"

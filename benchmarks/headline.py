@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_gemm
-from pallas_gemm import reference as ref_lib
-from pallas_gemm import tuning
+from pallas_gemm.testing import reference as ref_lib
+from pallas_gemm.matmul import tuning
 
 from benchmarks import precision as precision_bench
 from benchmarks import report

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_gemm
-from pallas_gemm import dot_general, tuning
-from pallas_gemm.reference import relative_error, tolerance
+from pallas_gemm import dot_general
+from pallas_gemm.matmul import tuning
+from pallas_gemm.testing.reference import relative_error, tolerance
 from benchmarks.timing import PipelinedTimer, Timer, ratio_stats, rounds_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST

@@ -25,9 +25,9 @@ import numpy as np
 
 import pallas_gemm
 from benchmarks.timing import Timer
-from pallas_gemm import mosaic
-from pallas_gemm import precision as P
-from pallas_gemm.reference import input_family
+from pallas_gemm.matmul import mosaic
+from pallas_gemm.core import precision as P
+from pallas_gemm.testing.reference import input_family
 
 Preset = jax.lax.DotAlgorithmPreset
 PRECISIONS = (Preset.TF32_TF32_F32, Preset.TF32_TF32_F32_X3, Preset.BF16_BF16_F32,

@@ -40,8 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import cuda, gemm, mosaic, tuning
-from pallas_gemm.reference import relative_error
+from pallas_gemm.matmul import cuda, mosaic, tuning
+from pallas_gemm import gemm
+from pallas_gemm.testing.reference import relative_error
 
 HIGHEST = jax.lax.Precision.HIGHEST
 

@@ -4,7 +4,7 @@ and a dense bf16 GEMM of the same FLOPs, forward and forward+backward, in one ru
     python -m benchmarks --ragged [--problems mixtral,decode] [--rounds 10] [--calls 5]
                                   [--modes fwd,fwd+bwd] [--out DIR]
 
-Problems (`pallas_gemm.grouped.shapes.PROBLEMS`, (G, M, K, N), bf16): Mixtral-like,
+Problems (`pallas_gemm.testing.grouped_shapes.PROBLEMS`, (G, M, K, N), bf16): Mixtral-like,
 DeepSeek-like, Qwen3-MoE-like, skewed (Pareto group sizes) and decode (256 rows); group
 sizes from `shapes.group_sizes` with a fixed seed. Variants:
   dense        jnp.dot (M, K) @ (K, N): the same FLOPs as one dense GEMM (the ceiling);
@@ -42,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.timing import Timer, ratio_stats, rounds_ms
-from pallas_gemm.grouped import ragged_dot, shapes
+from pallas_gemm.grouped import ragged_dot
+from pallas_gemm.testing import grouped_shapes as shapes
 
 MODES = ("fwd", "fwd+bwd")
 TINY = dict(g=4, m=128, k=64, n=64)

@@ -34,7 +34,7 @@ import numpy as np
 
 from pallas_gemm.grouped import mosaic_forward, mosaic_weight_grad
 from pallas_gemm.grouped.config import SMEM_BYTES_PER_BLOCK, Config, smem_bytes
-from pallas_gemm.reference import relative_error
+from pallas_gemm.testing.reference import relative_error
 
 ITERATIONS = 10
 CHECK_ROWS = 2048

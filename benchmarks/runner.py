@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_gemm
-from pallas_gemm import reference as ref_lib
-from pallas_gemm import tuning
+from pallas_gemm.testing import reference as ref_lib
+from pallas_gemm.matmul import tuning
 
 from benchmarks import shapes as shapes_lib
 from benchmarks.timing import Timer
@@ -84,7 +84,7 @@ def _call_for(backend, shape, dt, use_tuned):
     return _hopper_call(shape, dt)
   if backend == AUTO:  # the config column names the backend auto chose
     leading = (shape.k, shape.n, shape.n)
-    chosen = pallas_gemm.api._auto_backend(dt.dtype, dt.precision, shape.m, shape.n, shape.k, leading)
+    chosen = pallas_gemm.matmul.api._auto_backend(dt.dtype, dt.precision, shape.m, shape.n, shape.k, leading)
     return jax.jit(lambda a, b: pallas_gemm.gemm(a, b, precision=dt.precision)), {"chose": chosen}
   module = importlib.import_module(f"pallas_gemm.{backend}")
   reason = module.supports(dt.dtype, dt.precision)

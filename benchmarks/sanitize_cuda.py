@@ -9,8 +9,9 @@ import sys
 import jax
 import numpy as np
 
-from pallas_gemm import cuda, gemm
-from pallas_gemm.reference import reference, relative_error, tolerance
+from pallas_gemm.matmul import cuda
+from pallas_gemm import gemm
+from pallas_gemm.testing.reference import reference, relative_error, tolerance
 
 # Edges in every direction, misaligned leading dims (odd N/K), transposes, batch, beta;
 # then stream-K (tiles cut among blocks, summed through the scratch buffer), 2 batch entries

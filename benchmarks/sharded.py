@@ -26,8 +26,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
-from pallas_gemm import op
-from pallas_gemm.reference import relative_error, tolerance
+from pallas_gemm.matmul import op
+from pallas_gemm.testing.reference import relative_error, tolerance
 from benchmarks.timing import interleaved_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST

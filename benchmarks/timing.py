@@ -1,6 +1,6 @@
 """One timer for the whole run: CUPTI device time on a GPU, wall clock elsewhere.
 
-CUPTI (via pallas_gemm.tuning.time_gpu_ms) measures only kernel execution, so the
+CUPTI (via pallas_gemm.matmul.tuning.time_gpu_ms) measures only kernel execution, so the
 numbers are comparable across backends whatever their Python/dispatch overhead. If it
 fails once (no Mosaic GPU bindings, another profiler attached), the run switches to
 wall clock for every later measurement and says so: mixing timers in one table would
@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from pallas_gemm import tuning
+from pallas_gemm.matmul import tuning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import pallas_gemm  # noqa: E402
-from pallas_gemm import api  # noqa: E402
+from pallas_gemm.matmul import api  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 # Fresh random inputs every run; the seed is printed so a failure can be replayed.

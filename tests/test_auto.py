@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_gemm import api, tuning
+from pallas_gemm.matmul import api, tuning
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = np.dtype(jnp.bfloat16)

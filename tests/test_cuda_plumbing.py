@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_gemm import cuda
+from pallas_gemm.matmul import cuda
 
 needs_library = pytest.mark.skipif(
     cuda.library_error() is not None,
@@ -317,7 +317,7 @@ def test_schedule_computes_every_slice_once_and_waits_only_backwards(tiles, slic
 def test_stream_k_matches_the_reference(m, n, k, batch, config, transpose_a, transpose_b):
   # Each case against float64, with stream-K on and off, through a NaN-poisoned
   # allocator (unwritten outputs show), with an epilogue that reads C.
-  from pallas_gemm.reference import reference, relative_error, tolerance  # noqa: PLC0415
+  from pallas_gemm.testing.reference import reference, relative_error, tolerance  # noqa: PLC0415
   rng = np.random.default_rng(m * n + k)
   a = rng.standard_normal((batch,) + ((k, m) if transpose_a else (m, k)), dtype=np.float32)
   b = rng.standard_normal((batch,) + ((n, k) if transpose_b else (k, n)), dtype=np.float32)

@@ -1,4 +1,4 @@
-"""`pallas_gemm.dot_general` (pallas_gemm/lax_dot.py) against `jax.lax.dot_general`.
+"""`pallas_gemm.dot_general` (pallas_gemm/matmul/lax_dot.py) against `jax.lax.dot_general`.
 
 A generated grid of dimension numbers (batch and contracting dims anywhere, several
 contracting dims, pairs listed in any order) runs on the "xla" backend, which is cheap on a
@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from conftest import random, skip_reason
-from pallas_gemm import api
-from pallas_gemm.reference import relative_error, tolerance
+from pallas_gemm.matmul import api
+from pallas_gemm.testing.reference import relative_error, tolerance
 
-from pallas_gemm import lax_dot as dg
+from pallas_gemm.matmul import lax_dot as dg
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import pallas_gemm
-import pallas_gemm.triton
-import pallas_gemm.xla
+import pallas_gemm.matmul.triton
+import pallas_gemm.matmul.xla
 from pallas_gemm import gemm
 
 A = jnp.ones((4, 8), jnp.float32)
@@ -43,14 +43,14 @@ B = jnp.ones((8, 5), jnp.float32)
      None),
     (dict(alpha=10**400), ValueError, r"alpha must fit in a float; got 1000"),
     (dict(backend="cublas"), ValueError, r"backend must be 'auto' or one of .*'cublas'"),
-    (dict(backend="triton", config=pallas_gemm.xla.Config()), TypeError,
-     r"config must be a pallas_gemm.triton.Config"),
+    (dict(backend="triton", config=pallas_gemm.matmul.xla.Config()), TypeError,
+     r"config must be a pallas_gemm.matmul.triton.Config"),
     (dict(interpret="yes"), TypeError, r"interpret must be None or a bool"),
     (dict(activation="tanh"), ValueError, r"activation must be None or one of .*'tanh'"),
     (dict(a_activation="tanh"), ValueError, r"a_activation must be None or one of .*'tanh'"),
     (dict(activation=["relu"]), ValueError, r"activation must be None or one of .*\['relu'\]"),
     (dict(config={"block_m": 64}), TypeError, r"config must be a pallas_gemm.<backend>.Config; got dict"),
-    (dict(c=jnp.ones((4, 5)), beta=1.0, config=pallas_gemm.xla.Config()), None, None),
+    (dict(c=jnp.ones((4, 5)), beta=1.0, config=pallas_gemm.matmul.xla.Config()), None, None),
 ])
 def test_bad_input(kwargs, error, match):
   args = dict(a=A, b=B)
@@ -102,7 +102,7 @@ def test_dense_bad_input(kwargs, match):
 
 def test_config_that_does_not_fit():
   with pytest.raises(ValueError, match="block_m"):
-    pallas_gemm.triton.Config(block_m=48, block_n=64, block_k=32)
+    pallas_gemm.matmul.triton.Config(block_m=48, block_n=64, block_k=32)
 
 
 def test_unavailable_backend_says_why():

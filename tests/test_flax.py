@@ -19,10 +19,10 @@ from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from conftest import random, skip_reason  # noqa: E402
-from pallas_gemm import api  # noqa: E402
-from pallas_gemm.reference import relative_error, tolerance  # noqa: E402
+from pallas_gemm.matmul import api  # noqa: E402
+from pallas_gemm.testing.reference import relative_error, tolerance  # noqa: E402
 
-from pallas_gemm import lax_dot as dg
+from pallas_gemm.matmul import lax_dot as dg
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16

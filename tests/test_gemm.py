@@ -12,9 +12,10 @@ from jax.test_util import check_grads
 
 from conftest import ON_GPU, jax_config, random, skip_reason
 import pallas_gemm
-from pallas_gemm import gemm, op
-from pallas_gemm.reference import ACTIVATIONS as reference_activations
-from pallas_gemm.reference import gated_gradient, reference, relative_error, tolerance
+from pallas_gemm import gemm
+from pallas_gemm.matmul import op
+from pallas_gemm.testing.reference import ACTIVATIONS as reference_activations
+from pallas_gemm.testing.reference import gated_gradient, reference, relative_error, tolerance
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16

@@ -1,4 +1,4 @@
-"""Tests specific to the Mosaic GPU backend (pallas_gemm/mosaic/).
+"""Tests specific to the Mosaic GPU backend (pallas_gemm/matmul/mosaic/).
 
 Config validation, the shared-memory budget, default configs, and CPU
 interpret-mode correctness on small aligned and ragged shapes. The
@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_gemm import mosaic
-from pallas_gemm.reference import reference, relative_error, tolerance
+from pallas_gemm.matmul import mosaic
+from pallas_gemm.testing.reference import reference, relative_error, tolerance
 
 Config = mosaic.Config
 
@@ -284,7 +284,7 @@ def test_pingpong_on_the_gpu(batch, m, n, k, dtype, kwargs, config):
 ])
 def test_stream_k_pieces_cover_every_step_once(monkeypatch, tiles, k_iters, num_ctas,
                                                dp_rounds):
-  monkeypatch.setattr(mosaic.tuning, "num_sms", lambda: 132)  # the grids above fit it
+  monkeypatch.setattr(hw, "num_sms", lambda: 132)  # the grids above fit it
   sk = mosaic.stream_k_schedule(Config(), tiles, k_iters, num_ctas, interpret=False)
   assert (sk.dp_rounds, sk.sk_iters) == (dp_rounds, (tiles - dp_rounds * num_ctas) * k_iters)
   owner = {}  # (tile, K block) -> CTA
@@ -338,7 +338,7 @@ def test_stream_k_pieces_cover_every_step_once(monkeypatch, tiles, k_iters, num_
     (Config(), 200, 64, 132, True),                 # interpret mode
 ])
 def test_stream_k_schedule_off(monkeypatch, config, tiles, k_iters, num_ctas, interpret):
-  monkeypatch.setattr(mosaic.tuning, "num_sms", lambda: 132)  # off for the reason given
+  monkeypatch.setattr(hw, "num_sms", lambda: 132)  # off for the reason given
   assert mosaic.stream_k_schedule(config, tiles, k_iters, num_ctas, interpret) is None
 
 
@@ -384,7 +384,7 @@ def test_stream_k_is_on_unless_pingpong():
 def test_stream_k_off_with_more_ctas_than_sms(monkeypatch):
   # Stream-K CTAs wait for each other, which needs all of them resident: a grid
   # larger than the device (Config.num_sms above its SM count) runs whole tiles.
-  monkeypatch.setattr(mosaic.tuning, "num_sms", lambda: 132)
+  monkeypatch.setattr(hw, "num_sms", lambda: 132)
   a = jax.ShapeDtypeStruct((1, 8192, 8192), jnp.bfloat16)
   for num_sms, cut in ((132, True), (134, False)):
     cfg = mosaic.default_config(8192, 8192, 8192, jnp.bfloat16).replace(num_sms=num_sms)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU, random, skip_reason
-from pallas_gemm import gemm, op
-from pallas_gemm import precision as P
-from pallas_gemm.reference import input_family, reference, relative_error, tolerance
+from pallas_gemm import gemm
+from pallas_gemm.matmul import op
+from pallas_gemm.core import precision as P
+from pallas_gemm.testing.reference import input_family, reference, relative_error, tolerance
 
 Preset = jax.lax.DotAlgorithmPreset
 SPLIT_PRECISIONS = [P.FLOAT32_ACCURATE, P.FLOAT32_F16X3, Preset.BF16_BF16_F32_X3,

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU, jax_config, random
-from pallas_gemm.grouped import api, ops, shapes
+from pallas_gemm.grouped import api, ops
+from pallas_gemm.testing import grouped_shapes as shapes
 from pallas_gemm.grouped import ragged_dot, ragged_dot_general
-from pallas_gemm.reference import reference, relative_error, tolerance
+from pallas_gemm.testing.reference import reference, relative_error, tolerance
 
 BF16 = np.dtype(jnp.bfloat16)
 F32 = np.dtype(np.float32)

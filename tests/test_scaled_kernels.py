@@ -1,4 +1,4 @@
-"""The fp8 Mosaic GPU kernel (pallas_gemm/fp8/mosaic.py), called directly.
+"""The fp8 Mosaic GPU kernel (pallas_gemm/fp8/mosaic_gemm.py), called directly.
 
 Config validation, every scale layout the kernel reads, fp8 dtypes and their edges
 (saturated values, NaN / Inf, blocks of zeros, scales over 2^-20..2^20), ragged and
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_gemm.reference import relative_error, scaled_reference, tolerance
+from pallas_gemm.testing.reference import relative_error, scaled_reference, tolerance
 from pallas_gemm.fp8 import config as fp8_config
-from pallas_gemm.fp8 import mosaic
+from pallas_gemm.fp8 import mosaic_gemm as mosaic
 
 Config = fp8_config.Config
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2

@@ -16,8 +16,8 @@ import pytest
 
 import pallas_gemm
 from conftest import ON_GPU, jax_config, random
-from pallas_gemm import reference
-from pallas_gemm.fp8 import api, scales
+from pallas_gemm.testing import reference
+from pallas_gemm.fp8 import api, checks, scales
 from pallas_gemm.fp8 import xla as sm_xla
 
 sm = pallas_gemm  # the public names: sm.scaled_matmul, sm.quantize, ...
@@ -28,7 +28,7 @@ FMAX = {E4M3: 448.0, E5M2: 57344.0}
 
 def _skip_backend(backend):
   """The one place this suite decides that a backend cannot run here."""
-  if backend == "mosaic" and (why := api.mosaic_unavailable_reason()) is not None:
+  if backend == "mosaic" and (why := checks.mosaic_unavailable_reason()) is not None:
     pytest.skip(f"mosaic unavailable: {why}")
 
 
@@ -392,7 +392,7 @@ def test_scaled_ragged_dot_wide_scales_e5m2_and_nan(rng, backend):
 @pytest.mark.parametrize("kind", ["uniform", "pareto", "zeros"])
 def test_scaled_ragged_dot_at_size(rng, kind):
   # MoE-sized: 8 experts, a skewed router (pareto), half the experts empty (zeros).
-  from pallas_gemm.grouped import shapes  # noqa: PLC0415
+  from pallas_gemm.testing import grouped_shapes as shapes  # noqa: PLC0415
   m, k, n, g = 4096, 2048, 1408, 8
   sizes = shapes.group_sizes(kind, g, m, rng)
   x8, w8, sizes, sx, sw = _ragged_operands(rng, m, k, n, sizes)
@@ -426,7 +426,7 @@ def test_scaled_ragged_dot_bad_input(rng):
     f(x8, w8, gs, sx, sw, backend="cublas")
   with pytest.raises(TypeError, match="preferred_element_type"):
     f(x8, w8, gs, sx, sw, jnp.int8)
-  if api.mosaic_unavailable_reason() is None:
+  if checks.mosaic_unavailable_reason() is None:
     from pallas_gemm.fp8.config import Config  # noqa: PLC0415
     with pytest.raises(ValueError, match="block_n dividing 128"):
       f(x8, w8, gs, sx, sw, config=Config(block_m=128, block_n=192, stages=2),
@@ -474,7 +474,7 @@ def test_bad_input(rng):
     q(jnp.ones((128,)))
   with pytest.raises(ValueError, match="backend must be 'auto', 'xla' or 'mosaic'; got 'triton'"):
     q(jnp.ones((8, 128)), backend="triton")
-  if api.mosaic_unavailable_reason() is None:
+  if checks.mosaic_unavailable_reason() is None:
     with pytest.raises(ValueError, match=r"backend='mosaic' cannot run this call.*block_shape"
                                          r" \(1, 128\).*got \(128, 128\).*backend='xla' can"):
       q(jnp.ones((8, 128)), block_shape=(128, 128), backend="mosaic")

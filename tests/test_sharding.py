@@ -1,4 +1,4 @@
-"""gemm under jax.jit with shardings: the partitioning rules of `pallas_gemm/op.py`.
+"""gemm under jax.jit with shardings: the partitioning rules of `pallas_gemm/matmul/op.py`.
 
 On a CPU, conftest gives the process 8 host devices (XLA_FLAGS), so these run in CI: the
 Triton kernel in interpret mode goes through the same custom_partitioning rule as every
@@ -19,8 +19,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import ON_GPU, random, skip_reason
-from pallas_gemm import cuda, gemm, op
-from pallas_gemm.reference import gated_gradient, reference, relative_error, tolerance
+from pallas_gemm.matmul import cuda, op
+from pallas_gemm import gemm
+from pallas_gemm.testing.reference import gated_gradient, reference, relative_error, tolerance
 
 HIGHEST = jax.lax.Precision.HIGHEST
 # Where a cross-device operand movement would show in compiled HLO.
@@ -228,7 +229,7 @@ def test_gpu_kernels_lower_through_the_partitioner(backend, dtype, precision):
 
 
 def _default_config(backend, dtype):
-  from pallas_gemm import tuning  # noqa: PLC0415
+  from pallas_gemm.matmul import tuning  # noqa: PLC0415
   config = tuning.resolve_config(backend, 256, 192, 128, dtype, None, device_kind="cpu")
   # Mosaic reads the SM count from the device, which a CPU lacks: the H100/H200's.
   return dataclasses.replace(config, num_sms=132) if backend == "mosaic" else config
@@ -323,7 +324,7 @@ def test_sharded_mlp(layout, rng):
   Megatron-style (w1 on hidden columns, w2 on hidden rows) sums the second layer's K
   shards once. Values and gradients match float64, and no operand is gathered."""
   from pallas_gemm import mlp  # noqa: PLC0415
-  from pallas_gemm.reference import ACTIVATIONS  # noqa: PLC0415
+  from pallas_gemm.testing.reference import ACTIVATIONS  # noqa: PLC0415
   backend, dtype = _partitioned_backend()
   mesh = _mesh()
   m, d, hidden, n = 16, 24, 32, 8

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import ON_GPU, random, skip_reason
-from pallas_gemm import triton
-from pallas_gemm.reference import reference, relative_error, tolerance
+from pallas_gemm.matmul import triton
+from pallas_gemm.testing.reference import reference, relative_error, tolerance
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_gemm import tuning
-from pallas_gemm.api import BACKENDS
+from pallas_gemm.matmul import tuning
+from pallas_gemm.matmul.api import BACKENDS
 
 DEVICE = "NVIDIA H100 80GB HBM3"
 F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
@@ -124,7 +124,7 @@ def test_shipped_table_parses_and_validates():
   assert data["version"] == tuning.CACHE_VERSION and isinstance(data["entries"], list)
   assert tuning.validate_table() == []
   for entry in data["entries"]:
-    module = importlib.import_module(f"pallas_gemm.{entry['backend']}")
+    module = importlib.import_module(f"pallas_gemm.matmul.{entry['backend']}")
     assert isinstance(module.Config(**tuning._decode(module.Config, entry["config"])),
                       module.Config)
 
@@ -162,7 +162,7 @@ def test_default_candidates_validate_against_backend_configs():
   """Every default grid yields candidates its backend accepts (else the grid is stale)."""
   for backend in BACKENDS:
     try:
-      module = importlib.import_module(f"pallas_gemm.{backend}")
+      module = importlib.import_module(f"pallas_gemm.matmul.{backend}")
     except ImportError:
       continue  # backend not built here
     for width in getattr(module, "TUNING_GRID", {}):
@@ -178,7 +178,7 @@ def test_split_candidates_and_tuned_entries_fit_the_split(monkeypatch):
   """float32 from bf16 pieces: the default split config competes, every candidate fits
   the pieces' ring and two accumulators, and a cached config that does not (e.g. tuned
   for an earlier kernel) falls back to the default instead of failing the call."""
-  from pallas_gemm import mosaic  # noqa: PLC0415
+  from pallas_gemm.matmul import mosaic  # noqa: PLC0415
   fa = "float32_accurate"
   split = tuning.precisions.split_of(fa, F32)
   configs = tuning._build_candidates(

@@ -1,10 +1,10 @@
-"""pallas_gemm.unpad: the copy that drops a padded kernel output's padding."""
+"""pallas_gemm.mgpu.unpad: the copy that drops a padded kernel output's padding."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import unpad
+from pallas_gemm.mgpu import unpad
 
 
 def test_copy_kernel_copies_the_leading_block():

@@ -1,6 +1,6 @@
 """Hashes of the Mosaic GPU kernels' lowered MLIR over a fixed set of configs.
 
-A refactoring of `pallas_gemm/mosaic/` that should not change the kernels keeps every hash:
+A refactoring of `pallas_gemm/matmul/mosaic/` that should not change the kernels keeps every hash:
 
   PYTHONPATH=. python tools/mlir_hashes.py --out before.json    # before the change
   PYTHONPATH=. python tools/mlir_hashes.py --compare before.json  # after: exit 1 on a change
@@ -33,7 +33,12 @@ from jax._src.lib.mlir import ir  # noqa: E402
 from jax.experimental.mosaic.gpu import dialect as mgpu_dialect  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from pallas_gemm import mosaic, tuning  # noqa: E402
+try:  # noqa: E402
+  from pallas_gemm.matmul import mosaic
+  from pallas_gemm.mgpu import hw as _sm_source
+except ImportError:  # the layout before pallas_gemm/matmul and pallas_gemm/mgpu
+  from pallas_gemm import mosaic
+  from pallas_gemm import tuning as _sm_source
 
 NUM_SMS = 132  # the H100 / H200's SM count, so that the CPU picks the target GPU's tiles
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
@@ -134,6 +139,66 @@ def _lower_pair(gather):
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
 
 
+def _attr(*paths):
+  """The first of `module:attr` paths that imports: the family kernels' entry points by
+  their names in this or an earlier layout, so one hash file compares the two."""
+  import importlib  # noqa: PLC0415
+  for path in paths:
+    module, _, attr = path.partition(":")
+    try:
+      return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError):
+      continue
+  raise ImportError(f"none of {paths}")
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def _lower_fn(fn, *args):
+  def f(*a):
+    with jax.enable_x64(False):
+      return fn(*a)
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def _family_lowerings():
+  """The grouped and fp8 kernels, called at their kernel-level entry points."""
+  fwd = _attr("pallas_gemm.grouped.mosaic_forward:forward")
+  wgrad = _attr("pallas_gemm.grouped.mosaic_weight_grad:weight_grad")
+  scaled = _attr("pallas_gemm.fp8.mosaic_gemm:scaled_gemm", "pallas_gemm.fp8." + "mosaic:scaled_gemm")
+  ragged = _attr("pallas_gemm.fp8.mosaic_ragged:ragged_gemm",
+                 "pallas_gemm.fp8." + "ragged_mosaic:ragged_gemm")
+  quant = _attr("pallas_gemm.fp8.mosaic_quantize:quantize_rows",
+                "pallas_gemm.fp8." + "quantize_mosaic:quantize_rows")
+  e4m3, i32 = jnp.float8_e4m3fn, jnp.int32
+  return {
+      "grouped_forward": lambda: _lower_fn(
+          fwd, _sds((1000, 512), BF16), _sds((8, 512, 384), BF16), _sds((8,), i32)),
+      "grouped_forward_t": lambda: _lower_fn(
+          lambda a, b, g: fwd(a, b, g, transpose_rhs=True, out_dtype=F32),
+          _sds((1000, 512), BF16), _sds((8, 384, 512), BF16), _sds((8,), i32)),
+      "grouped_forward_offset": lambda: _lower_fn(
+          lambda a, b, g, o: fwd(a, b, g, o), _sds((1000, 512), BF16),
+          _sds((4, 512, 384), BF16), _sds((8,), i32), _sds((1,), i32)),
+      "grouped_weight_grad": lambda: _lower_fn(
+          wgrad, _sds((1000, 512), BF16), _sds((1000, 384), BF16), _sds((8,), i32)),
+      "fp8_blocks": lambda: _lower_fn(
+          scaled, _sds((1, 512, 1024), e4m3), _sds((1, 384, 1024), e4m3),
+          _sds((1, 512, 8), F32), _sds((1, 3, 8), F32)),
+      "fp8_per_tensor_f32": lambda: _lower_fn(
+          lambda a, b, sa, sb: scaled(a, b, sa, sb, out_dtype=F32),
+          _sds((1, 1000, 1024), e4m3), _sds((1, 520, 1024), e4m3),
+          _sds((1, 1, 1), F32), _sds((1, 1, 1), F32)),
+      "fp8_ragged": lambda: _lower_fn(
+          ragged, _sds((1000, 1024), e4m3), _sds((8, 384, 1024), e4m3), _sds((8,), i32),
+          _sds((1000, 8), F32), _sds((8, 3, 8), F32)),
+      "quantize_rows": lambda: _lower_fn(
+          lambda x: quant(x, jnp.float8_e4m3fn, num_sms=NUM_SMS), _sds((1024, 1024), BF16)),
+  }
+
+
 def _texts(lowered) -> tuple[str, list[str]]:
   """(the XLA module, each Mosaic GPU kernel module), printed without locations."""
   module = lowered.compiler_ir("stablehlo")
@@ -171,6 +236,7 @@ def hashes(dump: pathlib.Path | None = None) -> dict[str, dict]:
   lowerings = {name: (lambda case=case: _lower_case(case)) for name, case in CASES.items()}
   lowerings["pair_send_finish"] = lambda: _lower_pair(gather=False)
   lowerings["pair_gather"] = lambda: _lower_pair(gather=True)
+  lowerings.update(_family_lowerings())
   result = {}
   for name, lower in lowerings.items():
     try:
@@ -195,7 +261,12 @@ def main():
   parser.add_argument("--compare", type=pathlib.Path, help="compare with these hashes")
   parser.add_argument("--dump", type=pathlib.Path, help="write each case's MLIR here")
   args = parser.parse_args()
-  tuning.num_sms = lambda: NUM_SMS  # the SM count the CPU lacks (default configs, stream-K)
+  _sm_source.num_sms = lambda: NUM_SMS  # the SM count the CPU lacks (default configs, stream-K)
+  # The fp8 kernels refuse a CPU without interpret mode; lowering for CUDA is what this
+  # tool does, so their grid takes the target GPU's SM count instead.
+  launch = _attr("pallas_gemm.mgpu:launch", "pallas_gemm." + "mosaic:launch")
+  grid_sms = launch.grid_sms
+  launch.grid_sms = lambda num_sms, interpret, need_gpu=False: grid_sms(num_sms, interpret)
   result = hashes(args.dump)
   if args.out:
     args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")

@@ -6,16 +6,20 @@
     nn.Dense(features, dot_general=fp8_dot_general)         # training in fp8
     scaled_ragged_dot(values, w8_gnk, group_sizes, scales, w_scales)   # MoE experts
 
-Modules: api.py (validation, layouts, backend choice), scales.py (the scale layouts,
-quantize/dequantize), xla.py (dequantize + float32 dot: the reference and CPU path),
-mosaic.py (the Hopper kernel), quantize_mosaic.py (the Hopper kernel of quantize, 1x128
-blocks), layer.py (fp8_dot_general and its backward GEMMs), ragged.py and
-ragged_mosaic.py (scaled_ragged_dot and its Hopper kernel).
+Modules, imported one way (checks -> scales; quantize -> mosaic_quantize; api -> xla):
+checks.py (operand, scale and dtype checks, the backend choice), scales.py (the scale
+layouts, dequantize, the power-of-two scale arithmetic), quantize.py (quantize and its
+backend choice), api.py (scaled_matmul), xla.py (dequantize + float32 dot: the reference
+and CPU path), mosaic_gemm.py (the Hopper kernel), mosaic_quantize.py (the Hopper kernel
+of quantize, 1x128 blocks), layer.py (fp8_dot_general and its backward GEMMs), ragged.py
+and mosaic_ragged.py (scaled_ragged_dot and its Hopper kernel). The promoted K loop the
+kernels share is `pallas_gemm.mgpu.scaled_k`.
 """
 
 from pallas_gemm.fp8.api import scaled_matmul
 from pallas_gemm.fp8.layer import fp8_dot_general
 from pallas_gemm.fp8.ragged import scaled_ragged_dot
-from pallas_gemm.fp8.scales import dequantize, quantize
+from pallas_gemm.fp8.quantize import quantize
+from pallas_gemm.fp8.scales import dequantize
 
 __all__ = ["dequantize", "fp8_dot_general", "quantize", "scaled_matmul", "scaled_ragged_dot"]

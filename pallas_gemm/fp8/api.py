@@ -27,79 +27,21 @@ A NaN scale, and an infinite one on a block of zeros, give NaN on both.
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.fp8 import scales
+from pallas_gemm.fp8 import checks, scales
+from pallas_gemm.core import primitive
+from pallas_gemm.mgpu import hw
 from pallas_gemm.fp8 import xla as _xla
-
-BACKENDS = ("xla", "mosaic")
-OUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
-K_BLOCK = 128  # the kernel's scale granularity along K
-
-
-def _mosaic():
-  """The Hopper kernel's module (imported when first asked for)."""
-  return importlib.import_module("pallas_gemm.fp8.mosaic")
-
-
-def mosaic_unavailable_reason() -> str | None:
-  """None when the mosaic backend can run here (sm_90, or a CPU in interpret mode)."""
-  try:
-    _mosaic()
-  except ImportError as e:
-    return f"the Mosaic fp8 kernel cannot be imported: {e}"
-  from pallas_gemm import mosaic as gemm_mosaic  # noqa: PLC0415 - the device check lives there
-  return gemm_mosaic.unavailable_reason()
-
-
-def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _operand(x, name: str) -> np.dtype:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
-  dtype = np.dtype(x.dtype)
-  if dtype not in scales.FP8_DTYPES:
-    raise TypeError(f"{name}.dtype must be float8_e4m3fn or float8_e5m2 (quantize() makes"
-                    f" them); got {dtype}")
-  return dtype
-
-
-def _check_scales(x, name: str) -> None:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
-  if np.dtype(x.dtype) not in scales.SCALE_DTYPES:
-    raise TypeError(f"{name}.dtype must be float32 (or bfloat16, float16, float8_e8m0fnu);"
-                    f" got {np.dtype(x.dtype)}")
-
-
-def _out_dtype(preferred_element_type) -> np.dtype:
-  if preferred_element_type is None:
-    return np.dtype(np.float32)
-  try:
-    dtype = np.dtype(preferred_element_type)
-  except TypeError:
-    raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got"
-                    f" {preferred_element_type!r}") from None
-  if dtype not in OUT_DTYPES:
-    raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got {dtype}")
-  return dtype
-
 
 def _validate(lhs, rhs, lhs_scales, rhs_scales):
   """(lhs_layout, rhs_layout, squeeze): the checks, on 3-D views of 2-D arguments."""
-  _operand(lhs, "lhs")
-  _operand(rhs, "rhs")
-  _check_scales(lhs_scales, "lhs_scales")
-  _check_scales(rhs_scales, "rhs_scales")
+  checks.operand(lhs, "lhs")
+  checks.operand(rhs, "rhs")
+  checks.check_scales(lhs_scales, "lhs_scales")
+  checks.check_scales(rhs_scales, "rhs_scales")
   if lhs.ndim not in (2, 3) or rhs.ndim != lhs.ndim:
     raise ValueError(f"lhs and rhs must both be (B, M, K) and (B, N, K) (or both 2-D: (M, K),"
                      f" (N, K)); got shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
@@ -130,10 +72,10 @@ def _repeat_rows(s, rows: int, total: int):
 
 def _kernel_reason(layout: scales.ScaleLayout, k: int, name: str) -> str | None:
   """Why the kernel cannot take scales in `layout`, or None."""
-  if layout.per_tensor or layout.block_k == k or layout.block_k % K_BLOCK == 0:
+  if layout.per_tensor or layout.block_k == k or layout.block_k % checks.K_BLOCK == 0:
     return None
-  return (f"{name} in {layout.describe()}: the kernel scales per {K_BLOCK} of K, so blocks"
-          f" along K must be a multiple of {K_BLOCK} long (or K itself)")
+  return (f"{name} in {layout.describe()}: the kernel scales per {checks.K_BLOCK} of K, so blocks"
+          f" along K must be a multiple of {checks.K_BLOCK} long (or K itself)")
 
 
 def _for_kernel(given, layout: scales.ScaleLayout, shape, *, row_blocks: bool):
@@ -145,32 +87,12 @@ def _for_kernel(given, layout: scales.ScaleLayout, shape, *, row_blocks: bool):
   if layout.per_tensor:
     return s
   per_row = s.shape[2] == 1  # block_k == K
-  if not per_row and layout.block_k != K_BLOCK:
-    s = jnp.repeat(s, layout.block_k // K_BLOCK, axis=2, total_repeat_length=k // K_BLOCK)
+  if not per_row and layout.block_k != checks.K_BLOCK:
+    s = jnp.repeat(s, layout.block_k // checks.K_BLOCK, axis=2,
+                   total_repeat_length=k // checks.K_BLOCK)
   if layout.rows == scales.ROW_BLOCK and (per_row or not row_blocks):
     s = _repeat_rows(s, scales.ROW_BLOCK, r)
   return s
-
-
-def _choose(backend: str, config, kernel_reason: str | None) -> str:
-  if backend not in (*BACKENDS, "auto"):
-    raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
-  if backend == "auto" and config is None:
-    usable = _on_gpu() and kernel_reason is None and mosaic_unavailable_reason() is None
-    return "mosaic" if usable else "xla"
-  if backend == "xla":
-    if config is not None:
-      raise TypeError(f"config is the mosaic kernel's; backend='xla' takes none (got"
-                      f" {type(config).__qualname__})")
-    return backend
-  reason = mosaic_unavailable_reason() or kernel_reason
-  if reason is not None:
-    raise ValueError(f"backend='mosaic' cannot run this call: {reason} (backend='xla' can)")
-  from pallas_gemm.fp8.config import Config  # noqa: PLC0415 - with the kernel
-  if config is not None and not isinstance(config, Config):
-    raise TypeError(f"config must be a pallas_gemm.fp8.config.Config; got"
-                    f" {type(config).__module__}.{type(config).__qualname__}")
-  return "mosaic"
 
 
 def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32, *,
@@ -204,13 +126,13 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
   listing the shapes it accepts, for shapes that do not fit.
   """
   lhs_layout, rhs_layout, squeeze = _validate(lhs, rhs, lhs_scales, rhs_scales)
-  out_dtype = _out_dtype(preferred_element_type)
+  out_dtype = checks.out_dtype(preferred_element_type)
   args = [jnp.asarray(x) for x in (lhs, rhs, lhs_scales, rhs_scales)]
   if squeeze:
     args = [x[None] for x in args]
   lhs, rhs, lhs_scales, rhs_scales = args
   (b, m, k), n = lhs.shape, rhs.shape[1]
-  backend = _choose(backend, config, _kernel_reason(lhs_layout, k, "lhs_scales")
+  backend = checks.choose(backend, config, _kernel_reason(lhs_layout, k, "lhs_scales")
                     or _kernel_reason(rhs_layout, k, "rhs_scales"))
 
   if min(b, m, n) == 0 or k == 0:  # nothing to compute, or the empty sum
@@ -221,9 +143,7 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
   else:
     ls = _for_kernel(lhs_scales, lhs_layout, lhs.shape, row_blocks=False)
     rs = _for_kernel(rhs_scales, rhs_layout, rhs.shape, row_blocks=True)
-    # The kernel's index arithmetic is int32: traced with jax_enable_x64 on, its Python-int
-    # constants would become int64 and mix with it.
-    with jax.enable_x64(False):
-      out = _mosaic().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype, config=config,
-                                  interpret=not _on_gpu())
+    with primitive.kernel_x64("mosaic"):
+      out = checks.mosaic_module().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype,
+                                               config=config, interpret=not hw.on_gpu())
   return out[0] if squeeze else out

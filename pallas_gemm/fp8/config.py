@@ -9,9 +9,9 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from pallas_gemm.mosaic.config import (_RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK,
-                                       check_positive_ints, config_error, deepest_ring)
-from pallas_gemm.mosaic.layout import _round_up
+from pallas_gemm.mgpu.hw import RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK
+from pallas_gemm.mgpu.tiles import check_positive_ints, config_error, deepest_ring
+from pallas_gemm.mgpu.layout import round_up
 
 # K per pipeline step, and the scale block along K: one step's products are one scale
 # block's, so promoting them into the f32 sum is one scale-multiply-add per step. 128 fp8
@@ -163,8 +163,8 @@ def smem_bytes(config: Config, out_dtype, *, k: int | None = None, row_scales: b
          * config.epi_block_n * jnp.dtype(out_dtype).itemsize)
   barriers = 8 * 2 * stages
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
-  return (sum(_round_up(x, 1024) for x in (ring, scales, out) if x) + barriers
-          + _RESERVED_SMEM_BYTES)
+  return (sum(round_up(x, 1024) for x in (ring, scales, out) if x) + barriers
+          + RESERVED_SMEM_BYTES)
 
 
 def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
@@ -228,7 +228,7 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
   elif promoted and not column_scales and (step_scales or m * n >= 6144 * 6144) and (
-      _round_up(n, 192) <= 1.05 * _round_up(n, 128)):
+      round_up(n, 192) <= 1.05 * round_up(n, 128)):
     cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
   elif promoted:
     cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.fp8 import api
-from pallas_gemm.fp8 import scales
+from pallas_gemm.fp8 import checks, scales
+from pallas_gemm.fp8.quantize import quantize
 
 _BLOCK = 128
 FORWARD_DTYPE = jnp.float8_e4m3fn
@@ -68,8 +69,8 @@ def _gemm(a, b, a_block, b_block, dtypes, out_dtype, backend):
   """a (B, M, K) @ b (B, N, K)^T with K padded to 128s, each operand quantized in
   its block shape and fp8 dtype."""
   a, b = _pad_to(a, 2), _pad_to(b, 2)
-  a8, sa = scales.quantize(a, dtypes[0], a_block)
-  b8, sb = scales.quantize(b, dtypes[1], b_block)
+  a8, sa = quantize(a, dtypes[0], a_block)
+  b8, sb = quantize(b, dtypes[1], b_block)
   return api.scaled_matmul(a8, b8, sa, sb, out_dtype, backend=backend)
 
 
@@ -86,8 +87,8 @@ def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
   del grad_dtype, wgrad, precision
   n = w.shape[1]
   # W padded on both axes: its fp8 copy is also the dgrad's operand, contracted over N.
-  w8, sw = scales.quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
-  x8, sx = scales.quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
+  w8, sw = quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
+  x8, sx = quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
   y = api.scaled_matmul(x8, w8[:, :n], sx, sw, out_dtype, backend=backend)
   # An empty array of w's dtype: residuals are arrays, and dW must come back in it.
   return y, (x, w8, sw, jnp.zeros((0,), w.dtype))
@@ -99,7 +100,7 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
   k = x.shape[2]
   # dgrad: dy (B, M, N) @ W (N, K): W^T (K, N) as the K-major rhs, its 128x128 scales
   # transposed with it: the same fp8 numbers as the forward's.
-  dy8, sdy = scales.quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
+  dy8, sdy = quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
   wt8, swt = jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2)
   dx = api.scaled_matmul(dy8, wt8, sdy, swt, x.dtype, backend=backend)[:, :, :k]
   # wgrad: dW^T (K, N) = x^T (K, M) @ dy (M, N), both contracted over M, so both are
@@ -157,7 +158,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
   out_type = jax.eval_shape(
       lambda a, b: jax.lax.dot_general(a, b, dimension_numbers,
                                        preferred_element_type=preferred_element_type), lhs, rhs)
-  if np.dtype(out_type.dtype) not in api.OUT_DTYPES:
+  if np.dtype(out_type.dtype) not in checks.OUT_DTYPES:
     raise TypeError(f"fp8_dot_general computes float32, bfloat16 or float16 results; got"
                     f" preferred_element_type={np.dtype(out_type.dtype)}")
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = (

@@ -15,17 +15,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.fp8 import api, scales
+from pallas_gemm.fp8 import checks, scales
+from pallas_gemm.core import primitive
+from pallas_gemm.mgpu import hw
 
 BLOCK = 128  # the scale block along K, and a weight block's rows
 
 
 def _validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales) -> tuple[int, int, int, int]:
   """(M, K, N, G); TypeError / ValueError naming the argument and what it takes."""
-  api._operand(lhs, "lhs")
-  api._operand(rhs, "rhs")
-  api._check_scales(lhs_scales, "lhs_scales")
-  api._check_scales(rhs_scales, "rhs_scales")
+  checks.operand(lhs, "lhs")
+  checks.operand(rhs, "rhs")
+  checks.check_scales(lhs_scales, "lhs_scales")
+  checks.check_scales(rhs_scales, "rhs_scales")
   if lhs.ndim != 2 or rhs.ndim != 3:
     raise ValueError(f"lhs must be (M, K) and rhs (G, N, K) (K-major, as scaled_matmul's rhs);"
                      f" got shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}")
@@ -76,8 +78,8 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
   Returns (M, N) in preferred_element_type. Forward only (no derivative rule).
   """
   m, k, n, g = _validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales)
-  out_dtype = api._out_dtype(preferred_element_type)
-  backend = api._choose(backend, config, None)
+  out_dtype = checks.out_dtype(preferred_element_type)
+  backend = checks.choose(backend, config, None)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   ls, rs = (jnp.asarray(s).astype(jnp.float32) for s in (lhs_scales, rhs_scales))
   sizes = jnp.asarray(group_sizes).astype(jnp.int32)
@@ -92,6 +94,6 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
     return out.astype(out_dtype)
   from pallas_gemm.fp8 import ragged_mosaic  # noqa: PLC0415 - the GPU kernel, on demand
 
-  with jax.enable_x64(False):  # the kernel's index arithmetic is int32
+  with primitive.kernel_x64("mosaic"):
     return ragged_mosaic.ragged_gemm(lhs, rhs, sizes, ls, rs, out_dtype=out_dtype,
-                                     config=config, interpret=not api._on_gpu())
+                                     config=config, interpret=not hw.on_gpu())

@@ -48,7 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.lax.lax import canonicalize_precision  # lax's own normalisation of precision
 
-from pallas_gemm.api import SUPPORTED_DTYPES, _dtype_of  # gemm's operand checks, same messages
+from pallas_gemm.core.checks import SUPPORTED_DTYPES, dtype_of  # gemm's operand checks
+from pallas_gemm.mgpu import hw
 from pallas_gemm.grouped import ops
 
 BACKENDS = ("auto", "xla", "mosaic")
@@ -89,7 +90,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   """jax.lax.ragged_dot_general. The kernels take the three forms of `_DIMS` (lhs (M, K);
   rhs (G, K, N), (G, N, K), or (M, N) for the ragged-contracting weight gradient); any
   other form lax accepts runs on xla (backend "auto" or "xla"; no group_offset)."""
-  lhs_dtype, rhs_dtype = _dtype_of(lhs, "lhs"), _dtype_of(rhs, "rhs")
+  lhs_dtype, rhs_dtype = dtype_of(lhs, "lhs"), dtype_of(rhs, "rhs")
   _check_group_sizes_type(group_sizes)
   dims = ragged_dot_dimension_numbers
   if not isinstance(dims, jax.lax.RaggedDotDimensionNumbers):
@@ -118,7 +119,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
                   num_groups=num_groups, backend=chosen, out_dtype=out_dtype,
                   transpose_rhs=form == "forward_t", precision=precision,
                   config=config if chosen == "mosaic" else None,
-                  interpret=chosen == "mosaic" and not _on_gpu(),
+                  interpret=chosen == "mosaic" and not hw.on_gpu(),
                   offset=offset is not None)
   shape = ops.out_shape(plan, lhs.shape, rhs.shape)
   m, k = lhs.shape
@@ -251,10 +252,6 @@ def _lax_dot_dtype(lhs_dtype, rhs_dtype, preferred_element_type, float64) -> np.
 # ----------------------------------------------------------------------------- backends
 
 
-def _on_gpu() -> bool:
-  return jax.default_backend() == "gpu"
-
-
 def mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype) -> str | None:
   """None when the Mosaic kernels can compute this call here, else why not."""
   if lhs_dtype != rhs_dtype or lhs_dtype not in _16BIT:
@@ -269,8 +266,7 @@ def mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype) -> str | None:
     importlib.import_module("pallas_gemm.grouped.mosaic_weight_grad")
   except ImportError as e:
     return f"the Mosaic ragged_dot kernels cannot be imported: {e}"
-  from pallas_gemm import mosaic  # noqa: PLC0415 - the platform check is the gemm kernel's
-  return mosaic.unavailable_reason()
+  return hw.unavailable_reason()
 
 
 def _choose_backend(backend: str, lhs_dtype, rhs_dtype, precision, out_dtype) -> str:
@@ -284,7 +280,7 @@ def _choose_backend(backend: str, lhs_dtype, rhs_dtype, precision, out_dtype) ->
   # auto: the grouped kernels where they run natively. XLA's GPU ragged_dot multiplies
   # a dense (G, M, K) operand (G times the FLOPs and memory); on a CPU the interpreter is
   # for testing, not speed.
-  return "mosaic" if reason is None and _on_gpu() else "xla"
+  return "mosaic" if reason is None and hw.on_gpu() else "xla"
 
 
 def _same_manual_axes(*args):

@@ -22,8 +22,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from pallas_gemm.mosaic.config import (_RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK,
-                                       check_positive_ints, config_error, deepest_ring)
+from pallas_gemm.mgpu.hw import RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK
+from pallas_gemm.mgpu.tiles import check_positive_ints, config_error, deepest_ring
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,7 +140,7 @@ def smem_bytes(config: Config, *, a_tile: tuple[int, int], b_tile: tuple[int, in
          * jnp.dtype(out_dtype).itemsize)
   barriers = 8 * (2 * stages + 1)
   return (-(-ring // 1024) * 1024 + -(-epi // 1024) * 1024 + barriers
-          + _RESERVED_SMEM_BYTES)
+          + RESERVED_SMEM_BYTES)
 
 
 def check_smem(config: Config, **kwargs) -> None:

@@ -12,7 +12,7 @@ Design (one CTA per SM, persistent):
     segment's last tile is partly wasted work, half a tile on average (tiles aligned in
     the global row space would waste a whole one per boundary: both tiles a boundary
     straddles are partial). Segments are G + 2 (a zero segment before and after the local
-    groups). `_row_items` builds the item table on the device from the traced
+    groups). `row_items` builds the item table on the device from the traced
     group_sizes (cumulative sums and an (items x segments) comparison, a few tiny XLA
     fusions: no host sync). Each CTA walks (item, column tile) pairs strided by the CTA
     count, in ``plgpu.planar_snake`` order: bands of ``grid_tile_width`` column tiles, the
@@ -39,7 +39,7 @@ Design (one CTA per SM, persistent):
 Shapes and edges: TMA zero-fills the parts of a load past the array and clips stores, so
 M, K, N need not be tile multiples. Mosaic GPU describes a swizzled TMA through a tiled
 view of the whole array, so lhs's rows must be a multiple of 8 and K (and N for rhs) of
-64 16-bit elements: operands that are not get zero-padded (`layout._pad_for_tma`, one
+64 16-bit elements: operands that are not get zero-padded (`layout.pad_for_tma`, one
 read+write of that operand) and an output whose N is not a multiple of the epilogue's
 swizzle is computed wider and sliced.
 """
@@ -54,121 +54,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mosaic import launch, ring
-from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
+from pallas_gemm.mgpu import launch, ring
+from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, local_rows, out_transforms,
+                                   row_items, store_rows, store_subtiles)
+from pallas_gemm.mgpu.layout import pad_for_tma, round_up, swizzle_transforms, tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 
-_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-# Rows of the item table (`_row_items`): the item's group (-1: rows written as zeros),
-# its row tile's first row / 8, and its rows [lo, hi).
-_GROUP, _ROW8, _LO, _HI = range(4)
-# Row tiles start on multiples of this (the lhs tile's TMA tiling).
-_ROW_ALIGN = 8
-
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def num_ctas(config: Config, interpret: bool) -> int:
   return launch.grid_sms(config.num_sms, interpret)
 
 
-def local_rows(group_sizes: jax.Array, group_offset, num_groups: int, m: int):
-  """(starts, ends) of the G local groups' rows, int32 (G,) each, clipped to [0, m].
-
-  group_sizes has G entries (rows of group 0 start at row 0; group_offset then only
-  renumbers the groups and changes no row), or more: the rows of lhs are laid out for all
-  of them, and the local groups are group_sizes[group_offset : group_offset + G] (rows of
-  the others are not computed).
-  """
-  sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
-  if sizes.shape[0] != num_groups:
-    offset = jnp.int32(0) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    offset = jnp.reshape(offset, ())
-    starts = lax.dynamic_slice(starts, (offset,), (num_groups,))
-    ends = lax.dynamic_slice(ends, (offset,), (num_groups,))
-  return jnp.clip(starts, 0, m), jnp.clip(ends, 0, m)
-
-
-def max_row_items(m: int, num_groups: int, block_m: int) -> int:
-  """A bound on the items of `_row_items`: a segment of r rows has ceil((r + a) / block_m)
-  tiles, a < 8 its rows before the aligned start, so the S = G + 2 segments have at most
-  (m + S * (block_m + 6)) / block_m."""
-  segments = num_groups + 2
-  return -(-(m + segments * (_ROW_ALIGN - 2)) // block_m) + segments
-
-
-def _row_items(starts, ends, m: int, block_m: int):
-  """The item table, int32 (4, T) (rows _GROUP, _ROW8, _LO, _HI; T = `max_row_items`),
-  and the number of items, int32 (1,). Items are in row order; entries past the count are
-  never read."""
-  num_groups = starts.shape[0]
-  # Segments: rows before the first local group, the local groups, rows after the last.
-  seg_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), starts, ends[-1:]])
-  seg_end = jnp.concatenate([starts[:1], ends, jnp.full((1,), m, jnp.int32)])
-  seg_row0 = seg_start // _ROW_ALIGN * _ROW_ALIGN
-  tiles = jnp.where(seg_end > seg_start, (seg_end - seg_row0 + block_m - 1) // block_m, 0)
-  last = jnp.cumsum(tiles)  # one past the segment's last item
-  first = last - tiles
-  t = jnp.arange(max_row_items(m, num_groups, block_m), dtype=jnp.int32)
-  seg = jnp.minimum(jnp.sum(last[None, :] <= t[:, None], axis=1), num_groups + 1)
-  row0 = seg_row0[seg] + (t - first[seg]) * block_m
-  group = jnp.where((seg >= 1) & (seg <= num_groups), seg - 1, -1)
-  lo = jnp.maximum(seg_start[seg], row0)
-  hi = jnp.minimum(seg_end[seg], row0 + block_m)
-  return (jnp.stack([group, row0 // _ROW_ALIGN, lo, hi]).astype(jnp.int32), last[-1:])
-
-
-def _out_transforms(epi_n: int, dtype):
-  """Tiling (1, swizzle) + swizzle for an epilogue slot: any row may start a TMA box."""
-  tiling, swizzle = _swizzle_transforms(epi_n, dtype)
-  return (plgpu.TilingTransform((1, tiling.tiling[1])), swizzle)
-
-
-def store_rows(out_smem, out_gmem, *, row0, col0, lo, hi):
-  """TMA-stores the rows [lo, hi) ∩ [row0, row0 + rows) of the (rows, cols) slot out_smem
-  to out_gmem[row, col0:col0 + cols] as power-of-two boxes, one bulk group in all."""
-  rows, cols = out_smem.shape
-  start = jnp.maximum(lo, row0)
-  size = jnp.maximum(jnp.minimum(hi, row0 + rows) - start, 0)
-  offset = start - row0
-  height = rows
-  while height:
-    @pl.when((size & height) != 0)
-    def _():
-      plgpu.copy_smem_to_gmem(out_smem.at[pl.ds(offset, height)],
-                              out_gmem.at[pl.ds(row0 + offset, height), pl.ds(col0, cols)],
-                              commit_group=False)
-    offset = offset + (size & height)
-    height //= 2
-  plgpu.commit_smem_to_gmem_group()
-
-
-def store_subtiles(acc, out_smem, wg, store):
-  """The epilogue of one item: the warpgroup's f32 accumulator acc (wg_m, wg_n), sub-tile
-  by sub-tile, cast into the warpgroup's slots out_smem[wg] (num_wgs, epi_slots, epi_m,
-  epi_n) in turn, then store(slot_smem, i, jj) TMA-stores sub-tile (i, jj) as one bulk
-  group. Every item stores the same number of sub-tiles, a multiple of epi_slots
-  (Config checks it), so the store that last read a slot is epi_slots - 1 groups ago,
-  across items too: waiting until at most that many still read frees the slot."""
-  _, epi_slots, epi_m, epi_n = out_smem.shape
-  wg_m, wg_n = acc.shape
-  sub = 0
-  for i in range(wg_m // epi_m):
-    for jj in range(wg_n // epi_n):
-      slot = sub % epi_slots
-      plgpu.wait_smem_to_gmem(epi_slots - 1, wait_read_only=True)
-      out_smem[wg, slot] = acc[i * epi_m:(i + 1) * epi_m,
-                               jj * epi_n:(jj + 1) * epi_n].astype(out_smem.dtype)
-      plgpu.commit_smem()
-      store(out_smem.at[wg, slot], i, jj)
-      sub += 1
-
-
 def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Config,
             k: int, n: int, transpose_rhs: bool, num_ctas: int):
   """One persistent CTA. lhs_gmem (M', K'); rhs_gmem (G, K', N') or (G, N', K');
-  out_gmem (M, N''); items_gmem (4, T) and count_gmem (1,) from `_row_items`."""
+  out_gmem (M, N''); items_gmem (4, T) and count_gmem (1,) from `row_items`."""
   cfg = config
   dtype = lhs_gmem.dtype
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -187,8 +88,8 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
   def item(j):  # the CTA's j-th work item: (group, row0, lo, hi, column tile)
     t, ni = plgpu.planar_snake(cta + j * num_ctas, (count, n_tiles), 1, cfg.grid_tile_width)
     # (a multiple of 8 that the TMA tiling's divisibility check can see)
-    row0 = items_gmem[_ROW8, t] * _ROW_ALIGN
-    return items_gmem[_GROUP, t], row0, items_gmem[_LO, t], items_gmem[_HI, t], ni
+    row0 = items_gmem[ROW8, t] * ROW_ALIGN
+    return items_gmem[GROUP, t], row0, items_gmem[LO, t], items_gmem[HI, t], ni
 
   def wg_origin(wg):  # the warpgroup's part of the CTA tile: (row, column) offsets
     return (wg * wg_m, 0) if (num_wgs == 2 and cfg.wg_split == "m") else (0, wg * wg_n)
@@ -203,11 +104,11 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
     plgpu.wgmma(acc_ref, a_op, b_op)
 
   scoped = dict(
-      a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=_swizzle_transforms(bk, dtype)),
+      a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=swizzle_transforms(bk, dtype)),
       b_smem=plgpu.SMEM((stages, *b_block), dtype,
-                        transforms=_swizzle_transforms(b_block[1], dtype)),
+                        transforms=swizzle_transforms(b_block[1], dtype)),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
-                          transforms=_out_transforms(epi_n, out_gmem.dtype)),
+                          transforms=out_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
@@ -276,7 +177,7 @@ def check_operands(lhs, rhs, group_sizes, *, transpose_rhs: bool):
   if lhs.ndim != 2 or rhs.ndim != 3:
     raise ValueError(f"lhs must be (M, K) and rhs (G, K, N), got lhs.shape={lhs.shape},"
                      f" rhs.shape={rhs.shape}")
-  if jnp.dtype(lhs.dtype) not in _DTYPES or rhs.dtype != lhs.dtype:
+  if jnp.dtype(lhs.dtype) not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"lhs and rhs must both be bfloat16 or both float16, got"
                     f" lhs.dtype={lhs.dtype}, rhs.dtype={rhs.dtype}")
   m, k = lhs.shape
@@ -320,15 +221,15 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
              k_steps=-(-k // bk))
 
   starts, ends = local_rows(group_sizes, group_offset, g, m)
-  items, count = _row_items(starts, ends, m, bm)
-  lhs = _pad_for_tma(lhs, _tma_tile(bk, dtype), bk)
+  items, count = row_items(starts, ends, m, bm)
+  lhs = pad_for_tma(lhs, tma_tile(bk, dtype), bk)
   rhs_minor = bk if transpose_rhs else bn
-  rhs = _pad_for_tma(rhs, _tma_tile(rhs_minor, dtype), rhs_minor)
+  rhs = pad_for_tma(rhs, tma_tile(rhs_minor, dtype), rhs_minor)
   # Rows: any (the slots are tiled by single rows). Columns: whole swizzle widths, and at
   # least one block: as for the gemm kernel
-  # (`layout._pad_for_tma`), an output narrower than the block computes wrong results
+  # (`layout.pad_for_tma`), an output narrower than the block computes wrong results
   # on the GPU (N = 40 with 128-column blocks) though the interpreter gets them right.
-  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), bn)
+  n_out = max(round_up(n, tma_tile(config.epi_block_n, out_dtype)[1]), bn)
   ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, transpose_rhs=transpose_rhs,
                            num_ctas=ctas)

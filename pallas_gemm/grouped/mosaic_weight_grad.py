@@ -40,12 +40,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mosaic import launch, ring
-from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
+from pallas_gemm.mgpu import launch, ring, rows
+from pallas_gemm.mgpu.layout import pad_for_tma, round_up, swizzle_transforms, tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
-from pallas_gemm.grouped.mosaic_forward import store_subtiles
-from pallas_gemm.grouped.mosaic_forward import (_DTYPES, _ROW_ALIGN, _out_transforms,
-                                                   local_rows, num_ctas)
+from pallas_gemm.grouped.mosaic_forward import DTYPES, num_ctas
+from pallas_gemm.mgpu.rows import ROW_ALIGN, local_rows, out_transforms, store_subtiles
 
 # Columns of one masking piece: a 128-byte swizzle atom of 16-bit elements.
 _MASK_COLS = 64
@@ -70,10 +69,10 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
   epi_slots = cfg.epi_slots_for(bk)
   num_items = num_groups * per_group
 
-  step8 = bm // _ROW_ALIGN
+  step8 = bm // ROW_ALIGN
 
   def step_row0(first, i):  # first row of step i, a multiple of 8 the TMA tiling can see
-    return (first + i * step8) * _ROW_ALIGN
+    return (first + i * step8) * ROW_ALIGN
 
   cta = lax.axis_index("sm")
   # Round r deals items [r * num_ctas, (r + 1) * num_ctas) to the CTAs, in reverse CTA
@@ -93,8 +92,8 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
                                 cfg.grid_tile_width)
     group = bounds_gmem[_GROUP, rank]
     start, end = bounds_gmem[_START, rank], bounds_gmem[_END, rank]
-    first = lax.div(start, _ROW_ALIGN)  # the first step's first row / 8
-    steps = jnp.where(end > start, lax.div(end - first * _ROW_ALIGN + bm - 1, bm), 0)
+    first = lax.div(start, ROW_ALIGN)  # the first step's first row / 8
+    steps = jnp.where(end > start, lax.div(end - first * ROW_ALIGN + bm - 1, bm), 0)
     return group, first, steps, start, end, kt, nt
 
   def wg_origin(wg):
@@ -111,10 +110,10 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
             + [("b", c) for c in range(0, bn, _MASK_COLS)])
 
   scoped = dict(
-      a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=_swizzle_transforms(bk, dtype)),
-      b_smem=plgpu.SMEM((stages, bm, bn), dtype, transforms=_swizzle_transforms(bn, dtype)),
+      a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=swizzle_transforms(bk, dtype)),
+      b_smem=plgpu.SMEM((stages, bm, bn), dtype, transforms=swizzle_transforms(bn, dtype)),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
-                          transforms=_out_transforms(epi_n, out_gmem.dtype)),
+                          transforms=out_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
       masked=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1),
@@ -200,7 +199,7 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
 
   lhs: (M, K), dy: (M, N), both bf16 or both f16. group_sizes: int, traced; its groups'
   rows are consecutive from row 0. The G computed groups are group_sizes[group_offset :
-  group_offset + G] (`mosaic_forward.local_rows`), G = num_groups, which defaults to
+  group_offset + G] (`mgpu.rows.local_rows`), G = num_groups, which defaults to
   len(group_sizes) - group_offset (group_offset then must be concrete, or None: 0).
   Rows of no computed group never contribute. f32 accumulation; out_dtype defaults to
   lhs's dtype.
@@ -208,7 +207,7 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
   if lhs.ndim != 2 or dy.ndim != 2 or lhs.shape[0] != dy.shape[0]:
     raise ValueError(f"lhs must be (M, K) and dy (M, N) with the same M, got"
                      f" lhs.shape={lhs.shape}, dy.shape={dy.shape}")
-  if jnp.dtype(lhs.dtype) not in _DTYPES or dy.dtype != lhs.dtype:
+  if jnp.dtype(lhs.dtype) not in DTYPES or dy.dtype != lhs.dtype:
     raise TypeError(f"lhs and dy must both be bfloat16 or both float16, got"
                     f" lhs.dtype={lhs.dtype}, dy.dtype={dy.dtype}")
   if group_sizes.ndim != 1 or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
@@ -240,12 +239,12 @@ def weight_grad(lhs, dy, group_sizes, group_offset=None, *, num_groups: int | No
   starts, ends = local_rows(group_sizes, group_offset, num_groups, m)
   order = jnp.argsort(starts - ends, stable=True).astype(jnp.int32)  # largest first
   bounds = jnp.stack([order, starts[order], ends[order]])
-  lhs = _pad_for_tma(lhs, _tma_tile(bk, dtype), bk)
-  dy = _pad_for_tma(dy, _tma_tile(bn, dtype), bn)
+  lhs = pad_for_tma(lhs, tma_tile(bk, dtype), bk)
+  dy = pad_for_tma(dy, tma_tile(bn, dtype), bn)
   # Columns: whole swizzle widths, and at least one block: as for the gemm kernel
-  # (`layout._pad_for_tma`), an output narrower than the block computes wrong results
+  # (`layout.pad_for_tma`), an output narrower than the block computes wrong results
   # on the GPU (N = 40 with 128-column blocks) though the interpreter gets them right.
-  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), bn)
+  n_out = max(round_up(n, tma_tile(config.epi_block_n, out_dtype)[1]), bn)
   k_out = max(k, bk)  # likewise rows: at least one block of K
   ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, num_groups=num_groups,

@@ -25,7 +25,6 @@ Operands: lhs, rhs, group_sizes, and with `Plan.offset` an int32 scalar group_of
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib
@@ -35,9 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad, batching, mlir
-# Private but stable: the primitive/impl plumbing has no public alias (as in op.py).
-from jax._src import config as jax_config, core, dispatch
+# Private but stable: core.ShapedArray / core.typeof have no public alias.
+from jax._src import core
 
+from pallas_gemm.core import primitive
 FORMS = ("forward", "weight_grad")
 F32 = np.dtype(np.float32)
 _16BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -115,9 +115,8 @@ def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
     module = importlib.import_module(f"pallas_gemm.grouped.{plan.backend}_{plan.form}")
     kwargs = {} if plan.form == "forward" else dict(num_groups=plan.num_groups)
   common = dict(out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret, **kwargs)
-  # The kernels' index arithmetic is int32 (group_sizes and row_start are, above): traced
-  # with jax_enable_x64 on, their Python-int constants would become int64 and mix with it.
-  with contextlib.nullcontext() if plan.backend == "xla" else jax.enable_x64(False):
+  # group_sizes and row_start are int32 (above), as the kernels' index arithmetic.
+  with primitive.kernel_x64(plan.backend):
     if plan.form == "forward":
       return module.forward(lhs, rhs, group_sizes, row_start, transpose_rhs=plan.transpose_rhs,
                             **common)
@@ -132,24 +131,18 @@ def out_shape(plan: Plan, lhs_shape, rhs_shape) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- primitive
 
-ragged_dot_p = core.Primitive("pallas_gemm_ragged_dot")
-ragged_dot_p.def_impl(functools.partial(dispatch.apply_primitive, ragged_dot_p))
+ragged_dot_p = primitive.new_primitive("pallas_gemm_ragged_dot")
 
 
 @ragged_dot_p.def_effectful_abstract_eval
 def _abstract_eval(lhs, rhs, group_sizes, *rest, plan):
   avals = (lhs, rhs, group_sizes, *rest)
-  manual = {x.manual_axis_type for x in avals}
-  if len(manual) != 1:
-    raise ValueError(
-        "ragged_dot inside jax.shard_map needs lhs, rhs, group_sizes (and group_offset) to "
-        f"vary over the same manual mesh axes; got {[x.manual_axis_type for x in avals]}")
+  primitive.check_manual_axes("ragged_dot", "lhs, rhs, group_sizes (and group_offset)", avals)
   shape = out_shape(plan, lhs.shape, rhs.shape)
   spec = jax.sharding.PartitionSpec(*([None] * len(shape)))
   out = core.ShapedArray(shape, np.dtype(plan.out_dtype), sharding=lhs.sharding.update(spec=spec),
                          manual_axis_type=lhs.manual_axis_type)
-  plain = (core.ShapedArray(x.shape, x.dtype) for x in avals)
-  return out, _effects(plan, *plain)
+  return out, _effects(plan, *primitive.plain(avals))
 
 
 @functools.lru_cache(maxsize=256)
@@ -157,21 +150,13 @@ def _effects(plan: Plan, *avals):
   """None on a GPU; Mosaic GPU's interpreter (CPU) keeps its simulated GPU state through
   ordered io_callbacks, which the primitive must declare."""
   if not plan.interpret:
-    return core.no_effects
-  return jax.make_jaxpr(functools.partial(_kernel, plan))(*avals).effects
+    return primitive.no_effects
+  return primitive.interpret_effects(functools.partial(_kernel, plan), *avals)
 
 
 def _lower(ctx, *args, plan):
-  # Inside jax.shard_map the kernel is each shard's local computation: the varying-axes
-  # check (applied to the result above) has nothing to check inside it.
-  unsharded = lambda aval: core.ShapedArray(aval.shape, aval.dtype)  # noqa: E731
-  inner = ctx.replace(avals_in=[unsharded(x) for x in ctx.avals_in],
-                      avals_out=[unsharded(x) for x in ctx.avals_out])
-  with jax_config._check_vma(False):
-    out = mlir.lower_fun(functools.partial(_kernel, plan), multiple_results=False)(inner, *args)
-  if inner.tokens_out is not None:  # Mosaic GPU's interpreter: ordered effects
-    ctx.set_tokens_out(inner.tokens_out)
-  return out
+  return primitive.lower_local(ctx, functools.partial(_kernel, plan), *args,
+                               multiple_results=False)
 
 
 mlir.register_lowering(ragged_dot_p, _lower)
@@ -190,7 +175,7 @@ def _jvp(primals, tangents, *, plan):
   if type(drhs) is not ad.Zero:
     terms.append(bind(plan, lhs, drhs, group_sizes, *offset))
   if not terms:
-    return out, ad.Zero(core.typeof(out).to_tangent_aval())
+    return out, primitive.zero_like(out)
   return out, functools.reduce(jnp.add, terms)
 
 

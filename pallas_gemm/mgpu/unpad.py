@@ -7,7 +7,7 @@ slice writes such rows slowly: 4104x4160 -> 4097x4097 bf16 took 0.080 ms as a sl
 So on a GPU `unpad` runs the copy kernel, elsewhere (the CPU, interpret mode) the slice.
 
 The Pallas Triton lowering is deprecated in jax 0.11 and emits a DeprecationWarning on
-every compilation; this module filters exactly that message (as `pallas_gemm.triton`).
+every compilation; this module filters exactly that message (as `pallas_gemm.matmul.triton`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
     vector, ride in the same ring stage (TMA from scale arrays transposed to
     (B, K_b, M) / (B, K_b, N)). A 128x128 rhs block scale is one number per step for
     each column piece of the warpgroup tile lying in one 128-column block (the whole
-    tile when its width divides 128; `_block_pieces`), read from global memory (an
+    tile when its width divides 128; `mgpu.scaled_k.block_pieces`), read from global memory (an
     L2-resident (B, K_b, ceil(N/128)) array) while the wgmma runs and folded into the
     row scales, so block scales too cost one multiply-add per element. Each warpgroup
     waits for its products before promoting them.
@@ -55,9 +55,9 @@ Shapes and edges:
   * Any M, N, K. TMA zero-fills out-of-bounds parts of a tile and clips stores, but
     Mosaic GPU describes a swizzled TMA through a view of the whole array, so an
     operand's rows must be a multiple of 8 and its K a multiple of 128: others are
-    zero-padded (`_pad_for_tma`, one copy; zero K columns add exact zeros, and a
+    zero-padded (`pad_for_tma`, one copy; zero K columns add exact zeros, and a
     partial last scale block then scales real and zero products alike). A misaligned
-    output is computed into a padded buffer and sliced (`_unpad`).
+    output is computed into a padded buffer and sliced (`unpad`).
   * NaN / Inf in an operand reach the products and propagate as in the float64
     product of the dequantized operands (up to 0 * inf, which both make NaN).
 """
@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 from jax import lax
@@ -74,9 +73,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mosaic import launch, ring
-from pallas_gemm.mosaic.layout import (_pad_for_tma, _round_up, _swizzle_transforms,
-                                        _tma_padded_shape, _tma_tile, _unpad)
+from pallas_gemm.mgpu import launch, ring, scaled_k
+from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, swizzle_transforms,
+                                        tma_padded_shape, tma_tile, unpad)
 from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -189,9 +188,9 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   wgmma_wait = cfg.wgmma_wait if (k_iters > cfg.wgmma_wait and not plan.promoted) else 0
   column_step = plan.rhs_step == "column"
 
-  lhs_transforms = _swizzle_transforms(bk, lhs_gmem.dtype)
-  rhs_transforms = _swizzle_transforms(bk, rhs_gmem.dtype)
-  out_transforms = _swizzle_transforms(epi_n, out_dtype)
+  lhs_transforms = swizzle_transforms(bk, lhs_gmem.dtype)
+  rhs_transforms = swizzle_transforms(bk, rhs_gmem.dtype)
+  out_transforms = swizzle_transforms(epi_n, out_dtype)
   loads = 2 + plan.lhs_step + column_step  # TMA copies per step
   lhs_multicast = ("cluster",) if cfg.cluster_n > 1 else None
   rhs_multicast = ("cluster",) if cfg.cluster_m > 1 else None
@@ -278,7 +277,7 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
         bb = 0 if plan.rhs_shared else bi
         first = j * k_iters
         if plan.promoted:
-          acc = _promoted_loop(wgmma, first, bb, ni * bn + wg_n0, wg_ms, wg_ns, stages,
+          acc = scaled_k.promoted_loop(wgmma, first, bb, ni * bn + wg_n0, wg_ms, wg_ns, stages,
                                produced, consumed, lhs_scale_smem, rhs_scale_smem,
                                rhs_step_gmem, plan=plan, wg_m=wg_m, wg_n=wg_n,
                                k_iters=k_iters)
@@ -320,85 +319,6 @@ def _plain_loop(wgmma, first, stages, produced, consumed, *, wg_m, wg_n, k_iters
   return acc
 
 
-def _block_pieces(wg_n: int) -> int:
-  """Column pieces of a warpgroup tile that each lie in one 128-column block of the rhs
-  block scales: pieces gcd(wg_n, 128) wide. A warpgroup's first column is a multiple of
-  wg_n (tiles are multiples of it), so each piece starts at a multiple of its width,
-  which divides 128. One piece when wg_n divides 128."""
-  return wg_n // math.gcd(wg_n, 128)
-
-
-def _promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consumed,
-                   lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan: Plan, wg_m,
-                   wg_n, k_iters):
-  """Each 128 of K: products into a zeroed accumulator, times the step's scale, added
-  to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum. k_iters may be
-  traced (the grouped kernel runs none for rows outside every group): zeros then.
-
-  The step's scale is rows[r] (lhs) x cols[c] or the 128x128 block's number (rhs). A
-  block scale is folded into the row vector (a few multiplies per thread), so the
-  accumulator takes one multiply-add per element; per-column rhs scales take two.
-
-  A step waits for its stage before the block accumulator is allocated (zeroed), so
-  no barrier spin loop lies between the accumulator's definition and its wgmma.
-  """
-  row_layout = plgpu.Layout.WGMMA.reduce(1)  # a (wg_m,) vector, one value per acc row
-  col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (wg_n,) vector, one per acc column
-  pieces = _block_pieces(wg_n) if plan.rhs_step == "block" else 1
-  piece_n = wg_n // pieces
-  slot_of = lambda kk: lax.rem(first + kk, stages)  # noqa: E731
-
-  def scales(kk):  # step kk's (rows, cols, block numbers), read from its stage / L2
-    slot = slot_of(kk)
-    rows = cols = None
-    blocks = []
-    if plan.lhs_step:
-      rows = plgpu.load(lhs_scale_smem.at[slot, wg_ms], layout=row_layout, optimized=False)
-    if plan.rhs_step == "column":
-      cols = plgpu.load(rhs_scale_smem.at[slot, wg_ns], layout=col_layout, optimized=False)
-    elif plan.rhs_step == "block":  # one number per column piece
-      blocks = [rhs_step_gmem[bb, kk, lax.div(col0 + p * piece_n, 128)]
-                for p in range(pieces)]
-    return rows, cols, blocks
-
-  def promote(total, blk, rows, cols, blocks):
-    if cols is not None:
-      blk = blk * lax.broadcast_in_dim(cols, (wg_m, wg_n), [1])
-    if not blocks:
-      if rows is not None:
-        blk = blk * lax.broadcast_in_dim(rows, (wg_m, wg_n), [0])
-      return total + blk
-
-    def scaled(piece, number):  # piece * rows * number, one multiply per element
-      if rows is None:
-        return piece * number
-      return piece * lax.broadcast_in_dim(rows * number, piece.shape, [0])
-
-    if pieces == 1:
-      return total + scaled(blk, blocks[0])
-    return total + jnp.concatenate(
-        [scaled(blk[:, p * piece_n:(p + 1) * piece_n], number)
-         for p, number in enumerate(blocks)], axis=1)
-
-  zeros = jnp.zeros((wg_m, wg_n), jnp.float32)
-
-  def step(kk, total):
-    slot = slot_of(kk)
-    plgpu.barrier_wait(produced.at[slot])
-
-    def block(blk_ref):
-      wgmma(blk_ref, slot)
-      # The scales are read while the products run; reading blk_ref waits for them.
-      step_scales = scales(kk)
-      return blk_ref[...], step_scales
-
-    blk, step_scales = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
-    plgpu.barrier_arrive(consumed.at[slot])
-    return promote(total, blk, *step_scales)
-
-  return lax.fori_loop(0, k_iters, step, zeros)
-
-
 def _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_gmem,
               bi, row0, col0, wg, *, config: Config):
   """acc (wg_m, wg_n) times the epilogue scales, cast, stored by TMA in sub-tiles."""
@@ -433,16 +353,6 @@ def _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_
 # ----------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------
-
-
-def _pad_to(x, size: int, axis: int = -1):
-  """x zero-padded along axis up to size (x if it is already that long)."""
-  extra = size - x.shape[axis]
-  if extra <= 0:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
 
 
 def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
@@ -491,19 +401,19 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
               rhs_shared=batch_r == 1 and batch > 1)
 
   # Operands: rows a multiple of 8, K of 128 (the swizzled TMA view; zeros are exact).
-  tile = _tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
-  lhs, rhs = _pad_for_tma(lhs, tile, BLOCK_K), _pad_for_tma(rhs, tile, BLOCK_K)
+  tile = tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
+  lhs, rhs = pad_for_tma(lhs, tile, BLOCK_K), pad_for_tma(rhs, tile, BLOCK_K)
   k_iters = lhs.shape[2] // BLOCK_K
   # Every tile's rows / columns lie inside the scale vectors (no gmem bounds checks).
-  m_all = _round_up(m, bm * config.cluster_m)
-  n_all = _round_up(n, bn * config.cluster_n)
+  m_all = round_up(m, bm * config.cluster_m)
+  n_all = round_up(n, bn * config.cluster_n)
   operands = [lhs, rhs]
   if plan.lhs_step:  # (B, K_b, M'): one contiguous (block_m,) TMA box per step
-    operands.append(_pad_to(jnp.swapaxes(lhs_scales, 1, 2), m_all))
+    operands.append(pad_to(jnp.swapaxes(lhs_scales, 1, 2), m_all))
   if rhs_step == "column":
-    operands.append(_pad_to(jnp.swapaxes(rhs_scales, 1, 2), n_all))
+    operands.append(pad_to(jnp.swapaxes(rhs_scales, 1, 2), n_all))
   elif rhs_step == "block":
-    operands.append(_pad_to(jnp.swapaxes(rhs_scales, 1, 2), n_all // 128 + 1))
+    operands.append(pad_to(jnp.swapaxes(rhs_scales, 1, 2), n_all // 128 + 1))
   if plan.epi_scalar:
     scalar = jnp.ones((batch,), jnp.float32)
     if lhs_kind == "tensor":
@@ -512,11 +422,11 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
       scalar = scalar * rhs_scales[:, 0, 0]
     operands.append(scalar)
   if plan.epi_rows:
-    operands.append(_pad_to(lhs_scales[:, :, 0], m_all))
+    operands.append(pad_to(lhs_scales[:, :, 0], m_all))
   if plan.epi_cols:
-    operands.append(_pad_to(jnp.broadcast_to(rhs_scales[:, :, 0], (batch, n)), n_all))
+    operands.append(pad_to(jnp.broadcast_to(rhs_scales[:, :, 0], (batch, n)), n_all))
 
-  m_out, n_out = _tma_padded_shape(m, n, _tma_tile(config.epi_block_n, out_dtype))
+  m_out, n_out = tma_padded_shape(m, n, tma_tile(config.epi_block_n, out_dtype))
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
   # One CTA (or cluster of CTAs) per SM (or SM pair).
   num_ctas = launch.grid_sms(config.num_sms, interpret, need_gpu=True) // config.cluster_size
@@ -528,5 +438,5 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
       cluster_size=config.cluster_size, kernel_name="pallas_gemm_scaled_fp8")
   out = launch.call(kernel, *operands, interpret=interpret)
   if (m_out, n_out) != (m, n):
-    out = _unpad(out, m, n, interpret)
+    out = unpad(out, m, n, interpret=interpret)
   return out

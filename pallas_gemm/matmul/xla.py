@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import epilogue as _epilogue
-from pallas_gemm import precision as precisions
+from pallas_gemm.core import epilogue as _epilogue
+from pallas_gemm.core import precision as precisions
 
 NAME = "xla"
 # bias and activation go into the expression: XLA fuses them with the dot (cuBLASLt

@@ -7,14 +7,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.unpad import unpad
+from pallas_gemm.mgpu.unpad import unpad  # noqa: F401 - the padded output's way back
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
-def _swizzle_transforms(minor_elems: int, dtype):
+def swizzle_transforms(minor_elems: int, dtype):
   """Tiling + swizzle for a smem tile whose last dim has minor_elems elements."""
   bits = jnp.dtype(dtype).itemsize * 8
   swizzle = plgpu.find_swizzle(minor_elems * bits)
@@ -23,17 +23,17 @@ def _swizzle_transforms(minor_elems: int, dtype):
           plgpu.SwizzleTransform(swizzle))
 
 
-def _tma_tile(minor_elems: int, dtype) -> tuple[int, int]:
+def tma_tile(minor_elems: int, dtype) -> tuple[int, int]:
   """The (rows, cols) tile of the smem transform for a given block minor dim."""
-  tiling, _ = _swizzle_transforms(minor_elems, dtype)
+  tiling, _ = swizzle_transforms(minor_elems, dtype)
   return tiling.tiling
 
 
-def _tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
-  return _round_up(rows, tile[0]), _round_up(cols, tile[1])
+def tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
+  return round_up(rows, tile[0]), round_up(cols, tile[1])
 
 
-def _pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.Array:
+def pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.Array:
   """Zero-pads the last two dims of x up to multiples of the TMA tile.
 
   Mosaic GPU issues a tiled+swizzled TMA through a view of the whole global
@@ -46,15 +46,18 @@ def _pad_for_tma(x: jax.Array, tile: tuple[int, int], min_cols: int = 0) -> jax.
   columns): small arrays are padded up to the block (operands, C and output).
   """
   rows, cols = x.shape[-2:]
-  pr, pc = _tma_padded_shape(rows, cols, tile)
+  pr, pc = tma_padded_shape(rows, cols, tile)
   pc = max(pc, min_cols)
   if (pr, pc) == (rows, cols):
     return x
   return jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, pr - rows), (0, pc - cols)])
 
 
-def _unpad(out: jax.Array, m: int, n: int, interpret: bool) -> jax.Array:
-  """out[:, :m, :n]: the output of a kernel computed into a padded buffer, without the
-  padding (`pallas_gemm.unpad`: a copy kernel on a GPU, 3x faster than XLA's slice for
-  rows that are not 16-byte aligned)."""
-  return unpad(out, m, n, interpret=interpret)
+def pad_to(x, size: int, axis: int = -1):
+  """x zero-padded along axis up to size (x if it is already that long)."""
+  extra = size - x.shape[axis]
+  if extra <= 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)

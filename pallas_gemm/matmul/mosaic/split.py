@@ -28,8 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm import precision as _precision
-from pallas_gemm.epilogue import activate, apply
+from pallas_gemm.core import precision as _precision
+from pallas_gemm.core.epilogue import activate, apply
 
 
 def k_loop(a_smem, b_smem, consumed, *, split: _precision.Split, mma, ready, k0, k1,

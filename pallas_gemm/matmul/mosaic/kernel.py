@@ -32,14 +32,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm import precision as _precision
-from pallas_gemm.mosaic import epilogue as _epilogue
-from pallas_gemm.mosaic import ring
-from pallas_gemm.mosaic import split as _split
-from pallas_gemm.mosaic.config import Config, _swizzle_minor
-from pallas_gemm.mosaic.layout import _swizzle_transforms
-from pallas_gemm.mosaic.pair import Peer, placement
-from pallas_gemm.mosaic.stream_k import StreamK, finish_cut_piece
+from pallas_gemm.core import precision as _precision
+from pallas_gemm.matmul.mosaic import epilogue as _epilogue
+from pallas_gemm.mgpu import ring
+from pallas_gemm.matmul.mosaic import split as _split
+from pallas_gemm.matmul.mosaic.config import Config, _swizzle_minor
+from pallas_gemm.mgpu.layout import swizzle_transforms
+from pallas_gemm.matmul.mosaic.pair import Peer, placement
+from pallas_gemm.matmul.mosaic.stream_k import StreamK, finish_cut_piece
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -170,9 +170,9 @@ def kernel(a_gmem, b_gmem, c_gmem, bias_gmem, out_gmem, pre_gmem, partials_gmem,
   dtype = (a_gmem if split is None else a_gmem[0]).dtype
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
   num_wgs, k_iters, stages, wgmma_wait = cfg.num_compute_wgs, p.k_iters, p.stages, p.wgmma_wait
-  a_transforms = _swizzle_transforms(
+  a_transforms = swizzle_transforms(
       _swizzle_minor(cfg, p.a_block[1], p.a_k_major, split), dtype)
-  b_transforms = _swizzle_transforms(
+  b_transforms = swizzle_transforms(
       _swizzle_minor(cfg, p.b_block[1], p.b_k_major, split), dtype)
   # Which of a's rows this kernel computes, and where each output sub-tile goes.
   a_row0, destinations = placement(p.peer, p.m)

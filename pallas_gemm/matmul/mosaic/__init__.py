@@ -63,21 +63,22 @@ from jax import lax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm import precision as _precision
-from pallas_gemm import tuning  # noqa: F401 - mosaic.tuning.num_sms: the SM count tests set
-from pallas_gemm.mosaic import launch as _launch
-from pallas_gemm.mosaic import pair as _pair
-from pallas_gemm.mosaic import split as _split
-from pallas_gemm.mosaic.config import (SMEM_BYTES_PER_BLOCK, TUNING_GRID, _SUPPORTED_DTYPES,
+from pallas_gemm.core import precision as _precision
+from pallas_gemm.matmul import tuning
+from pallas_gemm.mgpu import hw
+from pallas_gemm.mgpu import launch as _launch
+from pallas_gemm.matmul.mosaic import pair as _pair
+from pallas_gemm.matmul.mosaic import split as _split
+from pallas_gemm.matmul.mosaic.config import (SMEM_BYTES_PER_BLOCK, TUNING_GRID, _SUPPORTED_DTYPES,
                                        Config, _num_sms, _swizzle_minor, check_fits,
                                        check_layout, check_smem_budget, check_split,
                                        default_config, smem_bytes)
-from pallas_gemm.mosaic.epilogue import Epilogue
-from pallas_gemm.mosaic.kernel import Problem, kernel
-from pallas_gemm.mosaic.layout import _pad_for_tma, _tma_padded_shape, _tma_tile, _unpad
-from pallas_gemm.mosaic.pair import Peer, pair_reason
+from pallas_gemm.matmul.mosaic.epilogue import Epilogue
+from pallas_gemm.matmul.mosaic.kernel import Problem, kernel
+from pallas_gemm.mgpu.layout import pad_for_tma, tma_padded_shape, tma_tile, unpad
+from pallas_gemm.matmul.mosaic.pair import Peer, pair_reason
 # gemm looks stream_k_schedule up here, so that a test can wrap it (mosaic.stream_k_schedule).
-from pallas_gemm.mosaic.stream_k import StreamK, stream_k_schedule
+from pallas_gemm.matmul.mosaic.stream_k import StreamK, stream_k_schedule
 
 __all__ = [
     "NAME", "FUSED_ACTIVATIONS", "FUSED_GATES", "INTERPRET_EFFECTS", "KEEPS_PRE",
@@ -109,19 +110,7 @@ INTERPRET_EFFECTS = True
 
 def unavailable_reason() -> str | None:
   """None when the kernel can run here: an sm_90 GPU, or a CPU (interpret)."""
-  try:
-    device = jax.devices()[0]
-  except RuntimeError as e:  # no backend at all
-    return f"no JAX device: {e}"
-  if device.platform == "cpu":
-    return None  # Mosaic GPU interpret mode runs on the CPU.
-  if device.platform != "gpu":
-    return f"Mosaic GPU needs an NVIDIA GPU, the default device is {device.platform}"
-  cc = getattr(device, "compute_capability", None)
-  if cc is None or str(cc) not in ("9.0", "9.0a"):
-    return (f"the kernel uses wgmma, which needs sm_90 (Hopper); the device"
-            f" {device.device_kind} has compute capability {cc}")
-  return None
+  return hw.unavailable_reason()
 
 
 def supports(dtype, precision) -> str | None:
@@ -256,14 +245,14 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   a_minor, b_minor = (bk if a_k_major else bm), (bk if b_k_major else bn)
   pad = lambda x, tile, minor: (  # noqa: E731 - the operand, or each of its pieces
-      _pad_for_tma(x, tile, minor) if split is None
-      else [_pad_for_tma(p, tile, minor) for p in x])
-  a = pad(a, _tma_tile(_swizzle_minor(config, a_minor, a_k_major, split), tile_dtype), a_minor)
-  b = pad(b, _tma_tile(_swizzle_minor(config, b_minor, b_k_major, split), tile_dtype), b_minor)
+      pad_for_tma(x, tile, minor) if split is None
+      else [pad_for_tma(p, tile, minor) for p in x])
+  a = pad(a, tma_tile(_swizzle_minor(config, a_minor, a_k_major, split), tile_dtype), a_minor)
+  b = pad(b, tma_tile(_swizzle_minor(config, b_minor, b_k_major, split), tile_dtype), b_minor)
   if c is not None:
-    c = _pad_for_tma(c, _tma_tile(config.epi_block_n, c.dtype), bn)
-  m_out, n_out = _tma_padded_shape(
-      m, n, _tma_tile(config.epi_block_n, out_dtype))
+    c = pad_for_tma(c, tma_tile(config.epi_block_n, c.dtype), bn)
+  m_out, n_out = tma_padded_shape(
+      m, n, tma_tile(config.epi_block_n, out_dtype))
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
   if bias is not None:  # every sub-tile reads a full epi_n slice of it
     bias = jnp.pad(bias.astype(jnp.float32), (0, n_out - n))
@@ -314,7 +303,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool,
   outs = _launch.call(call, *operands, interpret=interpret)
   outs = outs[:1 + keep_pre]  # without the partials
   if (m_out, n_out) != (m, n):
-    outs = tuple(_unpad(out, m, n, interpret) for out in outs)
+    outs = tuple(unpad(out, m, n, interpret=interpret) for out in outs)
   return tuple(outs) if keep_pre else outs[0]
 
 

@@ -7,23 +7,21 @@ from __future__ import annotations
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm import tuning
+from pallas_gemm.mgpu import hw
 
-# SM count used by interpret mode (the CPU has none) when a config's num_sms is None.
-INTERPRET_NUM_SMS = 4
 
 
 def grid_sms(num_sms: int | None, interpret, *, need_gpu: bool = False) -> int:
-  """CTAs of a persistent grid: num_sms, or else the device's SM count (INTERPRET_NUM_SMS
+  """CTAs of a persistent grid: num_sms, or else the device's SM count (hw.INTERPRET_NUM_SMS
   in interpret mode). need_gpu: a CPU without interpret is a ValueError (else the target
-  GPU's count, `tuning.num_sms`, lets the CPU lower for the GPU)."""
+  GPU's count, `hw.num_sms`, lets the CPU lower for the GPU)."""
   if num_sms is not None:
     return num_sms
   if interpret:
-    return INTERPRET_NUM_SMS
+    return hw.INTERPRET_NUM_SMS
   if need_gpu and jax.devices()[0].platform == "cpu":
     raise ValueError("interpret=False needs a GPU; on the CPU pass interpret=True")
-  return tuning.num_sms()
+  return hw.num_sms()
 
 
 def warpgroup_kernel(body, *, out_type, num_ctas: int, num_compute_wgs: int,

@@ -12,8 +12,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mosaic.config import Config, default_config
-from pallas_gemm.mosaic.epilogue import to_own
+from pallas_gemm.matmul.mosaic.config import Config, default_config
+from pallas_gemm.matmul.mosaic.epilogue import to_own
 
 @dataclasses.dataclass(frozen=True)
 class Peer:

@@ -45,12 +45,10 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
-# Private but stable since jax 0.4: the primitive/impl plumbing has no public alias, and
-# `prim_requires_devices_during_lowering` is how custom_partitioning itself asks for the
-# device assignment at lowering time (our primitive wraps it, so it must ask too).
-from jax._src import config, core, dispatch
+# Private but stable since jax 0.4: core.ShapedArray / core.typeof have no public alias.
+from jax._src import core
 
-from pallas_gemm import epilogue
+from pallas_gemm.core import epilogue, primitive
 
 F32 = np.dtype(np.float32)
 # Whether a K split over two GPUs runs a backend's pair kernels (`_pair_axis`). False: the
@@ -156,7 +154,7 @@ def _mnk(plan: Plan, a_shape, b_shape) -> tuple[int, int, int]:
 def derive(plan: Plan, a_shape, b_shape, dtype, **changes) -> Plan:
   """`plan` with `changes`, and the config re-resolved for the new problem (the
   tangent/cotangent GEMMs have other shapes, layouts and output dtypes)."""
-  from pallas_gemm import tuning  # noqa: PLC0415 - tuning imports the backends
+  from pallas_gemm.matmul import tuning  # noqa: PLC0415 - tuning imports the backends
   c_dtype = changes.pop("c_dtype", None)
   new = dataclasses.replace(plan, **changes)
   m, n, k = _mnk(new, a_shape, b_shape)
@@ -175,26 +173,14 @@ def _local_operands(plan: Plan, ops: Operands):
 
 def _module(plan: Plan):
   """The backend module of the call (pallas_gemm.<backend>)."""
-  return importlib.import_module(f"pallas_gemm.{plan.backend}")
-
-
-def _x64_off(kernel):
-  """`kernel` traced with jax_enable_x64 off: the Pallas and FFI kernels' index arithmetic
-  is int32, and with x64 on their Python-int constants would become int64 and mix with it
-  (lax.div of int32 by int64). Their operands and results are the same either way."""
-
-  def traced(*args, **kwargs):
-    with jax.enable_x64(False):
-      return kernel(*args, **kwargs)
-
-  return traced
+  return importlib.import_module(f"pallas_gemm.matmul.{plan.backend}")
 
 
 def _kernel(plan: Plan, ops: Operands):
   """The backend call on (local) operands: its result, or (act(z), z) for keep_pre."""
   a, b, c, bias = _local_operands(plan, ops)
   module = _module(plan)
-  gemm = module.gemm if plan.backend == "xla" else _x64_off(module.gemm)
+  gemm = module.gemm if plan.backend == "xla" else primitive.x64_off(module.gemm)
   call = functools.partial(
       gemm, a, b, alpha=plan.alpha, transpose_a=plan.transpose_a,
       transpose_b=plan.transpose_b, precision=plan.precision, config=plan.config,
@@ -226,26 +212,20 @@ def _kernel(plan: Plan, ops: Operands):
 
 # ----------------------------------------------------------------------------- primitive
 
-gemm_p = core.Primitive("pallas_gemm")
-gemm_p.multiple_results = True  # [out], or [act(z), z] for a keep_pre plan
-gemm_p.def_impl(functools.partial(dispatch.apply_primitive, gemm_p))
-dispatch.prim_requires_devices_during_lowering.add(gemm_p)
+# [out], or [act(z), z] for a keep_pre plan
+gemm_p = primitive.new_primitive("pallas_gemm", multiple_results=True, requires_devices=True)
 
 
 @gemm_p.def_effectful_abstract_eval
 def _abstract_eval(a, b, *rest, plan, tree):
   m, n, _ = _mnk(plan, a.shape, b.shape)
-  # Inside jax.shard_map the result varies over the manual axes the operands vary over.
-  manual = {x.manual_axis_type for x in (a, b, *rest)}
-  if len(manual) != 1:
-    raise ValueError(
-        "gemm inside jax.shard_map needs a, b (and c) to vary over the same manual mesh axes; "
-        f"got {[x.manual_axis_type for x in (a, b, *rest)]}: apply jax.lax.pcast/pvary to the "
-        "invariant operand, or pass check_vma=False to shard_map")
+  primitive.check_manual_axes(
+      "gemm", "a, b (and c)", (a, b, *rest),
+      ": apply jax.lax.pcast/pvary to the invariant operand, or pass check_vma=False to"
+      " shard_map")
   # a's aval carries the mesh context (shard_map's manual axes) the result lives in.
   out = a.update(shape=(a.shape[0], m, n), dtype=np.dtype(plan.out_dtype), weak_type=False)
-  avals = (core.ShapedArray(x.shape, x.dtype) for x in (a, b, *rest))
-  return [out] * (1 + plan.keep_pre), _effects(plan, tree, *avals)
+  return [out] * (1 + plan.keep_pre), _effects(plan, tree, *primitive.plain((a, b, *rest)))
 
 
 @functools.lru_cache(maxsize=256)
@@ -254,20 +234,11 @@ def _effects(plan: Plan, tree, *avals):
   (INTERPRET_EFFECTS: Mosaic GPU's interpreter keeps its simulated GPU state through
   ordered io_callbacks) has them traced here, as the primitive must declare them."""
   if not (plan.interpret and getattr(_module(plan), "INTERPRET_EFFECTS", False)):
-    return core.no_effects
-  return jax.make_jaxpr(functools.partial(_flat_kernel, plan, tree))(*avals).effects
+    return primitive.no_effects
+  return primitive.interpret_effects(functools.partial(_flat_kernel, plan, tree), *avals)
 
 
 # ----------------------------------------------------------------------------- JVP
-
-
-def _zero(t) -> bool:
-  return t is None or type(t) is ad.Zero
-
-
-def _zero_like(out):
-  """The symbolic zero tangent of out (jax 0.11 has no ad.Zero.from_primal_value)."""
-  return ad.Zero(core.typeof(out).to_tangent_aval())
 
 
 def _jvp_rule(primals, tangents, *, plan, tree):
@@ -289,7 +260,7 @@ def _jvp(primals: Operands, tangents: Operands, *, plan, primal_out=None):
       z, dz = _jvp(primals, tangents, plan=linear)
       out = epilogue.activated(z, plan.activation)
     if type(dz) is ad.Zero:
-      dout = _zero_like(out)
+      dout = primitive.zero_like(out)
     else:
       dout = (epilogue.derivative(z.astype(F32), plan.activation)
               * dz.astype(F32)).astype(plan.out_dtype)
@@ -303,7 +274,7 @@ def _jvp(primals: Operands, tangents: Operands, *, plan, primal_out=None):
     # A second-order path (the first-order JVP only creates a_gate plans): the prologue
     # act'(aux) * a and its tangent in XLA, then the product of a plain plan.
     prologue = functools.partial(_prologue, plan)
-    if _zero(da) and _zero(daux):
+    if primitive.is_zero(da) and primitive.is_zero(daux):
       a = prologue(a, aux)
     else:
       a, da = jax.jvp(prologue, (a, aux), tuple(map(ad.instantiate_zeros, (da, daux))))
@@ -325,17 +296,17 @@ def _jvp(primals: Operands, tangents: Operands, *, plan, primal_out=None):
   # beta*dc + dbias, then + each product. Each partial is rounded to the output dtype, as
   # jnp.dot's own JVP rounds its two products (an f32 partial would make the transposed
   # GEMMs run in f32 for 16-bit inputs).
-  acc, acc_beta = (None, 0.0) if _zero(dc) else (dc, plan.beta)
-  acc_bias = None if _zero(dbias) else dbias
+  acc, acc_beta = (None, 0.0) if primitive.is_zero(dc) else (dc, plan.beta)
+  acc_bias = None if primitive.is_zero(dbias) else dbias
   terms = [(x, y, changes, x_aux) for x, y, changes, x_aux in terms
-           if not _zero(x) and not _zero(y)]
+           if not primitive.is_zero(x) and not primitive.is_zero(y)]
   for x, y, changes, x_aux in terms:
     p = derive(plan, x.shape, y.shape, x.dtype, beta=acc_beta if acc is not None else 0.0,
                bias=acc_bias is not None, c_dtype=None if acc is None else np.dtype(acc.dtype),
                **changes)
     acc, acc_beta, acc_bias = bind(p, x, y, acc, acc_bias, x_aux), 1.0, None
   if acc is None and acc_bias is None:
-    return out, _zero_like(out)
+    return out, primitive.zero_like(out)
   if not terms:  # only c and/or the bias moved
     t = jnp.zeros(out.shape, F32) if acc is None else plan.beta * acc.astype(F32)
     acc = (t if acc_bias is None else t + acc_bias.astype(F32)).astype(plan.out_dtype)
@@ -353,8 +324,8 @@ def _jvp_c_gate(primals, tangents, plan):
   gate = lambda p, c: epilogue.apply(p.astype(F32), c, None, beta=0.0,  # noqa: E731
                                      activation=None, out_dtype=plan.out_dtype,
                                      c_gate=plan.c_gate)
-  if _zero(dc) and _zero(dp):
-    return out, _zero_like(out)
+  if primitive.is_zero(dc) and primitive.is_zero(dp):
+    return out, primitive.zero_like(out)
   _, tangent = jax.jvp(gate, (p, c), tuple(map(ad.instantiate_zeros, (dp, dc))))
   return out, tangent
 
@@ -687,19 +658,8 @@ def _lowering(*args, plan, tree):
 
 
 def _lower(ctx, *args, plan, tree):
-  # The partitioner, not the avals, carries the shardings from here on: traced with the
-  # avals' shardings, a K-sharded lax.dot_general (backend "xla") refuses to guess an
-  # output sharding, and custom_partitioning sees global shapes anyway.
-  unsharded = lambda aval: core.ShapedArray(aval.shape, aval.dtype)  # noqa: E731
-  inner = ctx.replace(avals_in=[unsharded(x) for x in ctx.avals_in],
-                      avals_out=[unsharded(x) for x in ctx.avals_out])
-  # The kernel is the local computation of one shard: jax.shard_map's varying-axes check
-  # (applied to the result above) has nothing to check inside it.
-  with config._check_vma(False):
-    out = mlir.lower_fun(_lowering, multiple_results=True)(inner, *args, plan=plan, tree=tree)
-  if inner.tokens_out is not None:  # Mosaic GPU's interpreter: ordered effects
-    ctx.set_tokens_out(inner.tokens_out)
-  return out
+  return primitive.lower_local(ctx, _lowering, *args, multiple_results=True, plan=plan,
+                               tree=tree)
 
 
 mlir.register_lowering(gemm_p, _lower)

@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import epilogue, op
-from pallas_gemm import precision as _precisions
+from pallas_gemm.core import epilogue
+from pallas_gemm.core.checks import SUPPORTED_DTYPES, dtype_of
+from pallas_gemm.matmul import op
+from pallas_gemm.core import precision as _precisions
 
 BACKENDS = ("xla", "triton", "mosaic", "cuda")
-SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 class BackendUnavailableError(RuntimeError):
@@ -34,7 +35,7 @@ class BackendUnavailableError(RuntimeError):
 
 
 def _backend_module(name: str):
-  return importlib.import_module(f"pallas_gemm.{name}")
+  return importlib.import_module(f"pallas_gemm.matmul.{name}")
 
 
 def backends() -> dict[str, str | None]:
@@ -49,15 +50,6 @@ def backends() -> dict[str, str | None]:
 
 
 # ----------------------------------------------------------------------------- validation
-
-
-def _dtype_of(x, name: str) -> np.dtype:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
-  dtype = np.dtype(x.dtype)
-  if dtype not in SUPPORTED_DTYPES:
-    raise TypeError(f"{name}.dtype must be one of float32, bfloat16, float16; got {dtype}")
-  return dtype
 
 
 def _static_float(x, name: str) -> float:
@@ -181,10 +173,10 @@ def _resolve_config(module, config, m, n, k, dtype, precision, out_dtype, c_dtyp
   if config is not None:
     if not isinstance(config, module.Config):
       raise TypeError(
-          f"config must be a pallas_gemm.{module.NAME}.Config for backend={module.NAME!r}; "
+          f"config must be a pallas_gemm.matmul.{module.NAME}.Config for backend={module.NAME!r}; "
           f"got {type(config).__module__}.{type(config).__qualname__}")
     return config
-  from pallas_gemm import tuning  # imported late: tuning imports backends, not the reverse
+  from pallas_gemm.matmul import tuning  # imported late: tuning imports backends, not the reverse
   return tuning.resolve_config(module.NAME, m, n, k, dtype, precision, out_dtype=out_dtype,
                                c_dtype=c_dtype)
 
@@ -213,7 +205,7 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=0.0, transpose_a=False, transpose_b=Fa
       ``jax.lax.DotAlgorithmPreset`` (jnp.dot's meaning; its input dtypes must match),
       or ``"float32_accurate"``: float32 on tensor cores with an error no worse than IEEE
       SGEMM's, or ``"float32_f16x3"``: faster, each element kept to 23 bits (see
-      ``pallas_gemm/precision.py``).
+      ``pallas_gemm/core/precision.py``).
     out_dtype: result dtype; default the promoted input dtype. Accumulation is float32.
     backend: "auto" | "xla" | "triton" | "mosaic" | "cuda". See ``backends()``.
     config: a backend's ``Config`` (``pallas_gemm.<backend>.Config``); None picks the
@@ -246,7 +238,7 @@ def _gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_dtyp
           config, interpret, bias, activation, a_activation, keep_pre=False, a_given=None):
   """`gemm`, and for `mlp`: keep_pre returns (act(z), z), z the pre-activation; a_given is
   act(a), computed by the keep_pre call that computed a (the product reads it)."""
-  a_dtype, b_dtype = _dtype_of(a, "a"), _dtype_of(b, "b")
+  a_dtype, b_dtype = dtype_of(a, "a"), dtype_of(b, "b")
   dtype = np.dtype(jnp.promote_types(a_dtype, b_dtype))
   for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
     if not isinstance(flag, (bool, np.bool_)):

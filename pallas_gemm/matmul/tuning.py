@@ -63,8 +63,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import precision as precisions
-from pallas_gemm import reference as _reference
+from pallas_gemm.core import precision as precisions
+from pallas_gemm.testing import reference as _reference
 
 CACHE_VERSION = 1
 TABLE_PATH = pathlib.Path(__file__).with_name("tuned_configs.json")
@@ -91,19 +91,6 @@ def precision_class(dtype, precision, backend: str | None = None) -> str:
   if isinstance(precision, str):
     precision = jax.lax.Precision(precision)
   return "ieee" if precision == jax.lax.Precision.HIGHEST else "tf32"
-
-
-@functools.cache
-def num_sms() -> int:
-  """The GPU's SM count, for the backends' shape heuristics.
-
-  132 (the H100 / H200 this project targets) where no GPU is visible, so that CPU tests
-  and lowering pick the tiles the target GPU would.
-  """
-  try:
-    return jax.devices("gpu")[0].core_count
-  except RuntimeError:  # no GPU platform
-    return 132
 
 
 def device_family(device_kind: str) -> str | None:
@@ -318,7 +305,7 @@ def resolve_config(backend_name: str, m, n, k, dtype, precision, device_kind=Non
   A tuned entry that does not fit this call's output/C dtypes (mosaic's epilogue buffers
   depend on them) is passed over for the heuristic, which adapts to them.
   """
-  module = importlib.import_module(f"pallas_gemm.{backend_name}")
+  module = importlib.import_module(f"pallas_gemm.matmul.{backend_name}")
   dtype = np.dtype(dtype)
   tuned = lookup_config(backend_name, module.Config, m, n, k, dtype, precision, device_kind)
   fits = getattr(module, "check_fits", None)
@@ -360,7 +347,7 @@ def validate_table(path: pathlib.Path | None = None) -> list[str]:
     if e["precision"] not in ("ieee", "tf32", "-") or len(e["bucket"]) != 3:
       problems.append(f"entry #{i}: bad precision/bucket {e['precision']!r} {e['bucket']!r}")
     try:
-      cls = importlib.import_module(f"pallas_gemm.{e['backend']}").Config
+      cls = importlib.import_module(f"pallas_gemm.matmul.{e['backend']}").Config
       cls(**_decode(cls, e["config"]))
     except Exception as err:  # noqa: BLE001 - report every kind of failure, keep going
       problems.append(f"entry #{i} ({e['backend']}): {type(err).__name__}: {err}")
@@ -429,7 +416,7 @@ def time_gpu_ms(fn, arg_sets, iterations: int, warmup: bool = True) -> list[floa
 def default_candidates(backend: str, dtype, precision=None) -> list[dict]:
   """The candidate field dicts for (backend, dtype, precision); may include invalid ones
   (filtered later)."""
-  grids = getattr(importlib.import_module(f"pallas_gemm.{backend}"), "TUNING_GRID", {})
+  grids = getattr(importlib.import_module(f"pallas_gemm.matmul.{backend}"), "TUNING_GRID", {})
   if precisions.split_of(precision, dtype) is not None and "split" in grids:
     grid = grids["split"]
   else:
@@ -497,7 +484,7 @@ def autotune(m: int, n: int, k: int, dtype, *, backend: str, precision=None, bat
   """
   _check_can_autotune()
   dtype = np.dtype(dtype)
-  module = importlib.import_module(f"pallas_gemm.{backend}")
+  module = importlib.import_module(f"pallas_gemm.matmul.{backend}")
   reason = module.unavailable_reason() or module.supports(dtype, precision)
   if reason:
     raise RuntimeError(f"backend {backend!r} cannot run {dtype} here: {reason}")

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import tuning
+from pallas_gemm.mgpu import hw
 
 NAME = "cuda"
 
@@ -144,7 +144,7 @@ def full_wave(m: int, n: int) -> bool:
   """Whether an m x n output fills a whole wave of the 128x128 tiles at two blocks per SM,
   from where stream-K evens out the part-full last wave (api's backend choice)."""
   tile = CONFIGS[1]
-  return -(-m // tile.block_m) * -(-n // tile.block_n) >= 2 * tuning.num_sms()
+  return -(-m // tile.block_m) * -(-n // tile.block_n) >= 2 * hw.num_sms()
 
 
 def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None, c_dtype=None,
@@ -162,7 +162,7 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None, c_dtype=Non
   del k, dtype, out_dtype, c_dtype, precision  # the tile depends only on the output grid
   tile, small = CONFIGS[1], CONFIGS[2]  # 128x128, 128x64
   blocks = math.ceil(m / tile.block_m) * math.ceil(n / tile.block_n)
-  return tile if blocks >= 0.9 * tuning.num_sms() else small
+  return tile if blocks >= 0.9 * hw.num_sms() else small
 
 
 # ---------------------------------------------------------------------------
@@ -172,13 +172,13 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None, c_dtype=Non
 
 def _candidate_paths() -> list[pathlib.Path]:
   """Where the library may be: beside this file (regular install, in-tree build),
-  then in every pallas_gemm folder on the import path (scikit-build-core's editable
-  install puts compiled files in site-packages/pallas_gemm, not in the source tree)."""
+  then in every pallas_gemm/matmul folder on the import path (scikit-build-core's editable
+  install puts compiled files in site-packages/pallas_gemm/matmul, not in the source tree)."""
   dirs = [pathlib.Path(__file__).resolve().parent]
   roots = [sysconfig.get_path("platlib"), sysconfig.get_path("purelib"), *sys.path]
   for root in roots:
     if root:
-      dirs.append(pathlib.Path(root).resolve() / "pallas_gemm")
+      dirs.append(pathlib.Path(root).resolve() / "pallas_gemm" / "matmul")
   seen = set()
   paths = []
   for d in dirs:
@@ -391,7 +391,7 @@ def gemm(a, b, c, *, alpha: float, beta: float, transpose_a: bool, transpose_b: 
   if b.dtype != a.dtype:
     raise ValueError(f"b.dtype must equal a.dtype ({a.dtype}), got {b.dtype}")
   if not isinstance(config, Config):
-    raise ValueError(f"config must be a pallas_gemm.cuda.Config, got {config!r}")
+    raise ValueError(f"config must be a pallas_gemm.matmul.cuda.Config, got {config!r}")
   if _LIB is None:
     raise RuntimeError(f"the cuda backend is unavailable: {_LIB_ERROR}")
   if a.ndim != 3 or b.ndim != 3:

@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm import api
-from pallas_gemm import precision as _precisions
+from pallas_gemm.matmul import api
+from pallas_gemm.core import precision as _precisions
 
 # Reason -> how many dot_general calls (traces) went to jax.lax.dot_general instead of gemm.
 FALLBACKS: collections.Counter[str] = collections.Counter()

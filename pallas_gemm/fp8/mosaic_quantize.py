@@ -1,6 +1,6 @@
 """One-pass 1x128 quantize on Hopper (sm_90) in Pallas Mosaic GPU.
 
-``quantize_rows(x, dtype)`` is `scales.quantize(x, dtype, block_shape=(1, 128))` for x
+``quantize_rows(x, dtype)`` is `quantize.quantize(x, dtype, block_shape=(1, 128))` for x
 (R, K) with R a multiple of 8 and K of 128: bitwise the same values and scales, from one
 read of x. XLA computes the same thing in two kernels (the blocks' amax, then the scaled
 cast), which read x twice; this kernel reads each block into registers once, takes its
@@ -12,7 +12,7 @@ Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mosaic.rin
     several tiles in flight per SM are what keep HBM busy.
   * Two consumer warpgroups each take 64 rows of a tile into registers (the wgmma
     layout: a row's 128 values lie in 4 threads of a warp, so its amax is 32 maxes in
-    a thread and two shuffles), compute the row's scale exactly as `scales._quantize`
+    a thread and two shuffles), compute the row's scale exactly as `quantize._quantize`
     does (bit operations on float32: no rounding anywhere but the cast to fp8), and
     write the fp8 values and the (64,) scales into shared memory, which TMA stores to
     the values (R, K) and to the scales transposed, (K / 128, R): a block's scales are
@@ -32,9 +32,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.fp8.scales import _pow2, _saturation, _scale_exponent
-from pallas_gemm.mosaic import launch, ring
-from pallas_gemm.mosaic.layout import _swizzle_transforms
+from pallas_gemm.fp8.scales import pow2, saturation, scale_exponent
+from pallas_gemm.mgpu import launch, ring
+from pallas_gemm.mgpu.layout import swizzle_transforms
 
 BLOCK = 128  # the scale block along K, and a tile's K extent
 BLOCK_ROWS = 128  # rows of a tile: 64 per consumer warpgroup
@@ -53,12 +53,12 @@ def supports(shape, x_dtype) -> bool:
 
 def _row_scales(x, dtype):
   """(scale exponent e, x scaled and clipped) for x (rows, 128) float32: one block per
-  row, with `scales._quantize`'s arithmetic (its `_scale_exponent` and `_saturation`)."""
+  row, with `quantize._quantize`'s arithmetic (its `scale_exponent` and `saturation`)."""
   ax = jnp.abs(x)
   amax = jnp.max(jnp.where(ax < np.float32(np.inf), ax, 0.0), axis=1)  # inf, NaN: 0
-  e = _scale_exponent(amax, dtype)
-  inverse = _pow2(-e)
-  limit = _saturation(e, dtype)
+  e = scale_exponent(amax, dtype)
+  inverse = pow2(-e)
+  limit = saturation(e, dtype)
   scaled = x * lax.broadcast_in_dim(inverse, x.shape, [0])
   limit = lax.broadcast_in_dim(limit, x.shape, [0])
   return e, jnp.minimum(jnp.maximum(scaled, -limit), limit)
@@ -80,9 +80,9 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
 
   scoped = dict(
       x_smem=plgpu.SMEM((stages, BLOCK_ROWS, BLOCK), x_gmem.dtype,
-                        transforms=_swizzle_transforms(BLOCK, x_gmem.dtype)),
+                        transforms=swizzle_transforms(BLOCK, x_gmem.dtype)),
       values_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_rows, BLOCK), dtype,
-                             transforms=_swizzle_transforms(BLOCK, dtype)),
+                             transforms=swizzle_transforms(BLOCK, dtype)),
       scales_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_rows), jnp.float32),
       produced=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages),
@@ -119,7 +119,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
         # The stores from OUT_SLOTS tiles ago must have read this slot.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         values_smem[wg, out] = q.astype(dtype)
-        scales_smem[wg, out] = _pow2(e)
+        scales_smem[wg, out] = pow2(e)
         plgpu.commit_smem()
         row0 = ri * BLOCK_ROWS + wg * wg_rows
         plgpu.copy_smem_to_gmem(values_smem.at[wg, out],
@@ -132,7 +132,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
 
 def quantize_rows(x, dtype, *, num_sms: int | None = None, interpret=False):
   """(values (R, K) dtype, scales (R, K / 128) f32) of x (R, K), `supports` it: each row
-  of each 128 columns scaled by a power of two, as `scales.quantize` does."""
+  of each 128 columns scaled by a power of two, as `quantize.quantize` does."""
   r, k = x.shape
   if not supports(x.shape, x.dtype):
     raise ValueError(f"x: shape {x.shape} / {x.dtype}; quantize_rows takes float32,"

@@ -34,11 +34,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.fp8 import mosaic as fp8_mosaic
+from pallas_gemm.fp8 import mosaic_gemm as fp8_mosaic
 from pallas_gemm.fp8.config import BLOCK_K, Config, check
-from pallas_gemm.grouped import mosaic_forward as grouped
-from pallas_gemm.mosaic import launch, ring
-from pallas_gemm.mosaic.layout import _pad_for_tma, _round_up, _swizzle_transforms, _tma_tile
+from pallas_gemm.mgpu import launch, ring, rows, scaled_k
+from pallas_gemm.mgpu.layout import pad_for_tma, pad_to, round_up, swizzle_transforms, tma_tile
 
 _PLAN = fp8_mosaic.Plan(lhs_step=True, rhs_step="block", epi_scalar=False, epi_rows=False,
                         epi_cols=False, promoted=True, rhs_shared=False)
@@ -48,14 +47,14 @@ def default_config(out_dtype) -> Config:
   """128 x 128 tiles (two 64-row warpgroup tiles: 64 + 64 accumulator registers), 5
   stages. A group's last row tile is partly wasted work, so the narrower tile of the two
   the dense kernel runs; its two 64x64 epilogue sub-tiles per warpgroup also keep every
-  item's stores a multiple of the two epilogue slots (`grouped.store_subtiles`)."""
+  item's stores a multiple of the two epilogue slots (`rows.store_subtiles`)."""
   epi_n = 32 if jnp.dtype(out_dtype).itemsize == 4 else 64
   return Config(block_m=128, block_n=128, stages=5, epi_block_n=epi_n)
 
 
 def _epi_slots(config: Config) -> int:
   """Epilogue slots per warpgroup: 2 where every item's sub-tile count is even (the
-  slot reuse across items that `grouped.store_subtiles` relies on), else 1."""
+  slot reuse across items that `rows.store_subtiles` relies on), else 1."""
   sub_tiles = ((config.wg_block_m // config.epi_block_m)
                * (config.wg_block_n // config.epi_block_n))
   return 2 if sub_tiles % 2 == 0 else 1
@@ -65,7 +64,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
             out_gmem, *, config: Config, k_iters: int, n: int, num_ctas: int):
   """One persistent CTA. lhs_gmem (M', K') fp8; rhs_gmem (G, N', K') fp8;
   lhs_step_gmem (K_b, M'') f32; rhs_step_gmem (G, K_b, N_b') f32; out_gmem (M, N'');
-  items_gmem (4, T) and count_gmem (1,) from `grouped._row_items`."""
+  items_gmem (4, T) and count_gmem (1,) from `rows.row_items`."""
   cfg = config
   bm, bn, bk = cfg.block_m, cfg.block_n, BLOCK_K
   wg_m, wg_n = cfg.wg_block_m, cfg.wg_block_n
@@ -81,21 +80,21 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
 
   def item(j):  # the CTA's j-th work item: (group, row0, lo, hi, column tile)
     t, ni = plgpu.planar_snake(cta + j * num_ctas, (count, n_tiles), 1, cfg.grid_tile_width)
-    row0 = items_gmem[grouped._ROW8, t] * grouped._ROW_ALIGN
-    return (items_gmem[grouped._GROUP, t], row0, items_gmem[grouped._LO, t],
-            items_gmem[grouped._HI, t], ni)
+    row0 = items_gmem[rows.ROW8, t] * rows.ROW_ALIGN
+    return (items_gmem[rows.GROUP, t], row0, items_gmem[rows.LO, t],
+            items_gmem[rows.HI, t], ni)
 
   def steps_of(group):  # rows outside every group run no K step
     return jnp.where(group >= 0, k_iters, 0)
 
   scoped = dict(
       lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype,
-                          transforms=_swizzle_transforms(bk, lhs_gmem.dtype)),
+                          transforms=swizzle_transforms(bk, lhs_gmem.dtype)),
       rhs_smem=plgpu.SMEM((stages, bn, bk), rhs_gmem.dtype,
-                          transforms=_swizzle_transforms(bk, rhs_gmem.dtype)),
+                          transforms=swizzle_transforms(bk, rhs_gmem.dtype)),
       lhs_scale_smem=plgpu.SMEM((stages, bm), jnp.float32),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
-                          transforms=grouped._out_transforms(epi_n, out_gmem.dtype)),
+                          transforms=rows.out_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
@@ -139,11 +138,11 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
       def mma_item(j, step):
         group, row0, lo, hi, ni = item(j)
         steps = steps_of(group)
-        acc = fp8_mosaic._promoted_loop(
+        acc = scaled_k.promoted_loop(
             wgmma, step, group, ni * bn, wg_ms, wg_ns, stages, produced, consumed,
             lhs_scale_smem, None, rhs_step_gmem, plan=_PLAN, wg_m=wg_m, wg_n=wg_n,
             k_iters=steps)
-        grouped.store_subtiles(acc, out_smem, wg, lambda slot_smem, i, jj: grouped.store_rows(
+        rows.store_subtiles(acc, out_smem, wg, lambda slot_smem, i, jj: rows.store_rows(
             slot_smem, out_gmem, row0=row0 + wg_m0 + i * epi_m, col0=ni * bn + jj * epi_n,
             lo=lo, hi=hi))
         return step + steps
@@ -176,15 +175,15 @@ def ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, out_dtype=jnp.
   bm, bn = config.block_m, config.block_n
   k_iters = k // BLOCK_K
 
-  starts, ends = grouped.local_rows(group_sizes, None, g, m)
-  items, count = grouped._row_items(starts, ends, m, bm)
-  tile = _tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
-  lhs, rhs = _pad_for_tma(lhs, tile, BLOCK_K), _pad_for_tma(rhs, tile, BLOCK_K)
+  starts, ends = rows.local_rows(group_sizes, None, g, m)
+  items, count = rows.row_items(starts, ends, m, bm)
+  tile = tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
+  lhs, rhs = pad_for_tma(lhs, tile, BLOCK_K), pad_for_tma(rhs, tile, BLOCK_K)
   # Every item's (block_m,) scale box lies inside: rows up to the last row tile's end.
-  lhs_step = fp8_mosaic._pad_to(lhs_scales.T, _round_up(m, 8) + bm)
+  lhs_step = pad_to(lhs_scales.T, round_up(m, 8) + bm)
   # (G, K_b, N_b'): every column tile's 128-column blocks lie inside.
-  rhs_step = fp8_mosaic._pad_to(jnp.swapaxes(rhs_scales, 1, 2), _round_up(n, bn) // 128 + 1)
-  n_out = max(_round_up(n, _tma_tile(config.epi_block_n, out_dtype)[1]), bn)
+  rhs_step = pad_to(jnp.swapaxes(rhs_scales, 1, 2), round_up(n, bn) // 128 + 1)
+  n_out = max(round_up(n, tma_tile(config.epi_block_n, out_dtype)[1]), bn)
   ctas = launch.grid_sms(config.num_sms, interpret, need_gpu=True)
   body = functools.partial(_kernel, config=config, k_iters=k_iters, n=n, num_ctas=ctas)
   kernel = launch.warpgroup_kernel(

@@ -7,10 +7,10 @@ import math
 import jax
 import numpy as np
 
-from pallas_gemm import precision as precisions
+from pallas_gemm.core import precision as precisions
 
 
-# The activations in float64, from jax.nn (independent of pallas_gemm/epilogue.py).
+# The activations in float64, from jax.nn (independent of pallas_gemm/core/epilogue.py).
 ACTIVATIONS = {
     "relu": jax.nn.relu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=True),
@@ -120,7 +120,7 @@ _COMPUTE_TOL = {
     # 1.04e-3 seen at 1x1x1 on the H200); ~3e-4 normwise at 4096
     "tf32": (2e-3, 1e-5),
     "16bit": (1e-5, 1e-6),  # bf16/f16 products are exact in f32; tensor-core accumulation
-    # float32 from bf16 pieces (pallas_gemm/precision.py): two pieces drop products of
+    # float32 from bf16 pieces (pallas_gemm/core/precision.py): two pieces drop products of
     # 2^-16 (jnp.dot's X3: 1.6e-5 at 4096^3, 1.9e-5 at 8192^3, H200); one piece is
     # bf16 inputs (8 bits: 8x TF32's rounding). X6, X9 and float32_accurate are "ieee".
     "bf16x3": (3e-5, 3e-7),

@@ -14,8 +14,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm import tuning
-from pallas_gemm.mosaic.config import Config, _sub_tiles
+from pallas_gemm.mgpu import hw
+from pallas_gemm.matmul.mosaic.config import Config, _sub_tiles
 
 # K steps that cutting the last round must save each CTA (see stream_k_schedule).
 _STREAM_K_MIN_SAVED_STEPS = 24
@@ -84,7 +84,7 @@ def stream_k_schedule(config: Config, tiles: int, k_iters: int, num_ctas: int,
   """
   rest = tiles % num_ctas
   if (not config.uses_stream_k or interpret or rest == 0
-      or num_ctas * config.cluster_size > tuning.num_sms()
+      or num_ctas * config.cluster_size > hw.num_sms()
       or (num_ctas - rest) * k_iters < _STREAM_K_MIN_SAVED_STEPS * num_ctas
       or (2 * rest < num_ctas and tiles < num_ctas)):
     return None

@@ -12,39 +12,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm import precision as _precision
-from pallas_gemm import tuning
-from pallas_gemm.mosaic import launch
-from pallas_gemm.mosaic.layout import _round_up
-
-# Shared memory per block on sm_90 (cudaDevAttrMaxSharedMemoryPerBlockOptin).
-SMEM_BYTES_PER_BLOCK = 232448
-# Mosaic GPU reserves this much for cross-warp reductions (CompilerParams).
-_RESERVED_SMEM_BYTES = 128 * 4 * 4
+from pallas_gemm.core import precision as _precision
+from pallas_gemm.mgpu import hw, launch
+from pallas_gemm.mgpu.hw import RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK
+from pallas_gemm.mgpu.tiles import check_positive_ints, config_error, deepest_ring
+from pallas_gemm.mgpu.layout import round_up
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16),
                      jnp.dtype(jnp.float16))
-
-
-def config_error(config, field: str, why: str) -> NoReturn:
-  """Raises the ValueError of a Config field that breaks a constraint: the field, its value
-  and why. Every Mosaic kernel's Config validates through it."""
-  raise ValueError(f"Config.{field}={getattr(config, field)!r} is invalid: {why}")
-
-
-def check_positive_ints(config, fields) -> None:
-  """config_error for the first of `fields` that is not a positive int (bools are not)."""
-  for field in fields:
-    value = getattr(config, field)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-      config_error(config, field, "must be a positive int")
-
-
-def deepest_ring(config, smem_bytes):
-  """`config` with the deepest ring, down to 2 stages, whose smem_bytes(config) fits a block."""
-  while config.stages > 2 and smem_bytes(config) > SMEM_BYTES_PER_BLOCK:
-    config = config.replace(stages=config.stages - 1)
-  return config
 
 
 # Autotuning candidates (tuning.default_candidates). Tile order and wgmma_wait moved the
@@ -257,8 +232,8 @@ def smem_bytes(config: Config, dtype, out_dtype, c_dtype=None,
   # The ring (pingpong: a set of `produced` barriers per warpgroup); C loads (2 per wg).
   barriers = 8 * ((3 if config.pingpong else 2) * stages + 2 * config.num_compute_wgs)
   # Each buffer is aligned to 1024 bytes (128-byte swizzle atoms).
-  return (sum(_round_up(x, 1024) for x in (ring, out, c) if x)
-          + barriers + _RESERVED_SMEM_BYTES)
+  return (sum(round_up(x, 1024) for x in (ring, out, c) if x)
+          + barriers + RESERVED_SMEM_BYTES)
 
 
 def check_layout(config: Config, dtype, *, a_k_major: bool,
@@ -374,7 +349,7 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None,
   elif max(m, n) <= 64 or (m <= 128 and n <= 128):
     # Tiny problems: one warpgroup, a small tile, fewer wasted zero rows.
     # B's block must keep the 128-byte swizzle of A (wgmma needs one swizzle).
-    block_n = min(128, _round_up(n, 128 // dtype.itemsize))
+    block_n = min(128, round_up(n, 128 // dtype.itemsize))
     cfg = Config(block_m=64, block_n=block_n, block_k=block_k, stages=4,
                  num_compute_wgs=1, wg_split="n", epi_block_m=64,
                  epi_block_n=_largest_divisor(block_n, 64, 16),
@@ -431,7 +406,7 @@ def _rounds(config: Config, m: int, n: int) -> int:
   tiles_m = -(-m // config.block_m)
   tiles_n = -(-n // config.block_n)
   clusters = -(-tiles_m // config.cluster_m) * -(-tiles_n // config.cluster_n)
-  return -(-clusters // (tuning.num_sms() // config.cluster_size))
+  return -(-clusters // (hw.num_sms() // config.cluster_size))
 
 
 def _sub_tiles(config: Config) -> list[tuple[slice, slice]]:

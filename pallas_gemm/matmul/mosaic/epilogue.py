@@ -19,16 +19,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.epilogue import activate, derivative
-from pallas_gemm.mosaic.config import Config, _sub_tiles
-from pallas_gemm.mosaic.layout import _swizzle_transforms
+from pallas_gemm.core.epilogue import activate, derivative
+from pallas_gemm.matmul.mosaic.config import Config, _sub_tiles
+from pallas_gemm.mgpu.layout import swizzle_transforms
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Epilogue:
   """What the epilogue computes: act(alpha * acc + beta * C + bias), or with c_gate
   act'(C) * alpha * acc (C then not added). activation, c_gate: None or names in
-  `pallas_gemm.epilogue.ACTIVATIONS`."""
+  `pallas_gemm.core.epilogue.ACTIVATIONS`."""
   alpha: float = 1.0
   beta: float = 0.0
   activation: str | None = None
@@ -43,13 +43,13 @@ def allocations(config: Config, out_dtype, c_dtype=None) -> dict:
   num_wgs, epi_m, epi_n = config.num_compute_wgs, config.epi_block_m, config.epi_block_n
   allocs = dict(out_smem=plgpu.SMEM(
       (num_wgs, config.out_slots, epi_m, epi_n), out_dtype,
-      transforms=_swizzle_transforms(epi_n, out_dtype)))
+      transforms=swizzle_transforms(epi_n, out_dtype)))
   if c_dtype is not None:
     # Two per warpgroup: its sub-tiles' C loads alternate between them (prefetch_c).
     allocs["c_barrier"] = plgpu.Barrier(num_barriers=2 * num_wgs)
     if jnp.dtype(c_dtype) != jnp.dtype(out_dtype):
       allocs["c_smem"] = plgpu.SMEM((num_wgs, epi_m, epi_n), c_dtype,
-                                    transforms=_swizzle_transforms(epi_n, c_dtype))
+                                    transforms=swizzle_transforms(epi_n, c_dtype))
   return allocs
 
 
