@@ -13,7 +13,9 @@ Triton lowering; Ampere and newer), `mosaic` (Pallas Mosaic GPU: TMA + wgmma; Ho
 `cuda` (hand-written register-tiled SGEMM as an XLA FFI custom call).
 """
 
-from pallas_gemm.matmul.api import BACKENDS, BackendUnavailableError, backends, dense, gemm, mlp
+from pallas_gemm.matmul.api import gemm
+from pallas_gemm.matmul.auto import BACKENDS, BackendUnavailableError, backends
+from pallas_gemm.matmul.layers import dense, mlp
 from pallas_gemm.matmul.lax_dot import dot_general
 # The function takes its package's name as an attribute: the package's modules stay
 # importable with `from pallas_gemm.fp8 import api` (not `import ... as`).
@@ -21,8 +23,9 @@ from pallas_gemm.grouped import ragged_dot, ragged_dot_general
 from pallas_gemm.fp8 import (dequantize, fp8_dot_general, quantize, scaled_matmul,
                               scaled_ragged_dot)
 from pallas_gemm.matmul.tuning import autotune
+from pallas_gemm.moe import moe_mlp
 
 __all__ = ["BACKENDS", "BackendUnavailableError", "autotune", "backends", "dense", "dequantize",
-           "dot_general", "fp8_dot_general", "gemm", "mlp", "quantize", "ragged_dot",
+           "dot_general", "fp8_dot_general", "gemm", "mlp", "moe_mlp", "quantize", "ragged_dot",
            "ragged_dot_general", "scaled_matmul", "scaled_ragged_dot"]
 __version__ = "0.1.0"

@@ -27,9 +27,7 @@ A NaN scale, and an infinite one on a block of zeros, give NaN on both.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_gemm.fp8 import checks, scales
 from pallas_gemm.core import primitive

@@ -10,7 +10,8 @@ from typing import Literal
 import jax.numpy as jnp
 
 from pallas_gemm.mgpu.hw import RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK
-from pallas_gemm.mgpu.tiles import check_positive_ints, config_error, deepest_ring
+from pallas_gemm.mgpu.tiles import (check_cluster, check_positive_ints, check_ring,
+                                    check_warpgroups, check_wg_tile, config_error, deepest_ring)
 from pallas_gemm.mgpu.layout import round_up
 
 # K per pipeline step, and the scale block along K: one step's products are one scale
@@ -78,48 +79,12 @@ class Config:
     check_positive_ints(self, ("block_m", "block_n", "stages", "num_compute_wgs",
                                "grid_tile_width", "epi_block_m", "epi_block_n", "cluster_m",
                                "cluster_n"))
-    if self.num_compute_wgs not in (1, 2):
-      fail("num_compute_wgs", "must be 1 or 2 (one producer and at most two consumer"
-           " warpgroups fit the register file with these accumulators)")
-    if self.wg_split not in ("m", "n"):
-      fail("wg_split", "must be 'm' or 'n'")
-    if self.grid_minor_dim not in ("m", "n"):
-      fail("grid_minor_dim", "must be 'm' or 'n'")
-    if self.wgmma_wait not in (0, 1) or isinstance(self.wgmma_wait, bool):
-      fail("wgmma_wait", "must be 0 or 1")
+    check_warpgroups(self)
+    check_ring(self)
     if not isinstance(self.fast_accumulation, bool):
       fail("fast_accumulation", "must be a bool")
-    if self.stages <= self.wgmma_wait:
-      fail("stages", f"must exceed wgmma_wait={self.wgmma_wait} (a stage is released"
-           " only after its wgmma completed)")
-    if self.cluster_m not in (1, 2) or self.cluster_n not in (1, 2):
-      fail("cluster_m" if self.cluster_m not in (1, 2) else "cluster_n", "must be 1 or 2")
-    if self.cluster_m == self.cluster_n == 2:
-      fail("cluster_n", "a cluster spans 2 CTAs along m or along n, not both")
-    if self.num_sms is not None and (not isinstance(self.num_sms, int)
-                                     or isinstance(self.num_sms, bool)
-                                     or self.num_sms < self.cluster_size):
-      fail("num_sms", f"must be None or an int >= the cluster size {self.cluster_size}")
-    split = self.block_m if self.wg_split == "m" else self.block_n
-    if split % self.num_compute_wgs:
-      fail(f"block_{self.wg_split}", f"must divide evenly among"
-           f" num_compute_wgs={self.num_compute_wgs} warpgroups")
-    wg_m, wg_n = self.wg_block_m, self.wg_block_n
-    if wg_m % 64:
-      fail("block_m", f"gives a warpgroup tile of {wg_m} rows; wgmma needs a multiple"
-           " of 64 rows per warpgroup")
-    if wg_n % 8 or wg_n > 256:
-      fail("block_n", f"gives a warpgroup tile of {wg_n} columns; wgmma needs a"
-           " multiple of 8, at most 256")
-    if self.block_m > 256 or self.block_n > 256:
-      fail("block_m" if self.block_m > 256 else "block_n",
-           "a TMA box dimension is at most 256 elements")
-    if self.epi_block_m % 64 or wg_m % self.epi_block_m:
-      fail("epi_block_m", f"must be a multiple of 64 (wgmma register layout) dividing"
-           f" the warpgroup tile's {wg_m} rows")
-    if self.epi_block_n % 16 or wg_n % self.epi_block_n:
-      fail("epi_block_n", f"must be a multiple of 16 (a swizzled smem row is at least"
-           f" 32 bytes) dividing the warpgroup tile's {wg_n} columns")
+    check_cluster(self)
+    check_wg_tile(self, self.wg_block_m, self.wg_block_n)
 
   @property
   def wg_block_m(self) -> int:

@@ -75,7 +75,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.mgpu import launch, ring, scaled_k
 from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, swizzle_transforms,
-                                        tma_padded_shape, tma_tile, unpad)
+                                        tma_padded_shape, tma_tile)
+from pallas_gemm.mgpu.unpad import unpad
 from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))

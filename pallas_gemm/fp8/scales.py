@@ -19,7 +19,6 @@ The last axis is always the contraction axis.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax

@@ -23,7 +23,8 @@ from typing import Literal
 import jax.numpy as jnp
 
 from pallas_gemm.mgpu.hw import RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK
-from pallas_gemm.mgpu.tiles import check_positive_ints, config_error, deepest_ring
+from pallas_gemm.mgpu.tiles import (check_positive_ints, check_warpgroups, config_error,
+                                    deepest_ring)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,11 +65,7 @@ class Config:
     fail = functools.partial(config_error, self)
     check_positive_ints(self, ("block_m", "block_n", "block_k", "stages", "num_compute_wgs",
                                "grid_tile_width", "epi_block_m", "epi_block_n", "epi_slots"))
-    if self.num_compute_wgs not in (1, 2):
-      fail("num_compute_wgs", "must be 1 or 2 (1 producer + at most 2 consumer warpgroups"
-           " with these accumulators fit the register file)")
-    if self.wg_split not in ("m", "n"):
-      fail("wg_split", "must be 'm' or 'n'")
+    check_warpgroups(self)
     if self.num_sms is not None and (not isinstance(self.num_sms, int)
                                      or isinstance(self.num_sms, bool) or self.num_sms < 1):
       fail("num_sms", "must be None or a positive int")

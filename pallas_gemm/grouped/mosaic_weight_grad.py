@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mgpu import launch, ring, rows
+from pallas_gemm.mgpu import launch, ring
 from pallas_gemm.mgpu.layout import pad_for_tma, round_up, swizzle_transforms, tma_tile
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 from pallas_gemm.grouped.mosaic_forward import DTYPES, num_ctas

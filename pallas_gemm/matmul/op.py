@@ -81,10 +81,10 @@ class Plan:
   c_gate: str | None = None
   # With an activation: the call returns (act(z), z), z the pre-activation (cuBLASLt's
   # GELU_AUX): a hidden layer whose output the next layer reads and whose z that
-  # layer's gate needs (api.mlp).
+  # layer's gate needs (layers.mlp).
   keep_pre: bool = False
   # With a_activation: operand aux holds act(a), the activation of a computed with a by
-  # a keep_pre call, so the product reads it instead of recomputing act(a) (api.mlp).
+  # a keep_pre call, so the product reads it instead of recomputing act(a) (layers.mlp).
   a_given: bool = False
 
   def __post_init__(self):

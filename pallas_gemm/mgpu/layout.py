@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mgpu.unpad import unpad  # noqa: F401 - the padded output's way back
 
 
 def round_up(x: int, m: int) -> int:

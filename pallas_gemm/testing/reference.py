@@ -190,3 +190,29 @@ def relative_error(out, ref) -> float:
     denom = float(xp.linalg.norm(xp.where(finite, ref64, 0.0)))
     err = float(xp.linalg.norm(diff))
   return err / denom if denom > 0 else err
+
+
+def moe_reference(x, topk_weights, topk_ids, w_gate_up, w_down, activation="swiglu"):
+  """`pallas_gemm.moe_mlp` in float64, written densely: every token through every expert,
+  then weighted by how often (and how much) its row of topk_ids picks that expert. No
+  sort, no gather: independent of the layer's dataflow. Small shapes only (T * E * D * F
+  products). A jnp function under jax_enable_x64, so jax.vjp gives the reference
+  gradients; call it inside `with jax.enable_x64(True)`."""
+  jnp = jax.numpy
+  f64 = jnp.float64
+  name, gated = {"swiglu": ("silu", True), "geglu": ("gelu", True), "silu": ("silu", False),
+                 "gelu": ("gelu", False)}[activation]
+  act = ACTIVATIONS[name]
+  x, w = jnp.asarray(x, f64), jnp.asarray(topk_weights, f64)
+  wgu, wd = jnp.asarray(w_gate_up, f64), jnp.asarray(w_down, f64)
+  e = wd.shape[0]
+  picks = (jnp.asarray(topk_ids)[..., None] == jnp.arange(e)).astype(f64)  # (T, k, E)
+  coef = jnp.einsum("tk,tke->te", w, picks)
+  h = jnp.einsum("td,edf->tef", x, wgu)
+  if gated:
+    f = h.shape[-1] // 2
+    a = act(h[..., :f]) * h[..., f:]
+  else:
+    a = act(h)
+  y = jnp.einsum("tef,efd->ted", a, wd)
+  return jnp.einsum("te,ted->td", coef, y)

@@ -64,7 +64,6 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.core import precision as _precision
-from pallas_gemm.matmul import tuning
 from pallas_gemm.mgpu import hw
 from pallas_gemm.mgpu import launch as _launch
 from pallas_gemm.matmul.mosaic import pair as _pair
@@ -75,7 +74,8 @@ from pallas_gemm.matmul.mosaic.config import (SMEM_BYTES_PER_BLOCK, TUNING_GRID,
                                        default_config, smem_bytes)
 from pallas_gemm.matmul.mosaic.epilogue import Epilogue
 from pallas_gemm.matmul.mosaic.kernel import Problem, kernel
-from pallas_gemm.mgpu.layout import pad_for_tma, tma_padded_shape, tma_tile, unpad
+from pallas_gemm.mgpu.layout import pad_for_tma, tma_padded_shape, tma_tile
+from pallas_gemm.mgpu.unpad import unpad
 from pallas_gemm.matmul.mosaic.pair import Peer, pair_reason
 # gemm looks stream_k_schedule up here, so that a test can wrap it (mosaic.stream_k_schedule).
 from pallas_gemm.matmul.mosaic.stream_k import StreamK, stream_k_schedule

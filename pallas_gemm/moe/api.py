@@ -1,0 +1,120 @@
+"""`moe_mlp`: a Mixture-of-Experts MLP layer (dropless, top-k routed) as one call.
+
+    out = moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down)       # SwiGLU experts
+
+out[t] = sum_j topk_weights[t, j] * FFN_e(x[t]), e = topk_ids[t, j], where for the gated
+activations ("swiglu", "geglu") FFN_e(v) = (act(v Wg[e]) * (v Wu[e])) Wd[e] with
+w_gate_up[e] = [Wg[e] | Wu[e]] (gate = [..., :F], up = [..., F:]), and for "silu" /
+"gelu" FFN_e(v) = act(v W1[e]) Wd[e] with w_gate_up (E, D, F).
+
+Semantics a user can rely on:
+- Dropless: every (token, slot) pair is computed; an expert that receives no token costs
+  no GEMM work.
+- An id outside [0, E) (e.g. -1 for a padded token) routes its pair nowhere: it adds
+  nothing to out and gets no gradient, whatever its weight (unless that weight is NaN or
+  infinite: 0 * NaN is NaN, as IEEE says).
+- The same id twice in a token's row is allowed: both pairs are computed and summed, as
+  the formula says.
+- topk_ids is traced (any integer dtype); so are the weights.
+- Differentiable in x, topk_weights, w_gate_up and w_down in reverse mode (jax.grad,
+  jax.vjp); forward mode (jax.jvp) is not implemented.
+- Leading dims: x (..., D) with topk_weights / topk_ids (..., k).
+The dataflow and why it never scatters: `layer.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_gemm.core import checks
+from pallas_gemm.grouped import BACKENDS
+from pallas_gemm.moe import layer
+
+ACTIVATIONS = tuple(layer.ACTIVATIONS)
+
+
+def _array(x, name: str):
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+
+
+def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "swiglu",
+            precision=None, preferred_element_type=None, backend: str = "auto",
+            config=None):
+  """The MoE layer of the module docstring.
+
+  Args:
+    x: (..., D) float32, bfloat16 or float16: the tokens.
+    topk_weights: (..., k) float: each token's expert weights (a router's output).
+    topk_ids: (..., k) integer: each token's experts, in [0, E) (others: see above).
+    w_gate_up: (E, D, 2F) for "swiglu" / "geglu", (E, D, F) for "silu" / "gelu"; x's dtype.
+    w_down: (E, F, D), x's dtype.
+    activation: "swiglu" (silu gate), "geglu" (tanh-approximate GELU gate), "silu", "gelu".
+    precision: as jax.lax.ragged_dot takes it, for every grouped GEMM.
+    preferred_element_type: the result's dtype (default x's). The GEMMs accumulate in f32
+      and write their intermediates in x's dtype; the weighted sum over k is f32.
+    backend: "auto", "xla" or "mosaic": the grouped GEMMs' (`ragged_dot`'s).
+    config: the Mosaic grouped kernels' Config (`pallas_gemm.grouped.config.Config`),
+      for every grouped GEMM of the call; None picks per shape.
+
+  Returns:
+    (..., D) in preferred_element_type.
+  """
+  for name, a in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
+                  ("w_gate_up", w_gate_up), ("w_down", w_down)):
+    _array(a, name)
+  dtype = checks.dtype_of(x, "x")
+  if activation not in layer.ACTIVATIONS:
+    raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+  gated = layer.ACTIVATIONS[activation][1]
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+  if x.ndim < 1:
+    raise ValueError(f"x must be (..., D); got shape {tuple(x.shape)}")
+  lead, d = tuple(x.shape[:-1]), x.shape[-1]
+  if topk_weights.ndim != x.ndim or tuple(topk_weights.shape[:-1]) != lead:
+    raise ValueError(f"topk_weights must be (..., k) with x's leading dims {lead}; got shape"
+                     f" {tuple(topk_weights.shape)}")
+  if tuple(topk_ids.shape) != tuple(topk_weights.shape):
+    raise ValueError(f"topk_ids must have topk_weights' shape {tuple(topk_weights.shape)}; got"
+                     f" {tuple(topk_ids.shape)}")
+  if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
+    raise TypeError(f"topk_ids.dtype must be an integer dtype; got {np.dtype(topk_ids.dtype)}")
+  if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
+    raise TypeError(f"topk_weights.dtype must be a float dtype; got"
+                    f" {np.dtype(topk_weights.dtype)}")
+  for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+    if np.dtype(w.dtype) != dtype:
+      raise TypeError(f"{name}.dtype must be x's dtype {dtype}; got {np.dtype(w.dtype)}")
+    if w.ndim != 3:
+      raise ValueError(f"{name} must be 3-D (E, ...); got shape {tuple(w.shape)}")
+  e, f = w_down.shape[0], w_down.shape[1]
+  if tuple(w_down.shape) != (e, f, d):
+    raise ValueError(f"w_down must be (E, F, D) with D = x.shape[-1] = {d}; got shape"
+                     f" {tuple(w_down.shape)}")
+  width = 2 * f if gated else f
+  if tuple(w_gate_up.shape) != (e, d, width):
+    what = "(E, D, 2F): gate and up side by side" if gated else "(E, D, F)"
+    raise ValueError(f"w_gate_up must be {what} for activation={activation!r}, with E, F"
+                     f" from w_down {tuple(w_down.shape)} and D = {d}: expected"
+                     f" {(e, d, width)}; got {tuple(w_gate_up.shape)}")
+  out_dtype = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
+  if out_dtype not in checks.SUPPORTED_DTYPES:
+    raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got"
+                    f" {out_dtype}")
+  k = topk_weights.shape[-1]
+  tokens = math.prod(lead)
+  plan = layer.Plan(activation=activation, precision=precision, out_dtype=out_dtype,
+                    backend=backend, config=config)
+  x2 = jnp.reshape(x, (tokens, d))
+  weights2 = jnp.reshape(topk_weights, (tokens, k))
+  ids2 = jnp.reshape(topk_ids, (tokens, k))
+  if tokens == 0 or k == 0:
+    return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
+  d_ = layer.dispatch(ids2, e)
+  out = layer.layer(plan, x2, weights2, w_gate_up, w_down, d_)
+  return out.reshape((*lead, d))

@@ -1,0 +1,164 @@
+"""The dataflow of `moe_mlp` and its gradients, written so that no step scatters.
+
+Forward, for T tokens with k experts each (R = T * k rows, one per (token, slot) pair):
+  1. dispatch: the pairs sorted by expert (stable), so each expert's rows are consecutive:
+     `order` (R,) pair of each sorted row, `token` = order // k, `inverse` (R,) the
+     sorted row of each pair, `group_sizes` (E,). Ids outside [0, E) sort last, past
+     sum(group_sizes): the grouped GEMMs write zeros there and read nothing there.
+  2. xs = x[token] (R, D): a gather.
+  3. h = ragged_dot(xs, w_gate_up) (R, 2F), a = act(gate) * up (R, F) (one fusion).
+  4. y = ragged_dot(a, w_down) (R, D).
+  5. out[t] = sum_j topk_weights[t, j] * y[inverse[t, j]]: a gather and a k-term sum in
+     f32 (one fusion), never a scatter-add into out.
+Backward, from g = d out (T, D), as gathers too:
+  d topk_weights[t, j] = <y[inverse[t, j]], g[t]>;
+  dy[r] = topk_weights[order[r]] * g[token[r]] (a gather);
+  da = dy @ w_down[e]^T and dh = act'(gate) etc. (one fusion); dxs = dh @ w_gate_up[e]^T;
+  the weight gradients on the ragged-contraction kernel: a^T dy and xs^T dh per expert;
+  dx[t] = sum_j dxs[inverse[t, j]] (a gather and a k-term sum; autodiff of step 2 would
+  scatter-add R rows into T).
+The residuals are h and y (bf16, R x 2F and R x D) and the dispatch's int32 vectors; xs
+and a are recomputed (a gather, an elementwise pass), never stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_gemm.core import epilogue
+from pallas_gemm.grouped import ragged_dot_general
+
+F32 = jnp.float32
+
+# (the elementwise function, whether w_gate_up holds [gate | up] of width 2F)
+ACTIVATIONS = {"swiglu": ("silu", True), "geglu": ("gelu", True), "silu": ("silu", False),
+               "gelu": ("gelu", False)}
+
+# The three grouped-GEMM forms (lhs (R, K) ragged along R), as jax.lax.ragged_dot_general
+# and pallas_gemm.ragged_dot_general take them.
+_FORWARD = jax.lax.RaggedDotDimensionNumbers(  # rhs (E, K, N) -> (R, N)
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+_BACKWARD = jax.lax.RaggedDotDimensionNumbers(  # rhs (E, N, K), contracted on K -> (R, N)
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+_WEIGHT_GRAD = jax.lax.RaggedDotDimensionNumbers(  # lhs (R, K), rhs (R, N) -> (E, K, N)
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """What one call computes, static under jit."""
+  activation: str
+  precision: Any
+  out_dtype: Any
+  backend: str
+  config: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+  """The pairs sorted by expert (module docstring, step 1); int32 arrays."""
+  order: jax.Array        # (R,) the pair of each sorted row (pair p = token * k + slot)
+  token: jax.Array        # (R,) the token of each sorted row
+  inverse: jax.Array      # (R,) the sorted row of each pair
+  group_sizes: jax.Array  # (E,) rows per expert
+
+
+jax.tree_util.register_dataclass(Dispatch, data_fields=["order", "token", "inverse",
+                                                        "group_sizes"], meta_fields=[])
+
+
+def dispatch(topk_ids, num_experts: int) -> Dispatch:
+  """The sort of step 1. An id outside [0, E) gets key E: it sorts after every expert's
+  rows and is in no group (the pair contributes nothing and gets no gradient)."""
+  t, k = topk_ids.shape
+  flat = topk_ids.reshape(t * k).astype(jnp.int32)
+  key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+  order = jnp.argsort(key, stable=True).astype(jnp.int32)
+  rows = jnp.arange(t * k, dtype=jnp.int32)
+  # The permutation's inverse: a scatter of R int32s (not of R rows of activations).
+  inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(rows, unique_indices=True)
+  group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  return Dispatch(order=order, token=order // k, inverse=inverse, group_sizes=group_sizes)
+
+
+def _gemm(plan: Plan, lhs, rhs, group_sizes, dims, out_dtype):
+  return ragged_dot_general(lhs, rhs, group_sizes, dims, plan.precision, out_dtype,
+                            backend=plan.backend, config=plan.config)
+
+
+def _act(plan: Plan, h):
+  """a = act(gate) * up (gated) or act(h), computed in f32, rounded to h's dtype."""
+  name, gated = ACTIVATIONS[plan.activation]
+  hf = h.astype(F32)
+  if not gated:
+    return epilogue.activate(hf, name).astype(h.dtype)
+  f = h.shape[-1] // 2
+  return (epilogue.activate(hf[:, :f], name) * hf[:, f:]).astype(h.dtype)
+
+
+def _act_grad(plan: Plan, h, da):
+  """dh from da = d a, through `_act` (f32, rounded to h's dtype)."""
+  name, gated = ACTIVATIONS[plan.activation]
+  hf, daf = h.astype(F32), da.astype(F32)
+  if not gated:
+    return (daf * epilogue.derivative(hf, name)).astype(h.dtype)
+  f = h.shape[-1] // 2
+  gate, up = hf[:, :f], hf[:, f:]
+  dgate = daf * up * epilogue.derivative(gate, name)
+  dup = daf * epilogue.activate(gate, name)
+  return jnp.concatenate([dgate, dup], axis=1).astype(h.dtype)
+
+
+def _combine(rows, inverse, weights, out_dtype):
+  """out[t] = sum_j weights[t, j] * rows[inverse[t, j]] in f32 (step 5)."""
+  t, k = weights.shape
+  picked = rows[inverse].reshape(t, k, rows.shape[-1]).astype(F32)
+  return jnp.einsum("tk,tkd->td", weights.astype(F32), picked).astype(out_dtype)
+
+
+def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
+  xs = x[d.token]
+  h = _gemm(plan, xs, w_gate_up, d.group_sizes, _FORWARD, x.dtype)
+  y = _gemm(plan, _act(plan, h), w_down, d.group_sizes, _FORWARD, x.dtype)
+  return _combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def layer(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
+  """out (T, D) of x (T, D): module docstring. Differentiable in x, topk_weights,
+  w_gate_up and w_down (reverse mode)."""
+  return _forward(plan, x, topk_weights, w_gate_up, w_down, d)[0]
+
+
+def _layer_fwd(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
+  out, (h, y) = _forward(plan, x, topk_weights, w_gate_up, w_down, d)
+  return out, (x, topk_weights, w_gate_up, w_down, d, h, y)
+
+
+def _layer_bwd(plan: Plan, residuals, g):
+  x, topk_weights, w_gate_up, w_down, d, h, y = residuals
+  t, k = topk_weights.shape
+  gf = g.astype(F32)
+  # d topk_weights[t, j] = <y[inverse[t, j]], g[t]>
+  picked = y[d.inverse].reshape(t, k, y.shape[-1]).astype(F32)
+  dweights = jnp.einsum("tkd,td->tk", picked, gf).astype(topk_weights.dtype)
+  # dy[r] = topk_weights[order[r]] * g[token[r]]; rows of no group are never read.
+  dy = (topk_weights.reshape(t * k)[d.order].astype(F32)[:, None] * gf[d.token]).astype(x.dtype)
+  da = _gemm(plan, dy, w_down, d.group_sizes, _BACKWARD, x.dtype)
+  dw_down = _gemm(plan, _act(plan, h), dy, d.group_sizes, _WEIGHT_GRAD, w_down.dtype)
+  dh = _act_grad(plan, h, da)
+  dxs = _gemm(plan, dh, w_gate_up, d.group_sizes, _BACKWARD, x.dtype)
+  dw_gate_up = _gemm(plan, x[d.token], dh, d.group_sizes, _WEIGHT_GRAD, w_gate_up.dtype)
+  dx = _combine(dxs, d.inverse, jnp.ones((t, k), F32), x.dtype)
+  return dx, dweights, dw_gate_up, dw_down, None  # the dispatch is integer: no cotangent
+
+
+layer.defvjp(_layer_fwd, _layer_bwd)
