@@ -9,34 +9,47 @@
   python -m benchmarks --shapes 4096x4096x4096,8x1024x1024x1024 --dtypes f32
   python -m benchmarks --autotune           # GPU: autotune key shapes, report the gain
   python -m benchmarks --full --list        # print the plan and its time estimate, run nothing
+  python -m benchmarks --record             # write a dated record to benchmarks/results/
   python -m benchmarks --sharded            # many GPUs: gemm vs jnp.dot under jit shardings
   python -m benchmarks --mlp                # an MLP training step and an epilogue vs XLA
   python -m benchmarks --precision          # float32 presets / float32_accurate: speed, error
   python -m benchmarks --ragged             # grouped GEMM (benchmarks/ragged.py)
   python -m benchmarks --fp8                # fp8 GEMMs with scales (benchmarks/fp8.py)
   python -m benchmarks --fp8-ragged         # fp8 grouped GEMM (benchmarks/fp8_ragged.py)
+  python -m benchmarks --moe                # the MoE layer (benchmarks/moe.py)
 
 The headline sweep compares bf16 (aligned and misaligned), f32 HIGHEST, float32_accurate
 and a fused bias + GELU layer with jnp.dot in the same run: ratios per round, variants in
 rotated order, median with the quartiles and extremes (benchmarks/headline.py).
 
-Writes results.json, results.md and PNG plots to --out (default
-benchmarks/results/<date>-<device>/) and prints the markdown table last.
+Writes results.json, results.md and PNG plots to --out, by default to
+benchmarks/out/<YYYY-MM-DD>-<device>/ (git-ignored) or, with --record, to the dated record
+benchmarks/results/<YYYY-MM-DD>-<device>/; prints the markdown table, then that folder.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import pathlib
-import re
 import sys
 
 import jax
 
 from benchmarks import headline, report, runner
 from benchmarks import shapes as shapes_lib
+
+# The benchmarks with parsers of their own (`python -m benchmarks --mlp --help`): main hands
+# them the command line; the shape sweep's options below do not apply to them.
+DELEGATED = {
+    "--sharded": ("sharded", "many GPUs: gemm vs jnp.dot under jit shardings"),
+    "--mlp": ("mlp", "MLP training steps and the fused epilogue vs XLA"),
+    "--precision": ("precision", "float32 presets and float32_accurate: speed and error"),
+    "--ragged": ("ragged", "grouped GEMM (ragged_dot) vs lax.ragged_dot and a dense GEMM"),
+    "--fp8": ("fp8", "fp8 GEMMs with scales (scaled_matmul) vs bf16 jnp.dot"),
+    "--fp8-ragged": ("fp8_ragged", "fp8 grouped GEMM (scaled_ragged_dot) vs bf16 grouped"),
+    "--moe": ("moe", "the MoE layer (moe_mlp) vs one written on a grouped GEMM, and dense"),
+}
 
 
 def parse_args(argv):
@@ -60,7 +73,13 @@ def parse_args(argv):
                  "(aliases: f32 = both f32, tf32, ieee, all)")
   p.add_argument("--backends", help="comma-separated: xla, triton, mosaic, cuda, jax-hopper "
                  "(default: every available one; jnp.dot always runs as the baseline)")
-  p.add_argument("--out", type=pathlib.Path, help="results directory")
+  where = p.add_mutually_exclusive_group()
+  where.add_argument("--out", type=pathlib.Path,
+                     help="results directory (default: benchmarks/out/<YYYY-MM-DD>-<device>/, "
+                          "git-ignored)")
+  where.add_argument("--record", action="store_true",
+                     help="write to benchmarks/results/<YYYY-MM-DD>-<device>/, the dated "
+                          "record to commit (also with the other benchmarks below)")
   p.add_argument("--iterations", type=int, default=10, help="timed calls per row (median)")
   p.add_argument("--correctness", action=argparse.BooleanOptionalAction, default=True,
                  help="check each row against an IEEE-f32 reference before timing")
@@ -73,6 +92,10 @@ def parse_args(argv):
   p.add_argument("--autotune", action="store_true",
                  help="GPU only: autotune key shapes (or --shapes) and report the gain")
   p.add_argument("--list", action="store_true", help="print the plan only")
+  other = p.add_argument_group(
+      "other benchmarks", "each takes its own options: python -m benchmarks --mlp --help")
+  for flag, (module_name, text) in DELEGATED.items():
+    other.add_argument(flag, action="store_true", help=f"{text} (benchmarks/{module_name}.py)")
   args = p.parse_args(argv)
   if args.iterations < 1:
     p.error("--iterations must be >= 1")
@@ -88,7 +111,8 @@ _SWEEP_FLAGS = ("quick", "full", "gpu_default", "shapes", "dtypes", "backends", 
 
 
 def _delegate(flag: str, module_name: str, argv: list[str]) -> int:
-  """Runs benchmarks.<module_name>.main on argv without `flag`; exit 2 if it is absent."""
+  """Runs benchmarks.<module_name>.main on argv without `flag`, --record turned into --out
+  (their parsers know only --out); exit 2 if the module is absent."""
   try:
     module = importlib.import_module(f"benchmarks.{module_name}")
   except ModuleNotFoundError as e:
@@ -96,7 +120,14 @@ def _delegate(flag: str, module_name: str, argv: list[str]) -> int:
       raise
     print(f"{flag}: benchmarks/{module_name}.py is not in this checkout", file=sys.stderr)
     return 2
-  return module.main([x for x in argv if x != flag])
+  rest = [x for x in argv if x != flag]
+  if "--record" in rest:
+    rest.remove("--record")
+    if any(x == "--out" or x.startswith("--out=") for x in rest):
+      print(f"{flag}: --record and --out name two folders; pass one", file=sys.stderr)
+      return 2
+    rest += ["--out", str(report.results_dir(record=True))]
+  return module.main(rest)
 
 
 def _select_backends(spec, status) -> tuple[list[str], list[str]]:
@@ -116,23 +147,19 @@ def _select_backends(spec, status) -> tuple[list[str], list[str]]:
   return chosen, notes
 
 
-def _default_out() -> pathlib.Path:
-  kind = re.sub(r"[^A-Za-z0-9]+", "-", jax.devices()[0].device_kind).strip("-")
-  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  return pathlib.Path(__file__).parent / "results" / f"{stamp}-{kind}"
-
-
 def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  # Each of these has its own table and options (`python -m benchmarks --mlp --help`).
-  for flag in ("--sharded", "--mlp", "--precision", "--ragged", "--fp8", "--fp8-ragged"):
+  for flag, (module_name, _) in DELEGATED.items():
     if flag in argv:
-      return _delegate(flag, flag[2:].replace("-", "_"), argv)
+      return _delegate(flag, module_name, argv)
   args = parse_args(argv)
+  out = args.out or report.results_dir(record=args.record)
   on_gpu = jax.default_backend() == "gpu"
   sweep = any(getattr(args, name) for name in _SWEEP_FLAGS)
   if args.headline or (on_gpu and not sweep):
-    return headline.main(argv, args.out or _default_out(), args.rounds, args.iterations)
+    code = headline.main(argv, out, args.rounds, args.iterations)
+    print(report.describe_dir(out), flush=True)
+    return code
   status = runner.available_backends()
   backends, notes = _select_backends(args.backends, status)
   dtypes = shapes_lib.parse_dtypes(args.dtypes)
@@ -152,9 +179,10 @@ def main(argv=None) -> int:
     budget = 240.0 if args.budget_s is None else args.budget_s
     tune_rows = runner.run_autotune(pairs, backends, args.iterations, budget_s=budget)
     meta = report.run_metadata(dict(timer=runner.Timer().name, mode="autotune"), argv)
-    text, written = report.write_all(args.out or _default_out(), meta, [], tune_rows)
+    text, written = report.write_all(out, meta, [], tune_rows)
     print("\n".join(f"wrote {p}" for p in written), flush=True)
     print(text, flush=True)
+    print(report.describe_dir(out), flush=True)
     return 0
 
   table = (shapes_lib.FULL if args.full else
@@ -165,9 +193,11 @@ def main(argv=None) -> int:
   planned = runner.count_planned(pairs, backends, on_gpu)
   budget = args.budget_s if args.budget_s is not None else (
       400.0 if args.full else 300.0 if args.gpu_default else None)
+  seconds = runner.estimate_seconds(pairs, backends, on_gpu, args.iterations, budget)
   print(f"plan: {len(pairs)} (shape, dtype) pairs x [jnp.dot, {', '.join(backends)}] = "
-        f"{planned} measurements, estimated {runner.estimate_seconds(planned, on_gpu) / 60:.1f} "
-        f"min" + (f" (budget {budget:.0f} s)" if budget else ""), flush=True)
+        f"{planned} measurements, estimated {_duration(seconds)} on this "
+        f"{'GPU' if on_gpu else 'CPU'}" + (f" (budget {budget:.0f} s)" if budget else ""),
+        flush=True)
   if not on_gpu and any(b != "xla" for b in backends):
     print(f"CPU: Pallas backends run in interpret mode, only on shapes <= "
           f"{shapes_lib.INTERPRET_MAX_FLOPS:.1e} FLOP", flush=True)
@@ -182,10 +212,15 @@ def main(argv=None) -> int:
   meta = report.run_metadata(dict(info, mode="full" if args.full else
                                   "gpu-default" if args.gpu_default else "quick",
                                   backends_status=status), argv)
-  text, written = report.write_all(args.out or _default_out(), meta, rows)
+  text, written = report.write_all(out, meta, rows)
   print("\n".join(f"wrote {p}" for p in written), flush=True)
   print(text, flush=True)
+  print(report.describe_dir(out), flush=True)
   return 1 if any(r["correct"] is False for r in rows) else 0
+
+
+def _duration(seconds: float) -> str:
+  return f"~{seconds:.0f} s" if seconds < 100 else f"~{seconds / 60:.1f} min"
 
 
 if __name__ == "__main__":

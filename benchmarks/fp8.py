@@ -35,11 +35,9 @@ timing), as a smoke test of this script.
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -48,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import report
 from benchmarks.timing import Timer, ratio_stats, rounds_ms
 from pallas_gemm.testing import reference
 from pallas_gemm import quantize, scaled_matmul
@@ -78,7 +77,8 @@ def parse_args(argv):
                  help="start no new shape after this many seconds")
   p.add_argument("--quick", action="store_true", help="4096^3 only, 3 rounds")
   p.add_argument("--backend", default="auto", help="scaled_matmul's backend")
-  p.add_argument("--out", type=pathlib.Path)
+  p.add_argument("--out", type=pathlib.Path,
+                 help="results directory (default: benchmarks/out/<YYYY-MM-DD>-<device>/)")
   return p.parse_args(argv)
 
 
@@ -286,15 +286,12 @@ def main(argv=None) -> int:
                   sys.argv[2:] if argv is None else [] if isinstance(argv, argparse.Namespace)
                   else argv), skipped=skipped, seconds=time.perf_counter() - start)
   text = markdown(rows, meta)
-  out = args.out
-  if out is None:
-    kind = re.sub(r"[^A-Za-z0-9]+", "-", device).strip("-")
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = pathlib.Path(__file__).parent / "results" / f"{stamp}-{kind}-fp8"
+  out = args.out or report.results_dir(device_kind=device)
   out.mkdir(parents=True, exist_ok=True)
   (out / "fp8.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
   (out / "fp8.md").write_text(text)
   print(f"wrote {out / 'fp8.json'}, {out / 'fp8.md'}\n{text}", flush=True)
+  print(report.describe_dir(out), flush=True)
   return 0
 
 

@@ -1,5 +1,5 @@
 """python -m benchmarks --fp8-ragged: block-scaled fp8 grouped GEMM (`scaled_ragged_dot`)
-against the bf16 grouped GEMMs, on Mixture-of-Experts problems (`grouped.shapes.PROBLEMS`).
+against the bf16 grouped GEMMs, on Mixture-of-Experts problems (`testing.grouped_shapes.PROBLEMS`).
 
 Paths, all in one process per problem, rounds in rotated order:
   bf16 pallas ragged_dot      pallas_gemm.ragged_dot on bf16 x (M, K) and w (G, K, N): the

@@ -10,12 +10,56 @@ import datetime
 import json
 import pathlib
 import platform
+import re
 
 import jax
 import numpy as np
 
 from benchmarks import shapes as shapes_lib
 from benchmarks.runner import DOT, geomean
+
+# Dated records, committed with a README that says what they show (--record writes here).
+RECORDS_DIR = pathlib.Path(__file__).parent / "results"
+# Every other run without --out: git-ignored, so a run leaves the working tree clean.
+SCRATCH_DIR = pathlib.Path(__file__).parent / "out"
+
+
+def device_name(device_kind: str) -> str:
+  """The short device name of a results folder: "NVIDIA H100 80GB HBM3" -> "h100".
+
+  The model is the first word that runs letters into digits (h100, a100, t4); a kind without
+  one ("cpu", "GeForce RTX 4090") keeps all its words.
+  """
+  words = [w for w in re.split(r"[^a-z0-9]+", device_kind.lower()) if w and w != "nvidia"]
+  model = next((w for w in words if re.fullmatch(r"[a-z]+[0-9]+[a-z]*", w)), None)
+  return model or "-".join(words) or "device"
+
+
+def results_dir(record: bool = False, device_kind: str | None = None,
+                day: datetime.date | None = None) -> pathlib.Path:
+  """<RECORDS_DIR or SCRATCH_DIR>/<YYYY-MM-DD>-<device>/: one folder per day and device, so
+  the modes run on one day (results.json, headline.json, mlp.json, ...) share it."""
+  kind = jax.devices()[0].device_kind if device_kind is None else device_kind
+  day = datetime.date.today() if day is None else day
+  return (RECORDS_DIR if record else SCRATCH_DIR) / f"{day.isoformat()}-{device_name(kind)}"
+
+
+def describe_dir(path: pathlib.Path) -> str:
+  """Where a run's files went, in words a reader can act on."""
+  shown = _relative(path)
+  if path.resolve().is_relative_to(SCRATCH_DIR.resolve()):
+    return (f"results in {shown}/ (git-ignored; --record writes a dated record to "
+            f"{_relative(RECORDS_DIR)}/ instead)")
+  if path.resolve().is_relative_to(RECORDS_DIR.resolve()):
+    return f"results in {shown}/ (a dated record: add a README.md before committing it)"
+  return f"results in {shown}/"
+
+
+def _relative(path: pathlib.Path) -> str:
+  try:
+    return str(path.resolve().relative_to(pathlib.Path.cwd()))
+  except ValueError:
+    return str(path)
 
 
 def run_metadata(info: dict, argv: list[str]) -> dict:

@@ -84,9 +84,9 @@ def _call_for(backend, shape, dt, use_tuned):
     return _hopper_call(shape, dt)
   if backend == AUTO:  # the config column names the backend auto chose
     leading = (shape.k, shape.n, shape.n)
-    chosen = pallas_gemm.matmul.api._auto_backend(dt.dtype, dt.precision, shape.m, shape.n, shape.k, leading)
+    chosen = pallas_gemm.matmul.auto.auto_backend(dt.dtype, dt.precision, shape.m, shape.n, shape.k, leading)
     return jax.jit(lambda a, b: pallas_gemm.gemm(a, b, precision=dt.precision)), {"chose": chosen}
-  module = importlib.import_module(f"pallas_gemm.{backend}")
+  module = pallas_gemm.matmul.auto.backend_module(backend)
   reason = module.supports(dt.dtype, dt.precision)
   if reason:
     raise NotApplicable(reason)
@@ -207,7 +207,7 @@ def run_autotune(pairs, backends: list[str], iterations: int, budget_s: float | 
     for backend in backends:
       if backend in ("xla", DOT, HOPPER):
         continue  # nothing to tune
-      module = importlib.import_module(f"pallas_gemm.{backend}")
+      module = pallas_gemm.matmul.auto.backend_module(backend)
       if module.supports(dt.dtype, dt.precision):
         continue
       row = dict(backend=backend, shape=shape.label, variant=dt.name, default_ms=None,
@@ -245,9 +245,47 @@ def run_autotune(pairs, backends: list[str], iterations: int, budget_s: float | 
   return rows
 
 
-def estimate_seconds(planned: int, on_gpu: bool) -> float:
-  """Rough wall time: compile + correctness + 10 timed calls, ~1.3 s a row on H100."""
-  return planned * (1.3 if on_gpu else 2.0)
+# Seconds a measured row costs besides its calls (compile, correctness check, timing), read
+# off the elapsed times of sweeps on each platform. A GPU compiles every backend in about the
+# same time and its calls are short. On a CPU, XLA's rows take a fraction of a second plus
+# their calls at the CPU's rate, the jnp.dot row also draws the inputs and computes the
+# float64 reference, and the Pallas interpreter (tiny shapes only) steps through the kernel's
+# grid: mosaic, which emulates its warpgroups and barriers, is the slowest. Rows a backend
+# does not support cost nothing.
+_GPU_ROW_S = 1.0
+_CPU_ROW_S = {DOT: 0.4, "triton": 0.7, "mosaic": 2.7}
+_CPU_XLA_ROW_S = 0.05
+_CPU_FLOP_PER_S = 2e11  # a few cores; a bigger machine finishes sooner than estimated
+# Start-up (importing jax, finding the backends) and writing the report and plots.
+_FIXED_S = 5.0
+
+
+def estimate_seconds(pairs, backends: list[str], on_gpu: bool, iterations: int = 10,
+                     budget_s: float | None = None) -> float:
+  """Wall time of run(pairs, backends): the rows this platform will time, at its cost per row,
+  capped by the budget (a started shape finishes, so the cap is approximate)."""
+  seconds = 0.0
+  for shape, dt in pairs:
+    for backend in _todo(shape, backends, on_gpu):
+      if not _supported(backend, dt):
+        continue
+      if on_gpu:
+        seconds += _GPU_ROW_S
+        continue
+      # One correctness call, one warm-up per input set (2 on a CPU), the timed calls; the
+      # float64 reference costs about two more.
+      calls = iterations + 3 + (2 if backend == DOT else 0)
+      seconds += _CPU_ROW_S.get(backend, _CPU_XLA_ROW_S) + calls * shape.flops / _CPU_FLOP_PER_S
+  if budget_s is not None:
+    seconds = min(seconds, budget_s)
+  return seconds + _FIXED_S
+
+
+def _supported(backend: str, dt) -> bool:
+  """False where _call_for will answer NotApplicable from the backend's supports()."""
+  if backend in (DOT, AUTO, HOPPER):
+    return True
+  return not pallas_gemm.matmul.auto.backend_module(backend).supports(dt.dtype, dt.precision)
 
 
 def _todo(shape, backends, on_gpu: bool) -> list[str]:

@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import pallas_gemm  # noqa: E402
-from pallas_gemm.matmul import api  # noqa: E402
+from pallas_gemm.matmul import auto  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 # Fresh random inputs every run; the seed is printed so a failure can be replayed.
@@ -43,7 +43,7 @@ def skip_reason(backend: str, dtype=None, precision=None) -> str | None:
   if reason is not None:
     return f"backend {backend} unavailable: {reason}"
   if dtype is not None:
-    reason = api._backend_module(backend).supports(np.dtype(dtype), precision)
+    reason = auto.backend_module(backend).supports(np.dtype(dtype), precision)
     if reason is not None:
       return f"backend {backend} does not support {np.dtype(dtype)}/{precision}: {reason}"
   return None
@@ -63,7 +63,7 @@ def jax_config(name: str, value):
     jax.config.update(name, previous)
 
 
-@pytest.fixture(params=api.BACKENDS)
+@pytest.fixture(params=auto.BACKENDS)
 def backend(request):
   reason = skip_reason(request.param)
   if reason:

@@ -1,11 +1,13 @@
-"""backend="auto": the decision table of api._auto_backend (README documents it)."""
+"""backend="auto": the decision table of auto.auto_backend (README documents it)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_gemm.matmul import api, tuning
+from pallas_gemm.matmul import auto
+from pallas_gemm.matmul import api
+from pallas_gemm.mgpu import hw
 
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = np.dtype(jnp.bfloat16)
@@ -14,9 +16,9 @@ F32 = np.dtype(np.float32)
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-  monkeypatch.setattr(api, "_on_gpu", lambda: True)
-  monkeypatch.setattr(api, "backends", lambda: {name: None for name in api.BACKENDS})
-  monkeypatch.setattr(tuning, "num_sms", lambda: 132)  # the H200 the table was measured on
+  monkeypatch.setattr(hw, "on_gpu", lambda: True)
+  monkeypatch.setattr(auto, "backends", lambda: {name: None for name in auto.BACKENDS})
+  monkeypatch.setattr(hw, "num_sms", lambda: 132)  # the H200 the table was measured on
 
 
 @pytest.mark.parametrize("dtype,precision,shape,expected", [
@@ -38,11 +40,11 @@ def fake_gpu(monkeypatch):
 ])
 def test_auto_on_gpu(fake_gpu, dtype, precision, shape, expected):
   m, n, k = shape
-  assert api._auto_backend(dtype, precision, m, n, k, (k, n, n)) == expected
+  assert auto.auto_backend(dtype, precision, m, n, k, (k, n, n)) == expected
 
 
 def test_auto_batched_ieee_f32_stays_on_cublas(fake_gpu):
-  assert api._auto_backend(F32, HIGHEST, 4097, 4097, 4097, (4097,) * 3, batch=2) == "xla"
+  assert auto.auto_backend(F32, HIGHEST, 4097, 4097, 4097, (4097,) * 3, batch=2) == "xla"
 
 
 @pytest.mark.parametrize("transpose_a,transpose_b,expected", [
@@ -50,19 +52,19 @@ def test_auto_batched_ieee_f32_stays_on_cublas(fake_gpu):
     (False, True, "xla"),  # both operands K-contiguous: the cuda kernel's slow layout
 ])
 def test_auto_ieee_f32_by_layout(fake_gpu, transpose_a, transpose_b, expected):
-  assert api._auto_backend(F32, HIGHEST, 4097, 4097, 4097, (4097,) * 3,
+  assert auto.auto_backend(F32, HIGHEST, 4097, 4097, 4097, (4097,) * 3,
                            transpose_a=transpose_a, transpose_b=transpose_b) == expected
 
 
 def test_auto_batched_small_cubes_stay_on_cublas(fake_gpu):
   # 64 x 256^3 bf16: cuBLAS's batched kernel beat the Triton kernel (0.80x) in the sweep.
-  assert api._auto_backend(BF16, None, 256, 256, 256, (256, 256, 256), batch=64) == "xla"
-  assert api._auto_backend(BF16, None, 256, 256, 256, (256, 256, 256), batch=1) == "triton"
+  assert auto.auto_backend(BF16, None, 256, 256, 256, (256, 256, 256), batch=64) == "xla"
+  assert auto.auto_backend(BF16, None, 256, 256, 256, (256, 256, 256), batch=1) == "triton"
 
 
 def test_auto_on_cpu_is_xla(monkeypatch):
-  monkeypatch.setattr(api, "_on_gpu", lambda: False)
-  assert api._auto_backend(BF16, None, 4097, 4097, 4097, (4097, 4097, 4097)) == "xla"
+  monkeypatch.setattr(hw, "on_gpu", lambda: False)
+  assert auto.auto_backend(BF16, None, 4097, 4097, 4097, (4097, 4097, 4097)) == "xla"
 
 
 @pytest.mark.parametrize("shape,dtype,epilogue,batch,expected", [
@@ -76,7 +78,7 @@ def test_auto_on_cpu_is_xla(monkeypatch):
 ])
 def test_auto_with_epilogue(fake_gpu, shape, dtype, epilogue, batch, expected):
   m, n, k = shape
-  assert api._auto_backend(dtype, None, m, n, k, (k, n, n), batch=batch,
+  assert auto.auto_backend(dtype, None, m, n, k, (k, n, n), batch=batch,
                            has_epilogue=epilogue) == expected
 
 
@@ -94,7 +96,7 @@ def test_auto_with_epilogue(fake_gpu, shape, dtype, epilogue, batch, expected):
 ])
 def test_auto_precisions(fake_gpu, precision, shape, expected):
   m, n, k = shape
-  assert api._auto_backend(F32, precision, m, n, k, (k, n, n)) == expected
+  assert auto.auto_backend(F32, precision, m, n, k, (k, n, n)) == expected
 
 
 @pytest.mark.parametrize("kwargs,epilogue", [
@@ -102,7 +104,7 @@ def test_auto_precisions(fake_gpu, precision, shape, expected):
     ({"c": True, "beta": 1.0}, True), ({"c": True, "beta": 0.0}, False)])
 def test_gemm_tells_auto_about_its_epilogue(monkeypatch, kwargs, epilogue):
   seen = []
-  monkeypatch.setattr(api, "_auto_backend", lambda *a, **kw: seen.append(kw["has_epilogue"]) or "xla")
+  monkeypatch.setattr(auto, "auto_backend", lambda *a, **kw: seen.append(kw["has_epilogue"]) or "xla")
   a = jnp.ones((8, 4), jnp.bfloat16)
   b = jnp.ones((4, 6), jnp.bfloat16)
   kwargs = dict(kwargs)

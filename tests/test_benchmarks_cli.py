@@ -1,11 +1,17 @@
 """The benchmark command line on a CPU: the headline sweep, --mlp's training steps, the
-round-robin timing and its ratio statistics (tiny shapes; the GPU runs the same code)."""
+round-robin timing and its ratio statistics (tiny shapes; the GPU runs the same code), the
+modes --help lists and where a run's results go."""
 
+import datetime
 import json
+import pathlib
+import re
+import shutil
+import subprocess
 
 import pytest
 
-from benchmarks import timing
+from benchmarks import report, timing
 from benchmarks.__main__ import _delegate, main
 
 
@@ -92,3 +98,39 @@ def test_fp8_ragged_on_cpu(tmp_path):
 def test_missing_benchmark_module_exits_2(capsys):
   assert _delegate("--nope", "no_such_benchmark", ["--nope"]) == 2
   assert "benchmarks/no_such_benchmark.py" in capsys.readouterr().err
+
+
+def test_help_lists_every_mode(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--help"])
+  assert exit_info.value.code == 0
+  text = capsys.readouterr().out
+  for flag in ("--quick", "--headline", "--full", "--gpu-default", "--autotune", "--list",
+               "--out", "--record", "--sharded", "--mlp", "--precision", "--ragged", "--fp8",
+               "--fp8-ragged", "--moe"):
+    # The flag, its metavar if any, then a line of help.
+    assert re.search(rf"^  {re.escape(flag)}( [A-Z_]+)? +\S", text, re.MULTILINE), flag
+
+
+def test_results_folder_is_date_and_device():
+  day = datetime.date(2026, 11, 25)
+  assert report.results_dir(device_kind="NVIDIA H100 80GB HBM3", day=day) == (
+      report.SCRATCH_DIR / "2026-11-25-h100")
+  assert report.results_dir(record=True, device_kind="NVIDIA H200", day=day) == (
+      report.RECORDS_DIR / "2026-11-25-h200")
+  assert report.device_name("cpu") == "cpu"
+  assert report.device_name("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+  assert re.fullmatch(r"\d{4}-\d{2}-\d{2}-[a-z0-9-]+", report.results_dir().name)
+
+
+def test_a_plain_run_leaves_the_work_tree_clean():
+  # A plain run writes under SCRATCH_DIR; the dated records beside it stay tracked.
+  root = pathlib.Path(__file__).resolve().parents[1]
+  if shutil.which("git") is None or not (root / ".git").exists():
+    pytest.skip("not a git checkout")
+  def ignored(path):  # git check-ignore: 0 ignored, 1 not ignored
+    return subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=root,
+                          check=False).returncode == 0
+
+  assert ignored(report.results_dir() / "results.json")
+  assert not ignored(report.results_dir(record=True, device_kind="NVIDIA H200") / "results.json")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import random, skip_reason
-from pallas_gemm.matmul import api
+from pallas_gemm.matmul import auto
 from pallas_gemm.testing.reference import relative_error, tolerance
 
 from pallas_gemm.matmul import lax_dot as dg
@@ -24,7 +24,7 @@ from pallas_gemm.matmul import lax_dot as dg
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16
 # The kernel backends (Pallas ones in interpret mode on a CPU): a few tiny cases each.
-PALLAS = [name for name in api.BACKENDS if name != "xla"]
+PALLAS = [name for name in auto.BACKENDS if name != "xla"]
 
 
 def _grid(count, seed=0):

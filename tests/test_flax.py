@@ -19,7 +19,7 @@ from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from conftest import random, skip_reason  # noqa: E402
-from pallas_gemm.matmul import api  # noqa: E402
+from pallas_gemm.matmul import auto  # noqa: E402
 from pallas_gemm.testing.reference import relative_error, tolerance  # noqa: E402
 
 from pallas_gemm.matmul import lax_dot as dg
@@ -27,7 +27,7 @@ from pallas_gemm.matmul import lax_dot as dg
 HIGHEST = jax.lax.Precision.HIGHEST
 BF16 = jnp.bfloat16
 # The kernel backends (Pallas ones in interpret mode on a CPU): one tiny layer each.
-PALLAS = [name for name in api.BACKENDS if name != "xla"]
+PALLAS = [name for name in auto.BACKENDS if name != "xla"]
 # (dtype of the layer and its inputs, precision): IEEE f32 and bf16.
 DTYPES = [(np.float32, HIGHEST), (BF16, None)]
 DTYPE_IDS = ["f32-highest", "bf16"]

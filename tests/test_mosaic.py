@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_gemm.matmul import mosaic
+from pallas_gemm.mgpu import hw
 from pallas_gemm.testing.reference import reference, relative_error, tolerance
 
 Config = mosaic.Config

@@ -18,7 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import jax_config, random
 from pallas_gemm.grouped import mosaic_forward, mosaic_weight_grad
-from pallas_gemm.mgpu import rows
+from pallas_gemm.mgpu import rows as mgpu_rows
 from pallas_gemm.grouped.config import Config, default_config, smem_bytes
 from pallas_gemm.testing.reference import reference, relative_error, tolerance
 
@@ -132,8 +132,8 @@ def test_row_items_cover_every_row_once(rng, block_m):
 
   @jax.jit
   def table(sizes, offset):
-    starts, ends = rows.local_rows(sizes, offset, g, m)
-    return rows.row_items(starts, ends, m, block_m)
+    starts, ends = mgpu_rows.local_rows(sizes, offset, g, m)
+    return mgpu_rows.row_items(starts, ends, m, block_m)
 
   for trial in range(30):
     sizes = rng.integers(0, 3, g + extra) * rng.integers(0, 2 * m // g, g + extra)
@@ -141,7 +141,7 @@ def test_row_items_cover_every_row_once(rng, block_m):
       sizes[rng.integers(0, g + extra)] = m  # one group holds every row (and more)
     items, count = (np.asarray(x) for x in table(jnp.asarray(sizes, jnp.int32), extra))
     count = int(count[0])
-    assert count <= items.shape[1] == rows.max_row_items(m, g, block_m)
+    assert count <= items.shape[1] == mgpu_rows.max_row_items(m, g, block_m)
     owner = np.full(m, -2)
     bounds = _bounds(sizes, extra, g, m)
     for group, row8, lo, hi in items[:, :count].T:

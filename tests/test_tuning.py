@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pallas_gemm.matmul import tuning
-from pallas_gemm.matmul.api import BACKENDS
+from pallas_gemm.matmul.auto import BACKENDS
 
 DEVICE = "NVIDIA H100 80GB HBM3"
 F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)

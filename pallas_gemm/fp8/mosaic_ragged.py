@@ -11,12 +11,12 @@ activation's) and rhs_scales (G, ceil(N/128), K/128) (each expert's 128x128 weig
 blocks); rows past sum(group_sizes) are zeros.
 
 It is the two kernels it is built from, joined:
-  * the grouped forward's work items (`grouped.mosaic_forward`): each group's rows cut
+  * the grouped work items (`mgpu.rows`, as the bf16 grouped forward): each group's rows cut
     into row tiles from its first row rounded down to a multiple of 8, an item one row
     tile of one group (or of the rows in no group), built on the device from the traced
     group sizes; each CTA walks (item, column tile) pairs; an item's epilogue stores only
     its own rows (`store_rows`), so no row of a neighbouring group is ever written;
-  * the fp8 kernel's promoted K loop (`fp8.mosaic._promoted_loop`): per 128 of K the
+  * the fp8 kernel's promoted K loop (`mgpu.scaled_k.promoted_loop`): per 128 of K the
     wgmma products go into a zeroed accumulator, multiplied by the row scales times the
     item's expert's block scale, and added into an f32 register sum. The step's lhs
     scales, a (block_m,) vector, ride in the ring stage (TMA from the scales transposed to

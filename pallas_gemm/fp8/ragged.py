@@ -6,7 +6,7 @@
 
 Backends: "xla" dequantizes both operands to float32 and runs `jax.lax.ragged_dot` at
 HIGHEST precision (the reference, and the CPU path); "mosaic" is the Hopper kernel
-(ragged_mosaic.py; interpret mode on a CPU); "auto" takes mosaic on a Hopper GPU.
+(mosaic_ragged.py; interpret mode on a CPU); "auto" takes mosaic on a Hopper GPU.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
                              precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)
     return out.astype(out_dtype)
-  from pallas_gemm.fp8 import ragged_mosaic  # noqa: PLC0415 - the GPU kernel, on demand
+  from pallas_gemm.fp8 import mosaic_ragged  # noqa: PLC0415 - the GPU kernel, on demand
 
   with primitive.kernel_x64("mosaic"):
-    return ragged_mosaic.ragged_gemm(lhs, rhs, sizes, ls, rs, out_dtype=out_dtype,
+    return mosaic_ragged.ragged_gemm(lhs, rhs, sizes, ls, rs, out_dtype=out_dtype,
                                      config=config, interpret=not hw.on_gpu())

@@ -120,7 +120,7 @@ def pow2(exponent):
 def scale_exponent(amax, dtype):
   """e of a block's scale 2^e, int32, from its float32 amax (finite, >= 0): the smallest
   e with amax <= 2^e * max(dtype), kept in [-126, 127] (normal float32); 0 for a zero
-  block. frexp is spelled in bits, ops the Hopper kernel (quantize_mosaic.py) lowers too,
+  block. frexp is spelled in bits, ops the Hopper kernel (mosaic_quantize.py) lowers too,
   so both paths compute the same numbers: amax = mant * 2^exp with mant in [0.5, 1) and
   exp the exponent field - 126; a subnormal amax (field 0) gets -126 instead of its own
   exponent, which the clip maps to -126 either way."""

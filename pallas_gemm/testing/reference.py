@@ -216,3 +216,10 @@ def moe_reference(x, topk_weights, topk_ids, w_gate_up, w_down, activation="swig
     a = act(h)
   y = jnp.einsum("tef,efd->ted", a, wd)
   return jnp.einsum("te,ted->td", coef, y)
+
+
+def moe_tolerance(dtype, d_model: int, d_ff: int) -> float:
+  """The relative-error bound of `moe_mlp` and of each of its gradients: the layer chains
+  two GEMMs (contractions over D and F, or 2F for a gradient of the gated form) with an
+  intermediate rounded to dtype, so to first order their bounds add."""
+  return tolerance(dtype, None, d_model) + tolerance(dtype, None, 2 * d_ff)

@@ -1,0 +1,203 @@
+"""pallas_gemm.moe_mlp and the routers: the layer and its four gradients against the dense
+float64 reference (`testing.reference.moe_reference`), on each grouped-GEMM backend
+("xla"; "mosaic" in Mosaic GPU's interpreter on a CPU, natively on a GPU), edge cases of
+routing, NaN confinement, bad input, and that the layer's program never scatters rows."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_gemm
+from pallas_gemm import moe
+from pallas_gemm.testing.reference import moe_reference, moe_tolerance, relative_error
+
+from conftest import ON_GPU, random
+
+BF16 = jnp.bfloat16
+
+
+def _problem(rng, t, d, f, e, k, dtype=BF16, *, gated=True, ids=None):
+  x = random(rng, (t, d), dtype)
+  w_gate_up = random(rng, (e, d, 2 * f if gated else f), np.float32) / np.sqrt(d)
+  w_down = random(rng, (e, f, d), np.float32) / np.sqrt(f)
+  if ids is None:
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]) if t else np.zeros((0, k))
+  weights = rng.random((t, k)).astype(np.float32)
+  return (jnp.asarray(x), jnp.asarray(weights), jnp.asarray(ids, jnp.int32),
+          jnp.asarray(w_gate_up, dtype), jnp.asarray(w_down, dtype))
+
+
+def _check(args, *, backend, activation="swiglu", grads=True):
+  """The layer's output and (with grads) its four gradients within the table's bound."""
+  x, weights, ids, wgu, wd = args
+  layer = functools.partial(pallas_gemm.moe_mlp, activation=activation, backend=backend)
+  out, vjp = jax.vjp(lambda x, w, a, b: layer(x, w, ids, a, b), x, weights, wgu, wd)
+  ct = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), out.dtype)
+  with jax.enable_x64(True):
+    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+    ref, ref_vjp = jax.vjp(lambda x, w, a, b: moe_reference(x, w, ids, a, b, activation),
+                           f64(x), f64(weights), f64(wgu), f64(wd))
+  tol = moe_tolerance(x.dtype, x.shape[-1], wd.shape[1])
+  assert out.dtype == x.dtype and out.shape == x.shape
+  assert relative_error(out, ref) <= tol
+  if grads:
+    with jax.enable_x64(True):
+      ref_grads = ref_vjp(f64(ct))
+    for name, g, r in zip(("x", "topk_weights", "w_gate_up", "w_down"), vjp(ct), ref_grads):
+      assert relative_error(g, r) <= tol, name
+
+
+def _backends():
+  return ["xla", "mosaic"]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_layer_and_gradients(rng, backend, activation):
+  # T, D, F that divide no tile; some experts get no token.
+  args = _problem(rng, 37, 40, 24, 6, 3, gated=activation == "swiglu")
+  _check(args, backend=backend, activation=activation)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "silu"])
+def test_other_activations(rng, activation):
+  _check(_problem(rng, 19, 16, 8, 4, 2, gated=activation == "geglu"), backend="xla",
+         activation=activation)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_dtypes(rng, dtype):
+  _check(_problem(rng, 21, 24, 16, 5, 2, dtype), backend="xla")
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_top_k_extremes(rng, k):
+  _check(_problem(rng, 17, 16, 8, 8, k), backend="xla")
+
+
+def test_every_token_to_one_expert(rng):
+  t, k = 13, 2
+  ids = np.full((t, k), 3)  # the same id twice in a row: both pairs count
+  _check(_problem(rng, t, 16, 8, 5, k, ids=ids), backend="mosaic" if ON_GPU else "xla")
+
+
+def test_ids_outside_the_experts_route_nowhere(rng):
+  t, e, k = 15, 4, 3
+  x, weights, ids, wgu, wd = _problem(rng, t, 16, 8, e, k)
+  ids = ids.at[::3, 0].set(-1).at[1::4, 2].set(e)
+  _check((x, weights, ids, wgu, wd), backend="xla")
+  # and those pairs get no weight gradient
+  dw = jax.grad(lambda w: jnp.sum(pallas_gemm.moe_mlp(x, w, ids, wgu, wd).astype(jnp.float32)))(
+      weights)
+  assert np.all(np.asarray(dw)[np.asarray((ids < 0) | (ids >= e))] == 0)
+
+
+def test_nan_stays_in_its_token(rng):
+  x, weights, ids, wgu, wd = _problem(rng, 12, 16, 8, 4, 2)
+  x = x.at[5, 3].set(jnp.nan)
+  out = np.asarray(jax.jit(pallas_gemm.moe_mlp)(x, weights, ids, wgu, wd), np.float32)
+  assert np.all(np.isnan(out[5]))
+  assert np.all(np.isfinite(np.delete(out, 5, axis=0)))
+
+
+def test_no_tokens_and_leading_dims(rng):
+  x, weights, ids, wgu, wd = _problem(rng, 0, 16, 8, 4, 2)
+  assert pallas_gemm.moe_mlp(x, weights, ids, wgu, wd).shape == (0, 16)
+  x, weights, ids, wgu, wd = _problem(rng, 12, 16, 8, 4, 2)
+  flat = pallas_gemm.moe_mlp(x, weights, ids, wgu, wd)
+  batched = pallas_gemm.moe_mlp(x.reshape(3, 4, 16), weights.reshape(3, 4, 2),
+                                ids.reshape(3, 4, 2), wgu, wd)
+  np.testing.assert_array_equal(np.asarray(batched).reshape(12, 16), np.asarray(flat))
+
+
+def test_program_gathers_and_never_scatters_rows(rng):
+  """The forward and backward move rows only by gathers: the one scatter is the
+  permutation's inverse, R int32s (layer.py)."""
+  x, weights, ids, wgu, wd = _problem(rng, 24, 16, 8, 4, 2)
+
+  def step(x, w, a, b):
+    return jax.grad(lambda *p: jnp.sum(pallas_gemm.moe_mlp(p[0], p[1], ids, p[2], p[3],
+                                                           backend="xla")
+                                       .astype(jnp.float32)), argnums=(0, 1, 2, 3))(x, w, a, b)
+
+  text = jax.jit(step).lower(x, weights, wgu, wd).as_text()
+  scatters = re.findall(r"stablehlo\.scatter.*?-> tensor<([^>]*)>", text)
+  assert scatters, "the inverse permutation is a scatter: the check must see it"
+  assert all("x" not in shape.rsplit("x", 1)[0] for shape in scatters), scatters
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(x=np.zeros((4, 16), np.int32)), TypeError, "x.dtype"),
+    (dict(topk_ids=np.zeros((4, 2), np.float32)), TypeError, "topk_ids.dtype"),
+    (dict(topk_ids=np.zeros((4, 3), np.int32)), ValueError, "topk_ids must have"),
+    (dict(topk_weights=np.zeros((5, 2), np.float32)), ValueError, "topk_weights"),
+    (dict(w_gate_up=np.zeros((4, 16, 8), BF16)), ValueError, r"w_gate_up must be \(E, D, 2F\)"),
+    (dict(w_down=np.zeros((4, 8, 15), BF16)), ValueError, "w_down must be"),
+    (dict(w_down=np.zeros((4, 8, 16), np.float32)), TypeError, "w_down.dtype"),
+    (dict(activation="relu"), ValueError, "activation"),
+    (dict(backend="cuda"), ValueError, "backend"),
+    (dict(x=[1.0]), TypeError, "x must be an array"),
+])
+def test_bad_input(change, error, match):
+  args = dict(x=np.zeros((4, 16), BF16), topk_weights=np.zeros((4, 2), np.float32),
+              topk_ids=np.zeros((4, 2), np.int32), w_gate_up=np.zeros((4, 16, 16), BF16),
+              w_down=np.zeros((4, 8, 16), BF16))
+  args.update(change)
+  kwargs = {k: args.pop(k) for k in ("activation", "backend") if k in args}
+  with pytest.raises(error, match=match):
+    pallas_gemm.moe_mlp(**args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- routers
+
+
+def test_softmax_topk_is_mixtrals(rng):
+  logits = jnp.asarray(rng.standard_normal((9, 8)), jnp.float32)
+  weights, ids = moe.softmax_topk(logits, 2)
+  top, top_ids = jax.lax.top_k(logits, 2)  # Mixtral: softmax over the k largest logits
+  np.testing.assert_allclose(weights, jax.nn.softmax(top, axis=-1), rtol=1e-6)
+  np.testing.assert_array_equal(ids, top_ids)
+  raw, _ = moe.softmax_topk(logits, 2, renormalize=False)
+  np.testing.assert_allclose(raw, jnp.take_along_axis(jax.nn.softmax(logits), ids, -1),
+                             rtol=1e-6)
+
+
+def test_sigmoid_topk_is_deepseek_v3s(rng):
+  t, e, k, groups, best_groups = 7, 16, 4, 4, 2
+  logits = rng.standard_normal((t, e)).astype(np.float32)
+  bias = rng.standard_normal(e).astype(np.float32)
+  weights, ids = moe.sigmoid_topk(jnp.asarray(logits), k, bias=jnp.asarray(bias), scale=2.5,
+                                  num_groups=groups, topk_groups=best_groups)
+  s = 1 / (1 + np.exp(-logits.astype(np.float64)))
+  for row in range(t):  # the reference, token by token
+    choice = (s[row] + bias).reshape(groups, e // groups)
+    group_score = np.sort(choice, axis=1)[:, -2:].sum(axis=1)
+    allowed = np.argsort(-group_score)[:best_groups]
+    masked = np.full(e, -np.inf)
+    for g in allowed:
+      masked[g * (e // groups):(g + 1) * (e // groups)] = choice[g]
+    expect = np.argsort(-masked)[:k]
+    assert set(np.asarray(ids[row]).tolist()) == set(expect.tolist())
+    w = s[row, np.asarray(ids[row])]
+    np.testing.assert_allclose(weights[row], w / w.sum() * 2.5, rtol=1e-5)
+
+
+def test_load_balancing_loss(rng):
+  e = 4
+  uniform = jnp.zeros((8, e))
+  ids = jnp.asarray(np.arange(16).reshape(8, 2) % e, jnp.int32)
+  np.testing.assert_allclose(moe.load_balancing_loss(uniform, ids), 1.0, rtol=1e-6)
+  skewed = jnp.asarray(rng.standard_normal((8, e)), jnp.float32).at[:, 0].add(5.0)
+  ids0 = jnp.zeros((8, 2), jnp.int32)
+  assert moe.load_balancing_loss(skewed, ids0) > 2.0  # all pairs on the most probable
+  assert jnp.isfinite(jax.grad(moe.load_balancing_loss)(skewed, ids0)).all()
+
+
+@pytest.mark.parametrize("k", [0, 9, True])
+def test_router_bad_k(k):
+  with pytest.raises(ValueError, match="k must be"):
+    moe.softmax_topk(jnp.zeros((3, 8)), k)
