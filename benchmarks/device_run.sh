@@ -3,7 +3,8 @@
 #   bash benchmarks/device_run.sh [STAGE ...]       (no argument: build test sanitize headline)
 # Stages:
 #   build       pip install -e . (ptxas register/spill report), the backends found
-#   test        the test suite (PYTEST_ARGS, PYTEST_FILES, TEST_TIMEOUT)
+#   test        the test suite (PYTEST_ARGS, PYTEST_FILES, TEST_TIMEOUT; TEST_WORKERS parallel
+#               workers on the one GPU when pytest-xdist's wheels are carried in .whl/)
 #   sanitize    compute-sanitizer memcheck / racecheck / synccheck on the cuda kernel
 #   headline    python -m benchmarks: the headline sweep vs jnp.dot (~1-2 min)
 #   mlp         python -m benchmarks --mlp: SGD and AdamW training steps, A/A check (~3-4 min)
@@ -11,7 +12,9 @@
 #   ragged      python -m benchmarks --ragged: grouped GEMM
 #   fp8         python -m benchmarks --fp8: fp8 GEMMs with scales
 #   example     examples/flax_mlp.py --full
-#   moe         examples/moe.py --full: the MoE block with jax.lax.ragged_dot vs pallas_gemm.ragged_dot
+#   moe         python -m benchmarks --moe: moe_mlp vs the unfused layer (pallas_gemm, tokamax, lax)
+#               and the dense-MLP ceiling (MOE_ARGS)
+#   moe_example examples/moe.py --full: the MoE block with jax.lax.ragged_dot vs pallas_gemm.ragged_dot
 #               (on several GPUs also --expert-parallel: experts over every GPU vs one GPU)
 #   fp8_mlp     examples/fp8_mlp.py --full: the MLP trained in bf16 and in fp8
 #   bench       python -m benchmarks --gpu-default (square, ragged, skinny, batched; ~5 min)
@@ -66,7 +69,12 @@ if has test; then
   log tests
   # eval: PYTEST_ARGS may hold a quoted expression, e.g. PYTEST_ARGS="-k 'mosaic or auto'".
   # PYTEST_FILES splits the suite over calls (the whole one-GPU suite takes longer than one).
-  eval "timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rs -p no:cacheprovider --timeout 120 ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests}" 2>&1 \
+  workers=""
+  if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index .whl/pytest_xdist-*.whl .whl/execnet-*.whl \
+      >"$OUT/xdist_install.log" 2>&1 && workers="-n ${TEST_WORKERS:-4}"
+  fi
+  eval "timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 $workers ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests}" 2>&1 \
     | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-220 | tail -60
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -12 | summary tests
 fi
@@ -97,14 +105,18 @@ if has precision; then
   bench 500 precision --precision ${PRECISION_ARGS:-}
 fi
 
-if has ragged; then
-  log "grouped GEMM (ragged_dot) vs jax.lax.ragged_dot"
-  # tokamax, the grouped-GEMM peer, when its wheels were carried (never a dependency):
-  # .wheels-tokamax/ holds them and stubs/ stands in for its profiling-only import.
+# tokamax, the grouped-GEMM peer, when its wheels were carried (never a dependency):
+# .wheels-tokamax/ holds them and stubs/ stands in for its profiling-only import.
+with_tokamax() {
   if [ -d .wheels-tokamax ]; then
     python3 -m pip install -q --no-deps --no-index .wheels-tokamax/*.whl >"$OUT/tokamax_install.log" 2>&1
     export PYTHONPATH="$PWD/.wheels-tokamax/stubs${PYTHONPATH:+:$PYTHONPATH}"
   fi
+}
+
+if has ragged; then
+  log "grouped GEMM (ragged_dot) vs jax.lax.ragged_dot"
+  with_tokamax
   bench 400 ragged --ragged ${RAGGED_ARGS:-}
   tail -n 20 "$OUT/ragged.log" | summary "ragged (last lines)"
 fi
@@ -122,6 +134,13 @@ if has example; then
 fi
 
 if has moe; then
+  log "the MoE layer: moe_mlp vs the unfused layer and the dense-MLP ceiling"
+  with_tokamax
+  bench ${MOE_TIMEOUT:-560} moe --moe ${MOE_ARGS:-}
+  grep '^|' "$OUT/moe/moe.md" | summary "moe table"
+fi
+
+if has moe_example; then
   log "examples/moe.py --full: MoE block, jax.lax.ragged_dot vs pallas_gemm.ragged_dot"
   ep=$([ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo --expert-parallel || true)
   timeout 400 python3 examples/moe.py --full $ep --out "$OUT/moe" 2>&1 | tee "$OUT/moe.log"
