@@ -113,7 +113,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
         slot = lax.rem(j, stages)
         out = lax.rem(j, OUT_SLOTS)
         plgpu.barrier_wait(produced.at[slot])
-        x = plgpu.load(x_smem.at[slot, my_rows], (), layout=plgpu.Layout.WGMMA)
+        x = plgpu.load(x_smem.at[slot, my_rows], layout=plgpu.Layout.WGMMA)
         plgpu.barrier_arrive(consumed.at[slot])
         e, q = _row_scales(x.astype(jnp.float32), dtype)
         # The stores from OUT_SLOTS tiles ago must have read this slot.

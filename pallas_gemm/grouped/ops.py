@@ -81,7 +81,7 @@ def local_groups(group_sizes, group_offset, num_groups: int):
   index = group_offset + jnp.arange(num_groups, dtype=jnp.int32)
   exists = (index >= 0) & (index < total)
   local = jnp.where(exists, sizes[jnp.clip(index, 0, max(total - 1, 0))], 0)
-  row_start = jnp.sum(jnp.where(jnp.arange(total) < group_offset, sizes, 0))
+  row_start = jnp.sum(jnp.where(jnp.arange(total) < group_offset, sizes, 0), dtype=jnp.int32)
   return local, row_start
 
 
