@@ -74,9 +74,13 @@ if has test; then
     python3 -m pip install -q --no-deps --no-index .whl/pytest_xdist-*.whl .whl/execnet-*.whl \
       >"$OUT/xdist_install.log" 2>&1 && workers="-n ${TEST_WORKERS:-4}"
   fi
-  eval "timeout ${TEST_TIMEOUT:-480} python3 -m pytest -q -rs -p no:cacheprovider --timeout 300 $workers ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests}" 2>&1 \
-    | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR)|passed|failed" | cut -c1-220 | tail -60
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -12 | summary tests
+  # -v: one line per test as it ends, so a run cut off by TEST_TIMEOUT still names every
+  # test that failed and counts those that passed.
+  eval "timeout ${TEST_TIMEOUT:-480} python3 -m pytest -v -rfEs -p no:cacheprovider --timeout 300 $workers ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests}" 2>&1 \
+    | tee "$OUT/tests.log" | grep -E "(FAILED|ERROR) |passed|failed" | cut -c1-220 | tail -60
+  { grep -E "(FAILED|ERROR) |passed|failed" "$OUT/tests.log" | tail -12
+    echo "per-test lines: $(grep -c ' PASSED' "$OUT/tests.log") passed, $(grep -c ' SKIPPED' "$OUT/tests.log") skipped, $(grep -cE ' (FAILED|ERROR)' "$OUT/tests.log") failed or errors"
+  } | summary tests
 fi
 
 if has sanitize; then
