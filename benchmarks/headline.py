@@ -3,6 +3,8 @@
     python -m benchmarks              # on a GPU (a CPU runs the small sweep: --quick)
     python -m benchmarks --headline   # this sweep on any machine (tiny sizes on a CPU)
 
+It ends with the MoE layer's key row (`benchmarks.moe`, Qwen3-like, forward and backward).
+
 Each case times a baseline (jnp.dot, or the jnp expression a user would write) and
 pallas_gemm's call in the same process, over `ROUNDS` rounds in rotated order, each round
 the median of `CALLS` calls (`timing.rounds_ms`); the ratio is taken within each round and
@@ -28,6 +30,7 @@ import pallas_gemm
 from pallas_gemm.testing import reference as ref_lib
 from pallas_gemm.matmul import tuning
 
+from benchmarks import moe
 from benchmarks import precision as precision_bench
 from benchmarks import report
 from benchmarks.timing import Timer, ratio_stats, rounds_ms
@@ -252,6 +255,12 @@ def main(argv: list[str], out_dir: pathlib.Path, rounds: int = ROUNDS,
     written.append("headline.png")
   print("\n".join(f"wrote {out_dir / name}" for name in written), flush=True)
   print(text, flush=True)
+  # The MoE layer's key row: a training step's layer (fwd+bwd) at Qwen3-like sizes against
+  # the unfused layer on the same grouped GEMM and the dense-MLP ceiling (`benchmarks.moe`).
+  moe_status = moe.main(["--configs", "qwen3", "--modes", "fwd+bwd" if on_gpu else "fwd",
+                         "--variants", "moe_mlp,unfused/pallas_gemm,dense",
+                         "--rounds", "5" if on_gpu else "1", "--out", str(out_dir)])
   # The baselines' errors are reported, not judged: jnp's bf16 expression rounds z.
-  return 1 if any(r["status"] != "ok" or (not r.get("baseline") and r["correct"] is False)
-                  for r in rows) else 0
+  return 1 if moe_status or any(
+      r["status"] != "ok" or (not r.get("baseline") and r["correct"] is False)
+      for r in rows) else 0
