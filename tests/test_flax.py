@@ -4,6 +4,9 @@ Each layer is built twice from the same arguments (ours with `dot_general=`, the
 without); both run on our parameters, the stock one in float64 (jax.enable_x64) as the
 reference. The jaxpr shows that the kernel path ran: one `pallas_gemm` primitive per
 projection and no growth of `FALLBACKS`.
+
+`MoEBlock` (pallas_gemm.moe.flax_block): the block is `moe_mlp` on its own parameters and
+routing, it trains under AdamW, and it sows the load-balancing loss.
 """
 
 import functools
@@ -12,14 +15,22 @@ import pytest
 
 flax = pytest.importorskip("flax", reason="flax not installed (pip install '.[flax]')")
 
+import pathlib  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import linen as nn  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import pallas_gemm  # noqa: E402
 from conftest import random, skip_reason  # noqa: E402
 from pallas_gemm.matmul import auto  # noqa: E402
+from pallas_gemm.moe import sigmoid_topk, softmax_topk  # noqa: E402
+from pallas_gemm.moe.flax_block import ROUTERS, MoEBlock  # noqa: E402
 from pallas_gemm.testing.reference import relative_error, tolerance  # noqa: E402
 
 from pallas_gemm.matmul import lax_dot as dg
@@ -158,3 +169,109 @@ def test_nnx_linear(dtype, precision, rng):
   _compare("forward", out, ref, dtype, precision, 8)
   for name, g, r in zip(("d params", "d inputs"), grads, ref_grads):
     _compare(name, g, r, dtype, precision, x.size)
+
+
+# ----------------------------------------------------------------------------- MoEBlock
+
+
+def _moe_block(**kwargs):
+  """A tiny block on the XLA grouped GEMM: 4 experts, 2 per token, hidden width 16."""
+  return MoEBlock(num_experts=4, top_k=2, d_ff=16, backend="xla", **kwargs)
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_moe_block_is_moe_mlp(router, rng):
+  """The block's output is moe_mlp's on the block's own parameters and routing, bit for
+  bit: the module adds routing and casts, no arithmetic of its own."""
+  block = _moe_block(router=router)
+  x = jnp.asarray(random(rng, (2, 7, 12), np.float32))
+  variables = block.init(jax.random.key(0), x)
+  params = variables["params"]
+  logits = jnp.dot(x, params["router"]["kernel"])
+  if router == "softmax":
+    weights, ids = softmax_topk(logits, 2)
+  else:  # a nonzero bias, so that the check covers its part in the choice
+    bias = jnp.asarray(random(rng, (4,), np.float32))
+    variables = {**variables, "router_bias": {"bias": bias}}
+    weights, ids = sigmoid_topk(logits, 2, bias=bias)
+  out = block.apply(variables, x)
+  bf16 = lambda a: a.astype(BF16)  # noqa: E731
+  ref = pallas_gemm.moe_mlp(bf16(x), weights, ids, bf16(params["w_gate_up"]),
+                            bf16(params["w_down"]), backend="xla")
+  assert out.dtype == BF16 and out.shape == x.shape
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_moe_block_sigmoid_bias_is_not_a_param(rng):
+  """The sigmoid router's bias lives in "router_bias" (zeros at init, outside the
+  optimizer's reach) and steers the choice: a large bias on expert 3 gives it every token."""
+  block = _moe_block(router="sigmoid")
+  x = jnp.asarray(random(rng, (9, 12), np.float32))
+  variables = block.init(jax.random.key(0), x)
+  assert set(variables) == {"params", "router_bias"}
+  assert set(variables["params"]) == {"router", "w_gate_up", "w_down"}
+  np.testing.assert_array_equal(variables["router_bias"]["bias"], np.zeros(4, np.float32))
+  biased = {**variables, "router_bias": {"bias": jnp.array([0.0, 0.0, 0.0, 10.0])}}
+  _, state = block.apply(biased, x, mutable=["intermediates"])
+  load, = state["intermediates"]["expert_load"]
+  assert float(load[3]) == 0.5  # one of each token's two slots
+  assert float(jnp.sum(load)) == 1.0
+
+
+def test_moe_block_load_balancing_loss(rng):
+  """The sown loss is finite, and 1 for uniform routing (a zero router: every expert equally
+  probable for every token)."""
+  block = _moe_block()
+  x = jnp.asarray(random(rng, (3, 5, 12), np.float32))
+  variables = block.init(jax.random.key(0), x)
+  _, state = block.apply(variables, x, mutable=["intermediates"])
+  aux, = state["intermediates"]["load_balancing_loss"]
+  assert aux.shape == () and np.isfinite(aux) and float(aux) > 0
+  router = jax.tree.map(jnp.zeros_like, variables["params"]["router"])
+  uniform = {"params": {**variables["params"], "router": router}}
+  _, state = block.apply(uniform, x, mutable=["intermediates"])
+  aux, = state["intermediates"]["load_balancing_loss"]
+  np.testing.assert_allclose(float(aux), 1.0, rtol=1e-6)
+
+
+class _MoERegressor(nn.Module):
+  """A tiny model around the block: an input projection, then the block."""
+
+  @nn.compact
+  def __call__(self, x):
+    return _moe_block()(nn.Dense(12)(x))
+
+
+def test_moe_block_trains():
+  """A few AdamW steps on a fixed regression task lower the loss (mean squared error plus
+  the sown load-balancing loss, as a training loop adds it)."""
+  kx, kt = jax.random.split(jax.random.key(0))
+  x = jax.random.normal(kx, (64, 8))
+  y = jnp.tanh(x @ jax.random.normal(kt, (8, 12)))
+  model = _MoERegressor()
+  params = model.init(jax.random.key(1), x)["params"]
+  opt = optax.adamw(1e-2)
+
+  def loss_fn(params):
+    out, state = model.apply({"params": params}, x, mutable=["intermediates"])
+    aux = sum(jax.tree.leaves(state["intermediates"]))
+    return jnp.mean((out.astype(jnp.float32) - y) ** 2) + 1e-2 * aux
+
+  @jax.jit
+  def step(params, opt_state):
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state, losses = opt.init(params), []
+  for _ in range(15):
+    params, opt_state, loss = step(params, opt_state)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0], losses
+
+
+def test_moe_package_does_not_import_flax():
+  """flax is an optional extra: only flax_block imports it."""
+  code = "import sys, pallas_gemm.moe; sys.exit('flax' in sys.modules)"
+  root = pathlib.Path(__file__).resolve().parent.parent  # `-c` imports from the cwd
+  assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
