@@ -14,8 +14,10 @@
 #   example     examples/flax_mlp.py --full
 #   moe         python -m benchmarks --moe: moe_mlp vs the unfused layer (pallas_gemm, tokamax, lax)
 #               and the dense-MLP ceiling (MOE_ARGS)
-#   moe_example examples/moe.py --full: the MoE block with jax.lax.ragged_dot vs pallas_gemm.ragged_dot
-#               (on several GPUs also --expert-parallel: experts over every GPU vs one GPU)
+#   moe_example examples/moe.py --full: the MoE block on jax.lax.ragged_dot, pallas_gemm.ragged_dot
+#               and moe_mlp (on several GPUs also --expert-parallel: experts over every GPU vs
+#               one GPU); then examples/moe_transformer.py --full: a MoE transformer's AdamW
+#               step on moe_mlp vs on the ragged_dot block
 #   fp8_mlp     examples/fp8_mlp.py --full: the MLP trained in bf16 and in fp8
 #   bench       python -m benchmarks --gpu-default (square, ragged, skinny, batched; ~5 min)
 #   full        python -m benchmarks --full (~7-9 min)
@@ -145,10 +147,14 @@ if has moe; then
 fi
 
 if has moe_example; then
-  log "examples/moe.py --full: MoE block, jax.lax.ragged_dot vs pallas_gemm.ragged_dot"
+  log "examples/moe.py --full and examples/moe_transformer.py --full"
   ep=$([ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo --expert-parallel || true)
-  timeout 400 python3 examples/moe.py --full $ep --out "$OUT/moe" 2>&1 | tee "$OUT/moe.log"
-  tail -n 12 "$OUT/moe.log" | summary moe
+  timeout 400 python3 examples/moe.py --full $ep --out "$OUT/moe_example" 2>&1 \
+    | tee "$OUT/moe_example.log"
+  tail -n 12 "$OUT/moe_example.log" | summary moe_example
+  timeout 300 python3 examples/moe_transformer.py --full --out "$OUT/moe_transformer" 2>&1 \
+    | tee "$OUT/moe_transformer.log"
+  tail -n 4 "$OUT/moe_transformer.log" | summary moe_transformer
 fi
 
 if has fp8_mlp; then

@@ -1,9 +1,10 @@
 """examples/: each example trains its model through pallas_gemm to the losses of its reference.
 
 flax_mlp: stock layers, dot_general and fused layers reach the same losses. moe: the MoE block
-trains to the same losses with jax.lax.ragged_dot and pallas_gemm.ragged_dot, and its
+trains to the same losses with jax.lax.ragged_dot, pallas_gemm.ragged_dot and moe_mlp, and its
 expert-parallel form (shard_map over 8 CPU devices, group_offset and all-to-all) computes the
-one-device block's loss and gradients. fp8_mlp: the fp8 MLP's loss curves stay within the band
+one-device block's loss and gradients. moe_transformer: a small MoE transformer (attention and
+the Flax MoEBlock) trains to the same losses on moe_mlp and on the ragged_dot block. fp8_mlp: the fp8 MLP's loss curves stay within the band
 of the bf16 curve."""
 
 import importlib.util
@@ -31,6 +32,11 @@ def test_flax_mlp_losses_agree(tmp_path):
   # main returns 1 when a loss curve leaves the tolerance of the stock model's.
   assert _example("flax_mlp").main(["--steps", "5", "--out", str(tmp_path)]) == 0
   assert (tmp_path / "losses.json").exists()
+
+
+def test_moe_transformer_losses_agree(tmp_path):
+  assert _example("moe_transformer").main(["--steps", "4", "--out", str(tmp_path)]) == 0
+  assert (tmp_path / "moe_transformer.json").exists()
 
 
 def test_moe_losses_agree(tmp_path):

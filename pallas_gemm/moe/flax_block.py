@@ -41,6 +41,9 @@ class MoEBlock(nn.Module):
       layers do, and the output is in it. The router always computes in float32.
     param_dtype: the parameters' dtype.
     backend: `moe_mlp`'s grouped-GEMM backend ("auto", "xla", "mosaic").
+    experts: the function that runs the experts, called as `moe_mlp` is (x, weights,
+      ids, w_gate_up, w_down, activation=, backend=); None: `moe_mlp`. Another
+      implementation of the same layer can be swapped in, e.g. to compare it.
     kernel_init: the initializer of every weight, called with the expert axis first
       (E, D, 2F), (E, F, D), and (1, D, E) for the router, so that a variance-scaling
       initializer with batch_axis=(0,) scales each by its own fan-in.
@@ -69,6 +72,7 @@ class MoEBlock(nn.Module):
   param_dtype: Any = jnp.float32
   backend: str = "auto"
   kernel_init: Callable = nn.initializers.lecun_normal(batch_axis=(0,))
+  experts: Callable | None = None
 
   @nn.compact
   def __call__(self, x):
@@ -99,6 +103,7 @@ class MoEBlock(nn.Module):
     w_gate_up = self.param("w_gate_up", self.kernel_init, (e, d, width), self.param_dtype)
     w_down = self.param("w_down", self.kernel_init, (e, f, d), self.param_dtype)
     x, w_gate_up, w_down = nn.dtypes.promote_dtype(x, w_gate_up, w_down, dtype=self.dtype)
-    return api.moe_mlp(x, weights, ids, w_gate_up, w_down, activation=self.activation,
-                       backend=self.backend)
+    experts = api.moe_mlp if self.experts is None else self.experts
+    return experts(x, weights, ids, w_gate_up, w_down, activation=self.activation,
+                   backend=self.backend)
 
