@@ -211,6 +211,127 @@ def test_per_tensor_pattern_takes_0d_float32_scales(rng, scale, what):
     sm_xla.per_tensor_pattern(lhs, rhs, np.float32(1), scale)
 
 
+# ----------------------------------------------------------------------------- scales
+
+
+E8M0 = np.dtype(jnp.float8_e8m0fnu)
+BF16, F16 = np.dtype(jnp.bfloat16), np.dtype(np.float16)
+
+
+def _narrow(rng, shape, dtype):
+  """(scales in dtype, the same numbers in float32). Drawn as `_scales` and rounded to
+  dtype (e8m0: to a power of two), within float16's normal range for float16."""
+  low, high = (-10, 10) if dtype == F16 else (-20, 20)
+  narrow = _scales(rng, shape, low, high).astype(dtype)
+  return narrow, narrow.astype(np.float32)
+
+
+def _scaled_pair(rng, backend, shape, lhs_layout, rhs_layout, lhs_dtype, rhs_dtype):
+  """scaled_matmul with narrow scales, and with their float32 values: (out, out_f32)."""
+  b, m, n, k = shape
+  lhs, rhs = _fp8(rng, (b, m, k), E4M3), _fp8(rng, (b, n, k), E4M3)
+  ls, ls32 = _narrow(rng, _scale_shape(lhs_layout, b, m, k), lhs_dtype)
+  rs, rs32 = _narrow(rng, _scale_shape(rhs_layout, b, n, k), rhs_dtype)
+  out = sm.scaled_matmul(lhs, rhs, ls, rs, backend=backend)
+  _check(out, lhs, rhs, ls, rs)
+  return out, sm.scaled_matmul(lhs, rhs, ls32, rs32, backend=backend)
+
+
+@pytest.mark.parametrize("lhs_dtype, rhs_dtype", [(BF16, BF16), (F16, F16), (E8M0, E8M0),
+                                                  (BF16, E8M0)], ids=str)
+@pytest.mark.parametrize("lhs_layout, rhs_layout", [("1x128", "128x128"), ("1x32", "tensor"),
+                                                    ("128xK", "1xK")])
+def test_scale_dtypes_xla(rng, lhs_dtype, rhs_dtype, lhs_layout, rhs_layout):
+  # A narrow scale is read as its float32 value (an exact conversion): the same result,
+  # bit for bit, as float32 scales holding the same numbers. The sides' dtypes may differ.
+  out, out_f32 = _scaled_pair(rng, "xla", (2, 130, 72, 256), lhs_layout, rhs_layout,
+                              lhs_dtype, rhs_dtype)
+  np.testing.assert_array_equal(out, out_f32)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, E8M0], ids=str)
+def test_scale_dtypes_mosaic(rng, dtype):
+  # The kernel reads float32 scales: narrow ones are converted before it, so the result
+  # equals float32 scales' bit for bit, for step scales and for epilogue scales alike.
+  _skip_backend("mosaic")
+  for layouts in (("1x128", "128x128"), ("1xK", "tensor")):
+    out, out_f32 = _scaled_pair(rng, "mosaic", (1, 8, 16, 256), *layouts, dtype, dtype)
+    np.testing.assert_array_equal(out, out_f32)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_e8m0_scales_cover_their_range(backend):
+  # Every finite e8m0 scale, 2^-127 to 2^127, gives the product the float32 scale of the
+  # same value gives: row i of lhs is one 1.0 scaled by 2^(i - 127). 2^-127 is a float32
+  # subnormal, read as zero where the backend flushes subnormals (XLA on a CPU does),
+  # the same for either dtype; from 2^-126 up the products are the scales, exactly.
+  _skip_backend(backend)
+  e = np.arange(-127, 128)
+  lhs = np.zeros((1, e.size, 128), E4M3)
+  lhs[:, :, 0] = 1.0
+  rhs = lhs[:, :8]
+  ls32 = np.ldexp(np.float32(1), e).reshape(1, -1, 1)
+  rs = np.ones((1, 1, 1), E8M0)
+  out = sm.scaled_matmul(lhs, rhs, ls32.astype(E8M0), rs, backend=backend)
+  np.testing.assert_array_equal(out, sm.scaled_matmul(lhs, rhs, ls32, rs, backend=backend))
+  np.testing.assert_array_equal(np.asarray(out)[0, 1:], np.broadcast_to(ls32[0, 1:], (254, 8)))
+  assert np.asarray(out)[0, 0, 0] in (0.0, ls32[0, 0, 0])
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+@pytest.mark.parametrize("lhs_layout, rhs_layout", [("1x256", "128x256"), ("128x256", "1x256")])
+def test_k_blocks_of_256(rng, backend, lhs_layout, rhs_layout):
+  # Blocks 256 long along K: the product they define, and on either path the same numbers
+  # as the equivalent 128-long blocks (each scale repeated twice along K).
+  _skip_backend(backend)
+  b, m, n, k = (1, 8, 16, 512) if backend == "mosaic" and not ON_GPU else (2, 130, 200, 512)
+  lhs, rhs = _fp8(rng, (b, m, k), E4M3), _fp8(rng, (b, n, k), E4M3)
+  shape = {"1x256": lambda r: (b, r, k // 256), "128x256": lambda r: (b, -(-r // 128), k // 256)}
+  ls, rs = _scales(rng, shape[lhs_layout](m)), _scales(rng, shape[rhs_layout](n))
+  out = sm.scaled_matmul(lhs, rhs, ls, rs, backend=backend)
+  _check(out, lhs, rhs, ls, rs)
+  per_128 = sm.scaled_matmul(lhs, rhs, np.repeat(ls, 2, axis=2), np.repeat(rs, 2, axis=2),
+                             backend=backend)
+  np.testing.assert_array_equal(out, per_128)
+
+
+@pytest.mark.parametrize("k, k_s, block", [(256, 4, 64), (384, 2, 192)])
+def test_k_blocks_the_kernel_refuses(rng, k, k_s, block):
+  # Blocks along K shorter than 128, or not a multiple of it (and not K itself): the
+  # kernel refuses them naming the argument, auto and xla compute them.
+  _skip_backend("mosaic")
+  lhs, rhs = _fp8(rng, (1, 8, k), E4M3), _fp8(rng, (1, 16, k), E4M3)
+  ls, rs = _scales(rng, (1, 8, 1)), _scales(rng, (1, 16, k_s))
+  with pytest.raises(ValueError, match=rf"backend='mosaic' cannot run this call: rhs_scales"
+                                       rf" in 1x{block} blocks: .* a multiple of 128 long"
+                                       r" \(or K itself\) \(backend='xla' can\)"):
+    sm.scaled_matmul(lhs, rhs, ls, rs, backend="mosaic")
+  out = sm.scaled_matmul(lhs, rhs, ls, rs)
+  _check(out, lhs, rhs, ls, rs)
+  np.testing.assert_array_equal(out, sm.scaled_matmul(lhs, rhs, ls, rs, backend="xla"))
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float64), E4M3, E5M2, np.dtype(np.int8)],
+                         ids=str)
+def test_scale_dtypes_refused(dtype):
+  lhs, rhs = np.ones((1, 8, 256), E4M3), np.ones((1, 16, 256), E4M3)
+  with pytest.raises(TypeError, match=rf"lhs_scales.dtype must be float32 \(or bfloat16,"
+                                      rf" float16, float8_e8m0fnu\); got {np.dtype(dtype)}"):
+    sm.scaled_matmul(lhs, rhs, np.ones((1, 8, 2), dtype), np.ones((1, 1, 1), np.float32))
+
+
+@pytest.mark.parametrize("lhs_scales_shape, rows", [((1, 4, 2), 4), ((1, 1, 2), 1)],
+                         ids=["64-row blocks", "all rows"])
+def test_row_blocks_refused(lhs_scales_shape, rows):
+  # Rows come per row, per 128 rows or per tensor: 64-row blocks, and one scale per K block
+  # shared by more than 128 rows, are shapes no layout reads.
+  lhs, rhs = np.ones((1, 256, 256), E4M3), np.ones((1, 16, 256), E4M3)
+  with pytest.raises(ValueError, match=rf"lhs_scales has {rows} rows for an operand of 256"
+                                       r" rows \(M\).*Accepted: \(1, 256, K_s\)"):
+    sm.scaled_matmul(lhs, rhs, np.ones(lhs_scales_shape, np.float32),
+                     np.ones((1, 1, 1), np.float32))
+
+
 # ----------------------------------------------------------------------------- quantize
 
 

@@ -6,7 +6,7 @@
 with ls, rs the scales expanded over their blocks (see scales.py for the layouts).
 This module validates, reads the layouts from the scales' shapes, and picks a backend:
   "xla"     xla.py: dequantize in float32 and one float32 dot; every layout, everywhere.
-  "mosaic"  the Hopper kernel (mosaic.py): fp8 wgmma with the products of each 128 of K
+  "mosaic"  the Hopper kernel (mosaic_gemm.py): fp8 wgmma with the products of each 128 of K
             scaled and summed in float32. It takes 1x128 / 128x128 (rhs) blocks, and
             per-row and per-tensor scales (applied in its epilogue); blocks along K of
             a multiple of 128 are handed to it repeated per 128, lhs blocks of 128

@@ -1,4 +1,4 @@
-"""Tuning parameters of the fp8 Mosaic GPU kernel (`mosaic.scaled_gemm`) and its
+"""Tuning parameters of the fp8 Mosaic GPU kernel (`mosaic_gemm.scaled_gemm`) and its
 shared-memory and register budgets."""
 
 from __future__ import annotations

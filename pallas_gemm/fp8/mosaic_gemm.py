@@ -24,7 +24,7 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
     operands may be transposed), so lhs is (M, K) and rhs (N, K), and each stage of a
     ``stages``-deep ring holds a (block_m, 128) lhs tile and a (block_n, 128) rhs tile,
     128-byte swizzled, loaded by TMA. One warp of a producer warpgroup issues the loads
-    of every (tile, K step) of the CTA in one loop (`mosaic.ring`), so the next tile's
+    of every (tile, K step) of the CTA in one loop (`mgpu.ring`), so the next tile's
     loads start while the consumers still run the previous tile's epilogue.
   * Block scales (promoted K loop): one K step is one 128-wide scale block. Its wgmma
     products go into a zeroed accumulator; the step's scale (lhs row scale x rhs column

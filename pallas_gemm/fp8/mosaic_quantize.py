@@ -6,7 +6,7 @@ read of x. XLA computes the same thing in two kernels (the blocks' amax, then th
 cast), which read x twice; this kernel reads each block into registers once, takes its
 amax there and writes its fp8 values and scale.
 
-Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mosaic.ring`):
+Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mgpu.ring`):
   * Work: (128, 128) tiles of x, row tile-major, CTA c taking tiles c, c + num_ctas, ...
     One warp of a producer warpgroup loads them by TMA into a ring of 128 KiB;
     several tiles in flight per SM are what keep HBM busy.

@@ -1,7 +1,9 @@
-"""fp8 values with float32 scales: the scale layouts, `quantize` and `dequantize`.
+"""fp8 values with float32 scales: the scale layouts, `dequantize`, and the power-of-two
+scale arithmetic `quantize` (quantize.py) computes them with.
 
 A quantized operand is a pair (values, scales): values (B, R, K) in float8_e4m3fn or
-float8_e5m2, and scales (B, R_s, K_s) float32 with
+float8_e5m2, and scales (B, R_s, K_s) float32 (bfloat16, float16 and float8_e8m0fnu scales
+are read as their float32 values) with
 
     operand[b, r, k] = values[b, r, k] * scales[b, r // rows, k // block_k]
 

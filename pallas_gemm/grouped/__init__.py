@@ -4,7 +4,8 @@
 
 `api.py` is the front door (validation, backend choice, group_offset), `ops.py` the
 primitive and its AD/vmap rules, `xla.py` the lax reference path, `mosaic_*.py` the
-Hopper kernels, `shapes.py` the named problem sizes shared by tests and benchmarks.
+Hopper kernels; the named problem sizes shared by tests and benchmarks are
+`pallas_gemm.testing.grouped_shapes`.
 """
 
 from pallas_gemm.grouped.api import BACKENDS, ragged_dot, ragged_dot_general

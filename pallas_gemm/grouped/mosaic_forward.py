@@ -22,7 +22,7 @@ Design (one CTA per SM, persistent):
     block_k) and of the item's expert rhs[g] (block_k x block_n, or block_n x block_k when
     rhs is stored transposed: 16-bit wgmma reads either major order, no copy), filled by
     TMA from one warp of a producer warpgroup that runs a single loop over all of the CTA's
-    (item, K block) steps (`mosaic.ring`). Zero items load nothing. ``num_compute_wgs``
+    (item, K block) steps (`mgpu.ring`). Zero items load nothing. ``num_compute_wgs``
     consumer warpgroups each own half of the CTA tile (``Config.wg_split``) and run wgmma
     into an f32 register accumulator; a zero item's accumulator stays zero. Each step's
     wgmma completes before its slot is released.

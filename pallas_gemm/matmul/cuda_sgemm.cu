@@ -2,7 +2,7 @@
 //
 // out[i] = alpha * op(A[i]) @ op(B[i / b_div]) + beta * C[i]   for every batch entry i,
 // where op(A) is M×K, op(B) is K×N, and every matrix is row-major (C order).
-// The Python twin is pallas_gemm/cuda.py.
+// The Python twin is pallas_gemm/matmul/cuda.py.
 //
 // Design: the register-tiled SGEMM of "Matrix Multiplication on GPU, Part 2: Tiling"
 // (lawmurray/gpu-gemm), generalised to any shape, layout and batch:
@@ -1000,7 +1000,7 @@ cudaError_t LaunchTextbook(const GemmArgs& args, bool transpose_a, bool transpos
 
 // The compiled configurations, in the Python Config's field order:
 // block_m, block_n, block_k, warp_m, warp_n, thread_m, thread_n, stages.
-// pallas_gemm/cuda.py keeps the same list (a CPU test checks they agree).
+// pallas_gemm/matmul/cuda.py keeps the same list (a CPU test checks they agree).
 using Launcher = cudaError_t (*)(const GemmArgs&, bool stream_k, ffi::ScratchAllocator&,
                                  cudaStream_t);
 struct TiledEntry {

@@ -12,7 +12,7 @@
                     {"config": {<Config field>: value, ...}, "ms": 0.31, "default_ms": 0.40,
                      "jax": "0.11.2", "date": "2025-01-01T00:00:00"}}}
 
-2. The table shipped with the package, ``pallas_gemm/tuned_configs.json``, keyed by device
+2. The table shipped with the package, ``pallas_gemm/matmul/tuned_configs.json``, keyed by device
    *family* (not the exact device) and a coarse shape bucket, so a few measured entries
    cover every shape near them::
 
