@@ -32,7 +32,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
 from pallas_gemm import moe_mlp, ragged_dot
