@@ -6,6 +6,8 @@ on a grouped GEMM, and against a dense MLP of the same FLOPs (its ceiling).
 
 Variants, each given the same routing (topk weights and ids: the router is not timed):
   moe_mlp           pallas_gemm.moe_mlp (sort, gathers, grouped GEMMs; its own gradients)
+  moe_mlp/fp8       moe_mlp's fp8 inference form (fwd only): expert weights quantized once
+                    outside the timed call (`moe.quantize_experts`), activations in the call
   unfused/<gemm>    MaxText-style: argsort by expert, x repeated and permuted, three grouped
                     GEMMs with SwiGLU between them, the rows unsorted by a scatter and
                     combined with the weights; jax.grad of that; <gemm> is pallas_gemm's
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 
 from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
 from pallas_gemm import moe_mlp, ragged_dot
-from pallas_gemm.moe import softmax_topk
+from pallas_gemm.moe import quantize_experts, softmax_topk
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE = jnp.bfloat16
@@ -67,7 +69,7 @@ CONFIGS = {c.name: c for c in (
     Config("decode-qwen3", 128, 2048, 768, 128, 8),
     Config("decode-deepseek-v3", 128, 7168, 2048, 256, 8),
 )}
-TINY = dict(tokens=64, d_model=64, d_ff=32, experts=8)
+TINY = dict(tokens=64, d_model=128, d_ff=128, experts=8)  # K multiples of 128 for fp8
 # Peak HBM bandwidth (bytes/s) by device kind, for the decode roofline.
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
 
@@ -129,6 +131,12 @@ def _tokamax():
   return tokamax, None
 
 
+# variant -> how its operands are made from the shared ones, once per config and mode
+PREPARE = {}
+# variants that have no backward pass
+FORWARD_ONLY = ("moe_mlp/fp8",)
+
+
 def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
   """({name: layer(x, topk_weights, topk_ids, w_gate_up, w_down)}, {name: why left out})."""
   backend = "auto" if on_gpu else "mosaic"  # on a CPU the kernels' code in the interpreter
@@ -139,6 +147,11 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
       "unfused/lax": functools.partial(unfused, jax.lax.ragged_dot),
       "dense": dense,
   }
+  # Weights quantized once, before timing, as a served model holds them.
+  fp8_layer = functools.partial(moe_mlp, backend=backend)
+  fns["moe_mlp/fp8"] = fp8_layer
+  PREPARE[fp8_layer] = lambda x, w, ids, wgu, wd, *rest: (x, w, ids,
+                                                          *quantize_experts(wgu, wd), *rest)
   missing = {}
   tokamax, why = _tokamax()
   if tokamax is None:
@@ -191,8 +204,13 @@ def run_config(cfg: Config, mode: str, fns: dict, timer, rounds: int, calls: int
   # One set of operands for the routed variants (the largest weights are 22 GiB).
   shared = {flag: operands(cfg, mode, flag) for flag in {n == "dense" for n in fns}}
   for name, layer in fns.items():
+    if mode != "fwd" and name in FORWARD_ONLY:
+      failed[name] = "inference only"
+      continue
     try:
       a = shared[name == "dense"]
+      if layer in PREPARE:
+        a = jax.block_until_ready(jax.jit(PREPARE[layer])(*a))
       prog = _program(layer, mode)
       compiled = prog.lower(*a).compile()
       stats = compiled.memory_analysis()

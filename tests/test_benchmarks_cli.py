@@ -134,3 +134,14 @@ def test_a_plain_run_leaves_the_work_tree_clean():
 
   assert ignored(report.results_dir() / "results.json")
   assert not ignored(report.results_dir(record=True, device_kind="NVIDIA H200") / "results.json")
+
+
+def test_moe_benchmark_writes_its_table(tmp_path):
+  from benchmarks import moe  # noqa: PLC0415
+  args = ["--configs", "qwen3", "--modes", "fwd", "--variants", "moe_mlp,moe_mlp/fp8,dense",
+          "--out", str(tmp_path)]
+  assert moe.main(args) == 0
+  results = json.loads((tmp_path / "moe.json").read_text())["results"]
+  assert [r["mode"] for r in results] == ["fwd"]
+  assert {v: row["status"] for v, row in results[0]["variants"].items()} == {
+      "moe_mlp": "ok", "moe_mlp/fp8": "ok", "dense": "ok"}

@@ -13,7 +13,8 @@ import pytest
 
 import pallas_gemm
 from pallas_gemm import moe
-from pallas_gemm.testing.reference import moe_reference, moe_tolerance, relative_error
+from pallas_gemm.testing.reference import (moe_fp8_tolerance, moe_reference, moe_tolerance,
+                                           relative_error)
 
 from conftest import ON_GPU, random
 
@@ -151,6 +152,45 @@ def test_bad_input(change, error, match):
   kwargs = {k: args.pop(k) for k in ("activation", "backend") if k in args}
   with pytest.raises(error, match=match):
     pallas_gemm.moe_mlp(**args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- fp8 inference
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_fp8_inference(rng, backend):
+  x, weights, ids, wgu, wd = _problem(rng, 29, 256, 128, 4, 2)
+  gate_up8, down8 = moe.quantize_experts(wgu, wd)
+  out = jax.jit(functools.partial(pallas_gemm.moe_mlp, backend=backend))(
+      x, weights, ids, gate_up8, down8)
+  assert out.dtype == x.dtype
+  dequantized = [jnp.swapaxes(pallas_gemm.dequantize(*p), 1, 2) for p in (gate_up8, down8)]
+  with jax.enable_x64(True):
+    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+    ref = moe_reference(f64(x), f64(weights), ids, *map(f64, dequantized))
+  err = relative_error(out, ref)
+  assert err <= moe_fp8_tolerance(x.dtype, 256, 128), err
+
+
+def test_fp8_inference_has_no_gradient(rng):
+  x, weights, ids, wgu, wd = _problem(rng, 8, 128, 128, 2, 1)
+  experts = moe.quantize_experts(wgu, wd)
+  with pytest.raises(TypeError, match="inference only"):
+    jax.grad(lambda x: jnp.sum(pallas_gemm.moe_mlp(x, weights, ids, *experts)
+                               .astype(jnp.float32)))(x)
+
+
+def test_fp8_bad_input(rng):
+  x, weights, ids, wgu, wd = _problem(rng, 8, 128, 128, 2, 1)
+  (gu8, gu_s), down8 = moe.quantize_experts(wgu, wd)
+  with pytest.raises(TypeError, match="w_gate_up: with fp8 experts"):
+    pallas_gemm.moe_mlp(x, weights, ids, wgu, down8)
+  with pytest.raises(ValueError, match="w_gate_up scales must be 128x128 blocks"):
+    pallas_gemm.moe_mlp(x, weights, ids, (gu8, gu_s[:, :1]), down8)
+  with pytest.raises(TypeError, match="values must be float8"):
+    pallas_gemm.moe_mlp(x, weights, ids, (gu8.astype(BF16), gu_s), down8)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    moe.quantize_experts(wgu[:, :100], wd)
 
 
 # ----------------------------------------------------------------------------- routers

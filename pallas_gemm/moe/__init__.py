@@ -5,11 +5,12 @@
     aux = load_balancing_loss(x @ router, ids)
 
 Modules: api.py (moe_mlp: checks and semantics), layer.py (the dataflow and its
-gradients, gathers only), routing.py (routers and the load-balancing loss),
+gradients, gathers only), fp8.py (the fp8 inference form and `quantize_experts`), routing.py (routers and the load-balancing loss),
 flax_block.py (a Flax MoE block; needs the `flax` extra, imported on its own).
 """
 
 from pallas_gemm.moe.api import moe_mlp
+from pallas_gemm.moe.fp8 import quantize_experts
 from pallas_gemm.moe.routing import load_balancing_loss, sigmoid_topk, softmax_topk
 
-__all__ = ["load_balancing_loss", "moe_mlp", "sigmoid_topk", "softmax_topk"]
+__all__ = ["load_balancing_loss", "moe_mlp", "quantize_experts", "sigmoid_topk", "softmax_topk"]

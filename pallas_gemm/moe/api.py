@@ -19,6 +19,9 @@ Semantics a user can rely on:
 - Differentiable in x, topk_weights, w_gate_up and w_down in reverse mode (jax.grad,
   jax.vjp); forward mode (jax.jvp) is not implemented.
 - Leading dims: x (..., D) with topk_weights / topk_ids (..., k).
+- fp8 inference: w_gate_up and w_down given as `quantize` pairs (`quantize_experts` makes
+  them from the bf16 weights) run both grouped GEMMs in fp8 with block scales, activations
+  quantized in the call (`fp8.py`); that form has no gradient.
 The dataflow and why it never scatters: `layer.py`.
 """
 
@@ -31,7 +34,7 @@ import numpy as np
 
 from pallas_gemm.core import checks
 from pallas_gemm.grouped import BACKENDS
-from pallas_gemm.moe import layer
+from pallas_gemm.moe import fp8, layer
 
 ACTIVATIONS = tuple(layer.ACTIVATIONS)
 
@@ -39,6 +42,27 @@ ACTIVATIONS = tuple(layer.ACTIVATIONS)
 def _array(x, name: str):
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+
+
+def _pair(w, name: str):
+  """(values, scales) of an fp8 weight pair, checked for what `quantize_experts` makes."""
+  if not isinstance(w, (tuple, list)) or len(w) != 2:
+    raise TypeError(f"{name}: with fp8 experts both weights are (values, scales) pairs from"
+                    f" quantize_experts; got {type(w).__name__}")
+  values, scales = w
+  _array(values, f"{name} values")
+  _array(scales, f"{name} scales")
+  if np.dtype(values.dtype) not in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)):
+    raise TypeError(f"{name} values must be float8_e4m3fn or float8_e5m2; got"
+                    f" {np.dtype(values.dtype)}")
+  if values.ndim == 3:
+    e, n, k = values.shape
+    want = (e, -(-n // fp8.BLOCK), k // fp8.BLOCK)
+    if k % fp8.BLOCK or tuple(scales.shape) != want:
+      raise ValueError(f"{name} scales must be 128x128 blocks {want} of values"
+                       f" {tuple(values.shape)} (K a multiple of 128; quantize_experts makes"
+                       f" them); got {tuple(scales.shape)}")
+  return values, scales
 
 
 def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "swiglu",
@@ -51,7 +75,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     topk_weights: (..., k) float: each token's expert weights (a router's output).
     topk_ids: (..., k) integer: each token's experts, in [0, E) (others: see above).
     w_gate_up: (E, D, 2F) for "swiglu" / "geglu", (E, D, F) for "silu" / "gelu"; x's dtype.
-    w_down: (E, F, D), x's dtype.
+      Or, for fp8 inference, the pair `quantize_experts` makes: fp8 values (E, 2F or F, D)
+      and their 128x128 block scales.
+    w_down: (E, F, D), x's dtype; or its fp8 pair, values (E, D, F) and block scales.
     activation: "swiglu" (silu gate), "geglu" (tanh-approximate GELU gate), "silu", "gelu".
     precision: as jax.lax.ragged_dot takes it, for every grouped GEMM.
     preferred_element_type: the result's dtype (default x's). The GEMMs accumulate in f32
@@ -63,6 +89,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   Returns:
     (..., D) in preferred_element_type.
   """
+  quantized = isinstance(w_gate_up, (tuple, list)) or isinstance(w_down, (tuple, list))
+  if quantized:
+    w_gate_up, gate_up_scales = _pair(w_gate_up, "w_gate_up")
+    w_down, down_scales = _pair(w_down, "w_down")
   for name, a in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
                   ("w_gate_up", w_gate_up), ("w_down", w_down)):
     _array(a, name)
@@ -87,10 +117,13 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     raise TypeError(f"topk_weights.dtype must be a float dtype; got"
                     f" {np.dtype(topk_weights.dtype)}")
   for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-    if np.dtype(w.dtype) != dtype:
+    if not quantized and np.dtype(w.dtype) != dtype:
       raise TypeError(f"{name}.dtype must be x's dtype {dtype}; got {np.dtype(w.dtype)}")
     if w.ndim != 3:
       raise ValueError(f"{name} must be 3-D (E, ...); got shape {tuple(w.shape)}")
+  if quantized:
+    # The fp8 pairs hold the weights K-major: w_gate_up (E, W, D), w_down (E, D, F).
+    w_gate_up, w_down = (jnp.swapaxes(w_gate_up, 1, 2), jnp.swapaxes(w_down, 1, 2))
   e, f = w_down.shape[0], w_down.shape[1]
   if tuple(w_down.shape) != (e, f, d):
     raise ValueError(f"w_down must be (E, F, D) with D = x.shape[-1] = {d}; got shape"
@@ -115,5 +148,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if tokens == 0 or k == 0:
     return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
   d_ = layer.dispatch(ids2, e)
-  out = layer.layer(plan, x2, weights2, w_gate_up, w_down, d_)
+  if quantized:
+    out = fp8.layer_fp8(plan, x2, weights2, jnp.swapaxes(w_gate_up, 1, 2), gate_up_scales,
+                        jnp.swapaxes(w_down, 1, 2), down_scales, d_)
+  else:
+    out = layer.layer(plan, x2, weights2, w_gate_up, w_down, d_)
   return out.reshape((*lead, d))

@@ -94,7 +94,7 @@ def _gemm(plan: Plan, lhs, rhs, group_sizes, dims, out_dtype):
                             backend=plan.backend, config=plan.config)
 
 
-def _act(plan: Plan, h):
+def act(plan: Plan, h):
   """a = act(gate) * up (gated) or act(h), computed in f32, rounded to h's dtype."""
   name, gated = ACTIVATIONS[plan.activation]
   hf = h.astype(F32)
@@ -117,7 +117,7 @@ def _act_grad(plan: Plan, h, da):
   return jnp.concatenate([dgate, dup], axis=1).astype(h.dtype)
 
 
-def _combine(rows, inverse, weights, out_dtype):
+def combine(rows, inverse, weights, out_dtype):
   """out[t] = sum_j weights[t, j] * rows[inverse[t, j]] in f32 (step 5)."""
   t, k = weights.shape
   picked = rows[inverse].reshape(t, k, rows.shape[-1]).astype(F32)
@@ -127,8 +127,8 @@ def _combine(rows, inverse, weights, out_dtype):
 def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
   xs = x[d.token]
   h = _gemm(plan, xs, w_gate_up, d.group_sizes, _FORWARD, x.dtype)
-  y = _gemm(plan, _act(plan, h), w_down, d.group_sizes, _FORWARD, x.dtype)
-  return _combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
+  y = _gemm(plan, act(plan, h), w_down, d.group_sizes, _FORWARD, x.dtype)
+  return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -153,11 +153,11 @@ def _layer_bwd(plan: Plan, residuals, g):
   # dy[r] = topk_weights[order[r]] * g[token[r]]; rows of no group are never read.
   dy = (topk_weights.reshape(t * k)[d.order].astype(F32)[:, None] * gf[d.token]).astype(x.dtype)
   da = _gemm(plan, dy, w_down, d.group_sizes, _BACKWARD, x.dtype)
-  dw_down = _gemm(plan, _act(plan, h), dy, d.group_sizes, _WEIGHT_GRAD, w_down.dtype)
+  dw_down = _gemm(plan, act(plan, h), dy, d.group_sizes, _WEIGHT_GRAD, w_down.dtype)
   dh = _act_grad(plan, h, da)
   dxs = _gemm(plan, dh, w_gate_up, d.group_sizes, _BACKWARD, x.dtype)
   dw_gate_up = _gemm(plan, x[d.token], dh, d.group_sizes, _WEIGHT_GRAD, w_gate_up.dtype)
-  dx = _combine(dxs, d.inverse, jnp.ones((t, k), F32), x.dtype)
+  dx = combine(dxs, d.inverse, jnp.ones((t, k), F32), x.dtype)
   return dx, dweights, dw_gate_up, dw_down, None  # the dispatch is integer: no cotangent
 
 

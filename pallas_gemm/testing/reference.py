@@ -223,3 +223,10 @@ def moe_tolerance(dtype, d_model: int, d_ff: int) -> float:
   two GEMMs (contractions over D and F, or 2F for a gradient of the gated form) with an
   intermediate rounded to dtype, so to first order their bounds add."""
   return tolerance(dtype, None, d_model) + tolerance(dtype, None, 2 * d_ff)
+
+
+def moe_fp8_tolerance(dtype, d_model: int, d_ff: int) -> float:
+  """The bound of `moe_mlp`'s fp8 inference form against the float64 layer of its
+  dequantized weights: the bf16 layer's, plus e4m3's relative rounding step (2^-4: 3
+  mantissa bits, to nearest) for each of the two activations it quantizes in the call."""
+  return moe_tolerance(dtype, d_model, d_ff) + 2 * 2.0**-4
