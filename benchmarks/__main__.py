@@ -157,9 +157,8 @@ def main(argv=None) -> int:
   on_gpu = jax.default_backend() == "gpu"
   sweep = any(getattr(args, name) for name in _SWEEP_FLAGS)
   if args.headline or (on_gpu and not sweep):
-    code = headline.main(argv, out, args.rounds, args.iterations)
-    print(report.describe_dir(out), flush=True)
-    return code
+    print(report.describe_dir(out), flush=True)  # first: the tables print last
+    return headline.main(argv, out, args.rounds, args.iterations)
   status = runner.available_backends()
   backends, notes = _select_backends(args.backends, status)
   dtypes = shapes_lib.parse_dtypes(args.dtypes)
@@ -181,8 +180,8 @@ def main(argv=None) -> int:
     meta = report.run_metadata(dict(timer=runner.Timer().name, mode="autotune"), argv)
     text, written = report.write_all(out, meta, [], tune_rows)
     print("\n".join(f"wrote {p}" for p in written), flush=True)
-    print(text, flush=True)
     print(report.describe_dir(out), flush=True)
+    print(text, flush=True)
     return 0
 
   table = (shapes_lib.FULL if args.full else
@@ -214,8 +213,8 @@ def main(argv=None) -> int:
                                   backends_status=status), argv)
   text, written = report.write_all(out, meta, rows)
   print("\n".join(f"wrote {p}" for p in written), flush=True)
-  print(text, flush=True)
   print(report.describe_dir(out), flush=True)
+  print(text, flush=True)  # the short table last
   return 1 if any(r["correct"] is False for r in rows) else 0
 
 

@@ -290,8 +290,9 @@ def main(argv=None) -> int:
   out.mkdir(parents=True, exist_ok=True)
   (out / "fp8.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
   (out / "fp8.md").write_text(text)
-  print(f"wrote {out / 'fp8.json'}, {out / 'fp8.md'}\n{text}", flush=True)
+  print(f"wrote {out / 'fp8.json'}, {out / 'fp8.md'}", flush=True)
   print(report.describe_dir(out), flush=True)
+  print(text, flush=True)  # the short table last
   return 0
 
 
