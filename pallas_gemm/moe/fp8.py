@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_gemm.fp8 import quantize, scaled_ragged_dot
+from pallas_gemm import fp8 as fp8_ops
 from pallas_gemm.moe import layer
 
 BLOCK = 128  # the scale block along a contraction, and a weight block's rows
@@ -36,14 +36,15 @@ def quantize_experts(w_gate_up, w_down, dtype=jnp.float8_e4m3fn):
     if w.shape[1] % BLOCK:
       raise ValueError(f"{name}.shape={tuple(w.shape)}: its contraction (dim 1) must be a"
                        f" multiple of {BLOCK}, the fp8 scale block; pad it with zeros")
-  gu8, gu_s = quantize(jnp.swapaxes(w_gate_up, 1, 2), dtype, block_shape=(BLOCK, BLOCK))
-  dn8, dn_s = quantize(jnp.swapaxes(w_down, 1, 2), dtype, block_shape=(BLOCK, BLOCK))
+  blocks = (BLOCK, BLOCK)
+  gu8, gu_s = fp8_ops.quantize(jnp.swapaxes(w_gate_up, 1, 2), dtype, block_shape=blocks)
+  dn8, dn_s = fp8_ops.quantize(jnp.swapaxes(w_down, 1, 2), dtype, block_shape=blocks)
   return (gu8, gu_s), (dn8, dn_s)
 
 
 def _gemm(plan: layer.Plan, rows, w8, w_scales, group_sizes, dtype):
-  rows8, row_scales = quantize(rows, w8.dtype)  # 1x128 blocks along the contraction
-  return scaled_ragged_dot(rows8, w8, group_sizes, row_scales, w_scales,
+  rows8, row_scales = fp8_ops.quantize(rows, w8.dtype)  # 1x128 blocks along the contraction
+  return fp8_ops.scaled_ragged_dot(rows8, w8, group_sizes, row_scales, w_scales,
                            preferred_element_type=dtype, backend=plan.backend)
 
 
