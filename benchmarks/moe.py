@@ -303,7 +303,8 @@ def markdown(results: list[dict], header: bool = True) -> str:
               "|---|---|---|---:|---:|---:|---:|"]
   for row in results:
     c = row["config"]
-    label = f"{c['name']} (T {c['tokens']}, D {c['d_model']}, F {c['d_ff']}, E {c['experts']}, k {c['top_k']})"
+    label = (f"{c['name']} (T {c['tokens']}, D {c['d_model']}, F {c['d_ff']},"
+             f" E {c['experts']}, k {c['top_k']})")
     for name, v in row["variants"].items():
       if v["status"] != "ok":
         lines.append(f"| {label} | {row['mode']} | {name} | - | - | {v['reason']} | - |")
