@@ -29,13 +29,17 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import pallas_gemm
+
+try:  # the `flax` extra: pip install '.[flax]' (Flax brings optax)
+  import flax.linen as nn
+  import optax
+except ModuleNotFoundError as e:
+  sys.exit(f"{e}: this example needs Flax and optax: pip install '.[flax]'")
 
 SMALL = dict(batch=256, d_in=128, hidden=512, d_out=128, steps=30, dtype="float32")
 FULL = dict(batch=8192, d_in=4096, hidden=16384, d_out=4096, steps=30, dtype="bfloat16")

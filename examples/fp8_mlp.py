@@ -29,13 +29,17 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from pallas_gemm import fp8_dot_general
+
+try:  # the `flax` extra: pip install '.[flax]' (Flax brings optax)
+  import flax.linen as nn
+  import optax
+except ModuleNotFoundError as e:
+  sys.exit(f"{e}: this example needs Flax and optax: pip install '.[flax]'")
 
 SMALL = dict(batch=256, d_in=256, hidden=512, d_out=256, steps=30)
 FULL = dict(batch=8192, d_in=4096, hidden=16384, d_out=4096, steps=30)

@@ -43,14 +43,18 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import PartitionSpec as P
 
 import pallas_gemm
+
+try:  # the `flax` extra: pip install '.[flax]' (Flax brings optax)
+  import flax.linen as nn
+  import optax
+except ModuleNotFoundError as e:
+  sys.exit(f"{e}: this example needs Flax and optax: pip install '.[flax]'")
 
 SMALL = dict(tokens=256, d_model=64, hidden=128, experts=8, top_k=2, steps=20,
              dtype="bfloat16")

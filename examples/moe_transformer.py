@@ -25,13 +25,17 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 
 import pallas_gemm
-from pallas_gemm.moe.flax_block import MoEBlock
+
+try:  # the `flax` extra: pip install '.[flax]' (Flax brings optax)
+  import flax.linen as nn
+  import optax
+  from pallas_gemm.moe.flax_block import MoEBlock
+except ModuleNotFoundError as e:
+  sys.exit(f"{e}: this example needs Flax and optax: pip install '.[flax]'")
 
 SMALL = dict(batch=4, seq=32, d_model=64, d_ff=32, experts=8, top_k=2, heads=4, layers=2,
              steps=12, dtype="float32")
