@@ -10,11 +10,16 @@ import numpy as np
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
+def require_array(x, name: str) -> None:
+  """The TypeError that names the argument, unless x has a shape and a dtype."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+
+
 def dtype_of(x, name: str) -> np.dtype:
   """x's dtype, or the TypeError that names the argument: not an array, or not a float
   dtype the kernels take."""
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+  require_array(x, name)
   dtype = np.dtype(x.dtype)
   if dtype not in SUPPORTED_DTYPES:
     raise TypeError(f"{name}.dtype must be one of float32, bfloat16, float16; got {dtype}")

@@ -9,6 +9,7 @@ import importlib
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_gemm.core.checks import require_array
 from pallas_gemm.fp8 import scales
 from pallas_gemm.mgpu import hw
 
@@ -32,8 +33,7 @@ def mosaic_unavailable_reason() -> str | None:
 
 
 def operand(x, name: str) -> np.dtype:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+  require_array(x, name)
   dtype = np.dtype(x.dtype)
   if dtype not in scales.FP8_DTYPES:
     raise TypeError(f"{name}.dtype must be float8_e4m3fn or float8_e5m2 (quantize() makes"
@@ -42,8 +42,7 @@ def operand(x, name: str) -> np.dtype:
 
 
 def check_scales(x, name: str) -> None:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
+  require_array(x, name)
   if np.dtype(x.dtype) not in scales.SCALE_DTYPES:
     raise TypeError(f"{name}.dtype must be float32 (or bfloat16, float16, float8_e8m0fnu);"
                     f" got {np.dtype(x.dtype)}")
