@@ -39,19 +39,14 @@ from pallas_gemm.moe import fp8, layer
 ACTIVATIONS = tuple(layer.ACTIVATIONS)
 
 
-def _array(x, name: str):
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray); got {type(x).__name__}")
-
-
 def _pair(w, name: str):
   """(values, scales) of an fp8 weight pair, checked for what `quantize_experts` makes."""
   if not isinstance(w, (tuple, list)) or len(w) != 2:
     raise TypeError(f"{name}: with fp8 experts both weights are (values, scales) pairs from"
                     f" quantize_experts; got {type(w).__name__}")
   values, scales = w
-  _array(values, f"{name} values")
-  _array(scales, f"{name} scales")
+  checks.require_array(values, f"{name} values")
+  checks.require_array(scales, f"{name} scales")
   if np.dtype(values.dtype) not in (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)):
     raise TypeError(f"{name} values must be float8_e4m3fn or float8_e5m2; got"
                     f" {np.dtype(values.dtype)}")
@@ -95,7 +90,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     w_down, down_scales = _pair(w_down, "w_down")
   for name, a in (("x", x), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
                   ("w_gate_up", w_gate_up), ("w_down", w_down)):
-    _array(a, name)
+    checks.require_array(a, name)
   dtype = checks.dtype_of(x, "x")
   if activation not in layer.ACTIVATIONS:
     raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
@@ -121,19 +116,22 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       raise TypeError(f"{name}.dtype must be x's dtype {dtype}; got {np.dtype(w.dtype)}")
     if w.ndim != 3:
       raise ValueError(f"{name} must be 3-D (E, ...); got shape {tuple(w.shape)}")
-  if quantized:
-    # The fp8 pairs hold the weights K-major: w_gate_up (E, W, D), w_down (E, D, F).
-    w_gate_up, w_down = (jnp.swapaxes(w_gate_up, 1, 2), jnp.swapaxes(w_down, 1, 2))
-  e, f = w_down.shape[0], w_down.shape[1]
-  if tuple(w_down.shape) != (e, f, d):
+  # The weights' shapes as the bf16 layer holds them; the fp8 pairs hold their values
+  # K-major, w_gate_up (E, W, D) and w_down (E, D, F), and are checked as these views.
+  def as_bf16(shape):
+    return (shape[0], shape[2], shape[1]) if quantized else tuple(shape)
+
+  gate_up_shape, down_shape = as_bf16(w_gate_up.shape), as_bf16(w_down.shape)
+  e, f = down_shape[0], down_shape[1]
+  if down_shape != (e, f, d):
     raise ValueError(f"w_down must be (E, F, D) with D = x.shape[-1] = {d}; got shape"
-                     f" {tuple(w_down.shape)}")
+                     f" {down_shape}")
   width = 2 * f if gated else f
-  if tuple(w_gate_up.shape) != (e, d, width):
+  if gate_up_shape != (e, d, width):
     what = "(E, D, 2F): gate and up side by side" if gated else "(E, D, F)"
     raise ValueError(f"w_gate_up must be {what} for activation={activation!r}, with E, F"
-                     f" from w_down {tuple(w_down.shape)} and D = {d}: expected"
-                     f" {(e, d, width)}; got {tuple(w_gate_up.shape)}")
+                     f" from w_down {down_shape} and D = {d}: expected"
+                     f" {(e, d, width)}; got {gate_up_shape}")
   out_dtype = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
   if out_dtype not in checks.SUPPORTED_DTYPES:
     raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got"
@@ -149,8 +147,8 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
   d_ = layer.dispatch(ids2, e)
   if quantized:
-    out = fp8.layer_fp8(plan, x2, weights2, jnp.swapaxes(w_gate_up, 1, 2), gate_up_scales,
-                        jnp.swapaxes(w_down, 1, 2), down_scales, d_)
+    out = fp8.layer_fp8(plan, x2, weights2, w_gate_up, gate_up_scales, w_down, down_scales,
+                        d_)
   else:
     out = layer.layer(plan, x2, weights2, w_gate_up, w_down, d_)
   return out.reshape((*lead, d))
