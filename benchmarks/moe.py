@@ -35,6 +35,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
+from benchmarks.ragged import import_tokamax
 from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
 from pallas_gemm import moe_mlp, ragged_dot
 from pallas_gemm.moe import quantize_experts, softmax_topk
@@ -123,14 +124,6 @@ def dense(x, topk_weights, topk_ids, w_gate_up, w_down):
   return jnp.dot(jax.nn.silu(h[:, :f]) * h[:, f:], w_down[0])
 
 
-def _tokamax():
-  try:
-    import tokamax  # noqa: PLC0415 - optional peer
-  except Exception as e:  # noqa: BLE001 - an import of an optional peer may fail any way
-    return None, f"{type(e).__name__}: {e}"
-  return tokamax, None
-
-
 # variant -> how its operands are made from the shared ones, once per config and mode
 PREPARE = {}
 # variants that have no backward pass
@@ -153,7 +146,7 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
   PREPARE[fp8_layer] = lambda x, w, ids, wgu, wd, *rest: (x, w, ids,
                                                           *quantize_experts(wgu, wd), *rest)
   missing = {}
-  tokamax, why = _tokamax()
+  tokamax, why = import_tokamax()
   if tokamax is None:
     missing["unfused/tokamax"] = f"not importable ({why})"
   elif not on_gpu:

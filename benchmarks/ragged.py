@@ -75,7 +75,8 @@ def _options(args) -> argparse.Namespace:
 # ----------------------------------------------------------------------------- variants
 
 
-def _tokamax():
+def import_tokamax():
+  """(tokamax or None, why not): the optional peer, when its wheels are installed."""
   try:
     import tokamax  # noqa: PLC0415 - optional peer
   except Exception as e:  # noqa: BLE001 - an import of an optional peer may fail any way
@@ -96,7 +97,7 @@ def variants(on_gpu: bool, with_tokamax: bool) -> tuple[dict, dict]:
   }
   missing = {}
   if with_tokamax:
-    tokamax, why = _tokamax()
+    tokamax, why = import_tokamax()
     if tokamax is None:
       missing["tokamax"] = f"not importable ({why})"
     elif not on_gpu:
