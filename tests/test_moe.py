@@ -16,7 +16,7 @@ from pallas_gemm import moe
 from pallas_gemm.testing.reference import (moe_fp8_tolerance, moe_reference, moe_tolerance,
                                            relative_error)
 
-from conftest import ON_GPU, random
+from conftest import ON_GPU, jax_config, random
 
 BF16 = jnp.bfloat16
 
@@ -38,18 +38,21 @@ def _check(args, *, backend, activation="swiglu", grads=True):
   layer = functools.partial(pallas_gemm.moe_mlp, activation=activation, backend=backend)
   out, vjp = jax.vjp(lambda x, w, a, b: layer(x, w, ids, a, b), x, weights, wgu, wd)
   ct = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), out.dtype)
-  with jax.enable_x64(True):
-    f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+  # The layer's results first: Mosaic GPU's interpreter runs the kernels on worker threads,
+  # and tracing the reference with x64 switched on while they run deadlocked (conftest's
+  # jax_config sets x64 process-wide, as the interpreter's threads need).
+  grad_values = jax.block_until_ready(vjp(ct) if grads else ())
+  out = jax.block_until_ready(out)
+  f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+  with jax_config("jax_enable_x64", True):
     ref, ref_vjp = jax.vjp(lambda x, w, a, b: moe_reference(x, w, ids, a, b, activation),
                            f64(x), f64(weights), f64(wgu), f64(wd))
+    ref_grads = ref_vjp(f64(ct)) if grads else ()
   tol = moe_tolerance(x.dtype, x.shape[-1], wd.shape[1])
   assert out.dtype == x.dtype and out.shape == x.shape
   assert relative_error(out, ref) <= tol
-  if grads:
-    with jax.enable_x64(True):
-      ref_grads = ref_vjp(f64(ct))
-    for name, g, r in zip(("x", "topk_weights", "w_gate_up", "w_down"), vjp(ct), ref_grads):
-      assert relative_error(g, r) <= tol, name
+  for name, g, r in zip(("x", "topk_weights", "w_gate_up", "w_down"), grad_values, ref_grads):
+    assert relative_error(g, r) <= tol, name
 
 
 def _backends():
@@ -161,11 +164,11 @@ def test_bad_input(change, error, match):
 def test_fp8_inference(rng, backend):
   x, weights, ids, wgu, wd = _problem(rng, 29, 256, 128, 4, 2)
   gate_up8, down8 = moe.quantize_experts(wgu, wd)
-  out = jax.jit(functools.partial(pallas_gemm.moe_mlp, backend=backend))(
-      x, weights, ids, gate_up8, down8)
+  out = jax.block_until_ready(jax.jit(functools.partial(pallas_gemm.moe_mlp, backend=backend))(
+      x, weights, ids, gate_up8, down8))  # before x64 goes on (see `_check`)
   assert out.dtype == x.dtype
   dequantized = [jnp.swapaxes(pallas_gemm.dequantize(*p), 1, 2) for p in (gate_up8, down8)]
-  with jax.enable_x64(True):
+  with jax_config("jax_enable_x64", True):
     f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
     ref = moe_reference(f64(x), f64(weights), ids, *map(f64, dequantized))
   err = relative_error(out, ref)
