@@ -36,13 +36,13 @@ def _check(args, *, backend, activation="swiglu", grads=True):
   """The layer's output and (with grads) its four gradients within the table's bound."""
   x, weights, ids, wgu, wd = args
   layer = functools.partial(pallas_gemm.moe_mlp, activation=activation, backend=backend)
-  out, vjp = jax.vjp(lambda x, w, a, b: layer(x, w, ids, a, b), x, weights, wgu, wd)
-  ct = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), out.dtype)
-  # The layer's results first: Mosaic GPU's interpreter runs the kernels on worker threads,
-  # and tracing the reference with x64 switched on while they run deadlocked (conftest's
-  # jax_config sets x64 process-wide, as the interpreter's threads need).
-  grad_values = jax.block_until_ready(vjp(ct) if grads else ())
+  # Jitted, and each result complete before the next step: Mosaic GPU's interpreter runs
+  # the kernels on worker threads, and eager ops dispatched (or the reference traced with
+  # x64 on) while they ran deadlocked. conftest's jax_config sets x64 process-wide.
+  out, vjp = jax.vjp(jax.jit(lambda x, w, a, b: layer(x, w, ids, a, b)), x, weights, wgu, wd)
   out = jax.block_until_ready(out)
+  ct = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), out.dtype)
+  grad_values = jax.block_until_ready(vjp(ct) if grads else ())
   f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
   with jax_config("jax_enable_x64", True):
     ref, ref_vjp = jax.vjp(lambda x, w, a, b: moe_reference(x, w, ids, a, b, activation),
