@@ -19,6 +19,12 @@ Semantics a user can rely on:
 - Differentiable in x, topk_weights, w_gate_up and w_down in reverse mode (jax.grad,
   jax.vjp); forward mode (jax.jvp) is not implemented.
 - Leading dims: x (..., D) with topk_weights / topk_ids (..., k).
+- Expert parallel (`parallel.py`): with `expert_axis` (or, under jit, when w_down's type
+  is sharded on E over an Explicit mesh axis, that axis), the experts split over the
+  axis and the tokens travel to them by all-to-all; no expert weight is gathered. Inside
+  `jax.shard_map` over that axis, x and topk_* are the device's tokens (ids global) and
+  the weights its experts; outside, x's tokens and the weights' experts are split over
+  it, and the result comes back sharded on its tokens over it.
 - fp8 inference: w_gate_up and w_down given as `quantize` pairs (`quantize_experts` makes
   them from the bf16 weights) run both grouped GEMMs in fp8 with block scales, activations
   quantized in the call (`fp8.py`); that form has no gradient.
@@ -34,7 +40,7 @@ import numpy as np
 
 from pallas_gemm.core import checks
 from pallas_gemm.grouped import BACKENDS
-from pallas_gemm.moe import fp8, layer
+from pallas_gemm.moe import fp8, layer, parallel
 
 ACTIVATIONS = tuple(layer.ACTIVATIONS)
 
@@ -62,7 +68,7 @@ def _pair(w, name: str):
 
 def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "swiglu",
             precision=None, preferred_element_type=None, backend: str = "auto",
-            config=None):
+            config=None, expert_axis: str | None = None, exchange: str = "auto"):
   """The MoE layer of the module docstring.
 
   Args:
@@ -80,11 +86,22 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     backend: "auto", "xla" or "mosaic": the grouped GEMMs' (`ragged_dot`'s).
     config: the Mosaic grouped kernels' Config (`pallas_gemm.grouped.config.Config`),
       for every grouped GEMM of the call; None picks per shape.
+    expert_axis: a mesh axis name to run expert-parallel over (module docstring): the
+      axis of an enclosing `jax.shard_map`, or of the context mesh (`jax.set_mesh`) or
+      the weights' sharding. None: the axis w_down's type shards E over, if any.
+    exchange: how rows travel between devices when expert-parallel: "ragged"
+      (`jax.lax.ragged_all_to_all`, GPU), "padded" (a dense all_to_all, n times the
+      bytes, any backend) or "auto" ("ragged" on a GPU).
 
   Returns:
     (..., D) in preferred_element_type.
   """
   quantized = isinstance(w_gate_up, (tuple, list)) or isinstance(w_down, (tuple, list))
+  if exchange not in parallel.EXCHANGES:
+    raise ValueError(f"exchange must be one of {parallel.EXCHANGES}; got {exchange!r}")
+  if expert_axis is not None and not isinstance(expert_axis, str):
+    raise TypeError(f"expert_axis must be a mesh axis name (str) or None; got"
+                    f" {expert_axis!r}")
   if quantized:
     w_gate_up, gate_up_scales = _pair(w_gate_up, "w_gate_up")
     w_down, down_scales = _pair(w_down, "w_down")
@@ -145,6 +162,14 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   ids2 = jnp.reshape(topk_ids, (tokens, k))
   if tokens == 0 or k == 0:
     return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
+  axis = expert_axis if expert_axis is not None else parallel.sharded_expert_axis(w_down)
+  if axis is not None:
+    if quantized:
+      raise ValueError("expert parallelism runs bf16/f16/f32 experts; fp8 expert pairs run"
+                       " on one device (expert_axis=None, weights not sharded on E)")
+    out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
+                       exchange=exchange)
+    return out.reshape((*lead, d))
   d_ = layer.dispatch(ids2, e)
   if quantized:
     out = fp8.layer_fp8(plan, x2, weights2, w_gate_up, gate_up_scales, w_down, down_scales,

@@ -124,10 +124,37 @@ def combine(rows, inverse, weights, out_dtype):
   return jnp.einsum("tk,tkd->td", weights.astype(F32), picked).astype(out_dtype)
 
 
+def _experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes):
+  """y = FFN(xs) row by row, each row through its group's expert (steps 3 and 4)."""
+  h = _gemm(plan, xs, w_gate_up, group_sizes, _FORWARD, xs.dtype)
+  y = _gemm(plan, act(plan, h), w_down, group_sizes, _FORWARD, xs.dtype)
+  return y, h
+
+
+def _experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy):
+  """(dxs, dw_gate_up, dw_down) from dy; a is recomputed from h."""
+  da = _gemm(plan, dy, w_down, group_sizes, _BACKWARD, xs.dtype)
+  dw_down = _gemm(plan, act(plan, h), dy, group_sizes, _WEIGHT_GRAD, w_down.dtype)
+  dh = _act_grad(plan, h, da)
+  dxs = _gemm(plan, dh, w_gate_up, group_sizes, _BACKWARD, xs.dtype)
+  dw_gate_up = _gemm(plan, xs, dh, group_sizes, _WEIGHT_GRAD, w_gate_up.dtype)
+  return dxs, dw_gate_up, dw_down
+
+
+def _combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
+  """(d rows, d topk_weights) of `combine`, as gathers:
+  d topk_weights[t, j] = <rows[inverse[t, j]], g[t]>;
+  d rows[r] = topk_weights[order[r]] * g[token[r]] (rows of no group are never read)."""
+  t, k = topk_weights.shape
+  gf = g.astype(F32)
+  picked = rows[d.inverse].reshape(t, k, rows.shape[-1]).astype(F32)
+  dweights = jnp.einsum("tkd,td->tk", picked, gf).astype(topk_weights.dtype)
+  drows = topk_weights.reshape(t * k)[d.order].astype(F32)[:, None] * gf[d.token]
+  return drows.astype(rows_dtype), dweights
+
+
 def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
-  xs = x[d.token]
-  h = _gemm(plan, xs, w_gate_up, d.group_sizes, _FORWARD, x.dtype)
-  y = _gemm(plan, act(plan, h), w_down, d.group_sizes, _FORWARD, x.dtype)
+  y, h = _experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
   return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
@@ -145,20 +172,72 @@ def _layer_fwd(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
 
 def _layer_bwd(plan: Plan, residuals, g):
   x, topk_weights, w_gate_up, w_down, d, h, y = residuals
-  t, k = topk_weights.shape
-  gf = g.astype(F32)
-  # d topk_weights[t, j] = <y[inverse[t, j]], g[t]>
-  picked = y[d.inverse].reshape(t, k, y.shape[-1]).astype(F32)
-  dweights = jnp.einsum("tkd,td->tk", picked, gf).astype(topk_weights.dtype)
-  # dy[r] = topk_weights[order[r]] * g[token[r]]; rows of no group are never read.
-  dy = (topk_weights.reshape(t * k)[d.order].astype(F32)[:, None] * gf[d.token]).astype(x.dtype)
-  da = _gemm(plan, dy, w_down, d.group_sizes, _BACKWARD, x.dtype)
-  dw_down = _gemm(plan, act(plan, h), dy, d.group_sizes, _WEIGHT_GRAD, w_down.dtype)
-  dh = _act_grad(plan, h, da)
-  dxs = _gemm(plan, dh, w_gate_up, d.group_sizes, _BACKWARD, x.dtype)
-  dw_gate_up = _gemm(plan, x[d.token], dh, d.group_sizes, _WEIGHT_GRAD, w_gate_up.dtype)
-  dx = combine(dxs, d.inverse, jnp.ones((t, k), F32), x.dtype)
+  dy, dweights = _combine_backward(y, topk_weights, d, g, x.dtype)
+  dxs, dw_gate_up, dw_down = _experts_backward(plan, x[d.token], h, w_gate_up, w_down,
+                                               d.group_sizes, dy)
+  dx = combine(dxs, d.inverse, jnp.ones(topk_weights.shape, F32), x.dtype)
   return dx, dweights, dw_gate_up, dw_down, None  # the dispatch is integer: no cotangent
 
 
 layer.defvjp(_layer_fwd, _layer_bwd)
+
+
+# ----------------------------------------------------------------------------- in pieces
+# The layer's steps as separately differentiable pieces, for dataflows that run something
+# between them (expert parallelism exchanges the rows between devices: `parallel.py`).
+# Each backward is the layer's own, so no piece scatters either.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def experts(plan: Plan, xs, w_gate_up, w_down, group_sizes):
+  """y (R, D) = FFN(xs) with xs (R, D) sorted by group; rows past sum(group_sizes) are 0."""
+  return _experts_forward(plan, xs, w_gate_up, w_down, group_sizes)[0]
+
+
+def _experts_fwd(plan: Plan, xs, w_gate_up, w_down, group_sizes):
+  y, h = _experts_forward(plan, xs, w_gate_up, w_down, group_sizes)
+  return y, (xs, h, w_gate_up, w_down, group_sizes)
+
+
+def _experts_bwd(plan: Plan, residuals, dy):
+  xs, h, w_gate_up, w_down, group_sizes = residuals
+  return (*_experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy), None)
+
+
+experts.defvjp(_experts_fwd, _experts_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def pair_rows(x, d: Dispatch, k: int):
+  """xs = x[d.token] (step 2) for k slots per token; its gradient sums each token's k
+  rows (a gather)."""
+  return x[d.token]
+
+
+def _pair_rows_fwd(x, d: Dispatch, k: int):
+  return x[d.token], d
+
+
+def _pair_rows_bwd(k: int, d: Dispatch, g):
+  t = g.shape[0] // k
+  return combine(g, d.inverse, jnp.ones((t, k), F32), g.dtype), None
+
+
+pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def combine_pairs(rows, topk_weights, d: Dispatch, out_dtype):
+  """`combine` of the sorted rows (step 5), with the layer's gather-only backward."""
+  return combine(rows, d.inverse, topk_weights, out_dtype)
+
+
+def _combine_pairs_fwd(rows, topk_weights, d: Dispatch, out_dtype):
+  return combine(rows, d.inverse, topk_weights, out_dtype), (rows, topk_weights, d)
+
+
+def _combine_pairs_bwd(out_dtype, residuals, g):
+  rows, topk_weights, d = residuals
+  return (*_combine_backward(rows, topk_weights, d, g, rows.dtype), None)
+
+
+combine_pairs.defvjp(_combine_pairs_fwd, _combine_pairs_bwd)

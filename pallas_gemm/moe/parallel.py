@@ -1,0 +1,191 @@
+"""Expert parallelism: `moe_mlp` with the experts split over one mesh axis.
+
+Each of the n devices of the axis holds T/n of the tokens and E/n of the experts (E_l,
+the experts of device j being j*E_l ... (j+1)*E_l - 1). Tokens travel; experts stay:
+  1. dispatch locally: the device's (token, slot) pairs sorted by global expert
+     (`layer.dispatch`), their rows gathered (R = T/n * k rows). The rows for device j's
+     experts are then consecutive, one slice per expert.
+  2. the counts: every device's per-expert row counts, all-gathered ((n, E) int32s).
+  3. exchange: each (device, expert) slice is sent to the expert's device and written
+     where the receiver's rows for that expert go, so the receiver's buffer comes out
+     sorted by local expert (sources in device order inside each expert): the grouped
+     GEMMs run on it as it is, with no local sort.
+  4. the experts' FFN on the received rows (`layer.experts`).
+  5. the same exchange backwards: each result row returns to its pair's place.
+  6. combine locally (`layer.combine_pairs`).
+Reverse mode differentiates through it: the exchanges are linear (their transposes are
+the exchanges the other way), and the layer's pieces keep their gather-only backwards.
+
+The receive buffer holds n * R rows, the most a device can receive (every pair of every
+device routed to its experts), so nothing is dropped whatever the routing. Rows past
+what arrived are zero and in no group: the grouped GEMMs skip them.
+
+Two exchanges do step 3 and 5 (the `exchange` argument):
+- "ragged": `jax.lax.ragged_all_to_all`, which moves exactly the rows routed (XLA:GPU; XLA's
+  CPU backend does not implement it).
+- "padded": the same slices through a dense `jax.lax.all_to_all` of (n, R) rows per
+  device: n times the bytes, on any backend.
+"auto" is "ragged" on a GPU, "padded" elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_gemm.moe import layer
+
+EXCHANGES = ("auto", "ragged", "padded")
+
+
+def _exclusive_cumsum(v, axis=-1):
+  return jnp.cumsum(v, axis=axis) - v
+
+
+def _offsets(counts, me, n: int, local: int):
+  """The exchange's offsets (int32) from counts (n, E) = rows of device s for expert e.
+
+  Slice (j, l) of a device (j the destination, l its local expert) is its rows for
+  expert j*local + l. Returns (send_offsets, send_sizes, out_offsets, recv_sizes,
+  recv_offsets, group_sizes), the first three and the fifth of length E (slice order
+  (j, l) for sending, (s, l) for receiving) as ragged_all_to_all takes them; group_sizes
+  (local,) are the receiver's rows per local expert."""
+  e = counts.shape[1]
+  by_dst = counts.reshape(n, n, local)            # [src, dst, l]
+  send_sizes = counts[me]                          # (E,) this device's slices, (j, l)
+  send_offsets = _exclusive_cumsum(send_sizes)     # its rows are sorted by expert
+  # Receiver j's buffer: expert l's block starts after experts < l of every source;
+  # inside it, sources in order.
+  per_expert = by_dst.sum(0)                       # [dst, l] rows dst receives for l
+  block = _exclusive_cumsum(per_expert)            # [dst, l]
+  before_me = jnp.sum(jnp.where(jnp.arange(n)[:, None, None] < me, by_dst, 0), axis=0)
+  out_offsets = (block + before_me).reshape(e)     # where my slice (j, l) lands on j
+  mine = by_dst[:, me, :]                          # [src, l] what I receive
+  recv_sizes = mine.reshape(e)
+  recv_offsets = (block[me][None, :] + _exclusive_cumsum(mine, axis=0)).reshape(e)
+  return_offsets = _exclusive_cumsum(counts).reshape(n, n, local)[:, me, :].reshape(e)
+  return (send_offsets, send_sizes, out_offsets, recv_sizes, recv_offsets, return_offsets,
+          per_expert[me])
+
+
+def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                      recv_sizes, *, axis_name: str):
+  """`jax.lax.ragged_all_to_all`'s result through a dense `all_to_all`, for slices that
+  do not overlap in the operand: each device packs its slices for device j into one
+  chunk of operand's length (zero-filled), the chunks are exchanged, and each received
+  row is gathered to its place in output. Moves n * operand's rows per device; runs
+  wherever all_to_all does."""
+  n = jax.lax.axis_size(axis_name)
+  rows, cap = output.shape[0], operand.shape[0]
+  per = input_offsets.shape[0] // n
+  sizes = send_sizes.reshape(n, per)
+  starts = _exclusive_cumsum(sizes)                          # slice starts in its chunk
+  q = jnp.arange(cap, dtype=jnp.int32)
+  # chunk j, row q: slice i of j with starts[j, i] <= q < starts[j, i] + sizes[j, i]
+  hit = ((q[None, :, None] >= starts[:, None, :])
+         & (q[None, :, None] < (starts + sizes)[:, None, :]))  # (n, cap, per)
+  src = jnp.sum(jnp.where(hit, (input_offsets.reshape(n, per) - starts)[:, None, :]
+                          + q[None, :, None], 0), axis=-1)
+  filled = jnp.any(hit, axis=-1)
+  packed = jnp.where(filled[..., None], operand[jnp.clip(src, 0, cap - 1)], 0)
+  packed = packed.astype(operand.dtype)
+  received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)  # [src, q]
+  landing = jax.lax.all_to_all(output_offsets.reshape(n, per), axis_name, 0, 0)
+  rsizes = recv_sizes.reshape(n, per)
+  rstarts = _exclusive_cumsum(rsizes)                        # slice starts in src's chunk
+  p = jnp.arange(rows, dtype=jnp.int32)
+  hit = ((p[:, None, None] >= landing[None]) & (p[:, None, None] < (landing + rsizes)[None]))
+  flat = (jnp.arange(n, dtype=jnp.int32)[:, None] * cap + rstarts - landing)[None]
+  index = jnp.sum(jnp.where(hit, flat + p[:, None, None], 0), axis=(1, 2))
+  got = jnp.any(hit, axis=(1, 2))
+  taken = received.reshape(n * cap, *operand.shape[1:])[jnp.clip(index, 0, n * cap - 1)]
+  return jnp.where(got.reshape(-1, *([1] * (operand.ndim - 1))), taken, output)
+
+
+def _exchange(name: str):
+  if name == "ragged":
+    return jax.lax.ragged_all_to_all
+  return padded_all_to_all
+
+
+def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
+          exchange: str):
+  """The expert-parallel layer on one device's shard, inside a manual `axis`: x (T_l, D),
+  topk_* (T_l, k) with global expert ids, w_* this device's E_l experts. (T_l, D)."""
+  n = jax.lax.axis_size(axis)
+  me = jax.lax.axis_index(axis)
+  t, k = topk_ids.shape
+  experts_local = w_down.shape[0]
+  d = layer.dispatch(topk_ids, experts_local * n)
+  xs = layer.pair_rows(x, d, k)                                           # step 1
+  counts = jax.lax.all_gather(d.group_sizes, axis)                      # step 2: (n, E)
+  send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = _offsets(
+      counts, me, n, experts_local)
+  move = _exchange(exchange)
+  buffer = jnp.zeros((n * t * k, x.shape[1]), x.dtype)
+  received = move(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
+                  axis_name=axis)                                       # step 3
+  y = layer.experts(plan, received, w_gate_up, w_down, group_sizes)    # step 4
+  back = move(y, jnp.zeros_like(xs), recv_off, recv_sizes, return_off, send_sizes,
+              axis_name=axis)                                           # step 5
+  return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)     # step 6
+
+
+def sharded_expert_axis(w):
+  """The Explicit mesh axis w's type shards its first dim (E) over, or None."""
+  sharding = getattr(jax.typeof(w), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  if not spec or spec[0] is None:
+    return None
+  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  explicit = getattr(sharding.mesh, "explicit_axes", ())
+  if len(names) == 1 and names[0] in explicit:
+    return names[0]
+  return None
+
+
+def _mesh_with(axis: str, w):
+  """The mesh that holds `axis`: the context's (jax.set_mesh, shard_map) or w's type's."""
+  for mesh in (jax.sharding.get_abstract_mesh(),
+               getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)):
+    if mesh is not None and axis in getattr(mesh, "axis_names", ()):
+      return mesh
+  raise ValueError(f"expert_axis={axis!r} is not an axis of the mesh in context"
+                   " (jax.set_mesh, jax.shard_map) nor of the weights' sharding")
+
+
+def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
+        exchange: str):
+  """The expert-parallel layer on x (T, D): inside a manual `axis` on this device's
+  shard (`local`); otherwise as a `jax.shard_map` over the axis."""
+  mesh = _mesh_with(axis, w_down)
+  if exchange == "auto":
+    exchange = "ragged" if jax.default_backend() == "gpu" else "padded"
+  n = mesh.shape[axis]
+  if axis in mesh.manual_axes:
+    return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
+                 exchange=exchange)
+  if w_down.shape[0] % n:
+    raise ValueError(f"expert parallelism over {axis!r} ({n} devices) splits the experts"
+                     f" evenly; got E = {w_down.shape[0]}")
+  t = x.shape[0]
+  pad = -t % n  # tokens padded to a multiple of n route nowhere (id -1)
+  if pad:
+    x = jnp.pad(x, ((0, pad), (0, 0)))
+    topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
+    topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
+  spec = jax.sharding.PartitionSpec(axis)
+  args = (x, topk_weights, topk_ids, w_gate_up, w_down)
+  explicit = axis in getattr(mesh, "explicit_axes", ())
+  if explicit:  # an Explicit axis types every value: move them to the split they need
+    args = tuple(jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
+                 for a in args)
+  body = lambda *a: local(plan, *a, axis=axis, exchange=exchange)  # noqa: E731
+  out = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
+                      axis_names={axis})(*args)
+  if not pad:
+    return out
+  if explicit:  # T rows do not split evenly over the axis: the result is replicated
+    out = jax.sharding.reshard(out, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+  return out[:t]

@@ -1,0 +1,239 @@
+"""Expert-parallel `moe_mlp` (pallas_gemm/moe/parallel.py): the layer and its four gradients
+with the experts split over a mesh axis, equal to the one-device layer and within the
+float64 reference's bound; the three ways in (an Explicit mesh, `expert_axis` with
+`jax.set_mesh`, inside `jax.shard_map`); routings that stress the exchange; the compiled
+program moves tokens, never an expert weight; bad input.
+
+On a CPU, conftest gives the process 8 host devices. The "padded" exchange runs here;
+"ragged" (jax.lax.ragged_all_to_all) only where XLA implements it (GPUs), so its tests
+run on a machine with >= 2 GPUs and say why they skip elsewhere."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pallas_gemm
+from pallas_gemm.moe import parallel
+from pallas_gemm.testing.reference import moe_reference, moe_tolerance, relative_error
+
+from conftest import ON_GPU, jax_config, random
+
+AXIS = "expert"
+
+
+def _mesh(n: int, kind=jax.sharding.AxisType.Explicit):
+  if len(jax.devices()) < n:
+    pytest.skip(f"needs {n} devices; this process has {len(jax.devices())}")
+  return jax.make_mesh((n,), (AXIS,), axis_types=(kind,), devices=jax.devices()[:n])
+
+
+def _exchanges():
+  ragged = pytest.param("ragged", marks=pytest.mark.skipif(
+      not ON_GPU, reason="XLA:CPU does not implement ragged-all-to-all"))
+  return ["padded", ragged]
+
+
+def _backend():
+  # The Mosaic kernels natively on a GPU; on a CPU the XLA path (the interpreter's
+  # simulated GPU is not meant to run on 8 host devices at once).
+  return "auto" if ON_GPU else "xla"
+
+
+def _problem(rng, t, d, f, e, k, dtype=np.float32, ids=None):
+  x = random(rng, (t, d), dtype)
+  w_gate_up = (random(rng, (e, d, 2 * f), np.float32) / np.sqrt(d)).astype(dtype)
+  w_down = (random(rng, (e, f, d), np.float32) / np.sqrt(f)).astype(dtype)
+  if ids is None:
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)])
+  weights = rng.random((t, k)).astype(np.float32)
+  return [jnp.asarray(a) for a in (x, weights, np.asarray(ids, np.int32), w_gate_up, w_down)]
+
+
+def _value_and_grads(layer, args, ct):
+  """out and d(x, topk_weights, w_gate_up, w_down) of sum(layer(...) * ct), jitted."""
+  x, weights, ids, wgu, wd = args
+  f = lambda x, w, a, b: jnp.sum(layer(x, w, ids, a, b).astype(jnp.float32) * ct)  # noqa: E731
+  out = jax.jit(lambda x, w, a, b: layer(x, w, ids, a, b))(x, weights, wgu, wd)
+  grads = jax.jit(jax.grad(f, argnums=(0, 1, 2, 3)))(x, weights, wgu, wd)
+  return jax.block_until_ready((out, grads))
+
+
+def _put(mesh, args):
+  return [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in args]
+
+
+def _compare(rng, args, mesh, *, exchange, layer=None):
+  """The expert-parallel layer (`layer`, default moe_mlp on arrays sharded over the
+  Explicit mesh) against the one-device layer (close: same math, other order) and the
+  float64 reference (the table's bound)."""
+  highest = jax.lax.Precision.HIGHEST
+  one = functools.partial(pallas_gemm.moe_mlp, precision=highest, backend=_backend())
+  ep = layer or functools.partial(one, exchange=exchange)
+  ct = jnp.asarray(rng.standard_normal(args[0].shape), jnp.float32)
+  want, want_grads = _value_and_grads(one, args, ct)
+  got, grads = _value_and_grads(ep, _put(mesh, args), ct)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  for name, g, w in zip(("x", "topk_weights", "w_gate_up", "w_down"), grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4,
+                               err_msg=name)
+  x, weights, ids, wgu, wd = args
+  f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+  with jax_config("jax_enable_x64", True):
+    ref = moe_reference(f64(x), f64(weights), ids, f64(wgu), f64(wd), "swiglu")
+  assert relative_error(got, ref) <= moe_tolerance(x.dtype, x.shape[-1], wd.shape[1])
+  return got
+
+
+@pytest.mark.parametrize("exchange", _exchanges())
+@pytest.mark.parametrize("n", [2, 4])
+def test_explicit_mesh_matches_one_device(rng, n, exchange):
+  # Weights sharded on E over an Explicit axis: moe_mlp finds the axis in their type.
+  mesh = _mesh(n)
+  _compare(rng, _problem(rng, 8 * n, 24, 16, 2 * n, 3), mesh, exchange=exchange)
+
+
+def test_expert_axis_with_context_mesh(rng):
+  # An Auto mesh under jax.set_mesh: the types carry no sharding, expert_axis names it.
+  mesh = _mesh(4, jax.sharding.AxisType.Auto)
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend(), expert_axis=AXIS)
+  with jax.set_mesh(mesh):
+    _compare(rng, _problem(rng, 32, 16, 8, 8, 2), mesh, exchange="auto", layer=layer)
+
+
+def test_inside_shard_map(rng):
+  # A user's own shard_map: local tokens, local experts, global ids.
+  mesh = _mesh(4)
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend(), expert_axis=AXIS)
+
+  def sharded(x, w, ids, a, b):
+    ids = jax.device_put(ids, NamedSharding(mesh, P(AXIS))) if not isinstance(
+        ids, jax.core.Tracer) else jax.sharding.reshard(ids, P(AXIS))
+    return jax.shard_map(layer, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))(
+        x, w, ids, a, b)
+
+  _compare(rng, _problem(rng, 16, 16, 8, 8, 2), mesh, exchange="auto", layer=sharded)
+
+
+@pytest.mark.parametrize("exchange", _exchanges())
+@pytest.mark.parametrize("routing", ["one-device", "one-expert", "outside", "uneven-tokens"])
+def test_routings(rng, routing, exchange):
+  # one-device: every pair to device 0's experts (its receive buffer fills completely);
+  # one-expert: all to expert 5 (other devices get nothing); outside: ids -1 and E route
+  # nowhere; uneven-tokens: T = 13 over 4 devices (padded tokens route nowhere).
+  mesh, e, k = _mesh(4), 8, 2
+  t = 13 if routing == "uneven-tokens" else 16
+  ids = {"one-device": rng.integers(0, 2, (t, k)), "one-expert": np.full((t, k), 5),
+         "outside": rng.choice([-1, 0, 3, 7, 8], (t, k)),
+         "uneven-tokens": None}[routing]
+  args = _problem(rng, t, 16, 8, e, k, ids=ids)
+  if routing == "uneven-tokens":  # tokens cannot be placed on 4 devices: only the
+    mesh_args = args              # weights are; moe_mlp pads the tokens itself
+    one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend())
+    want = jax.jit(one)(*args)
+    weights_on_mesh = [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in args[3:]]
+    got = jax.jit(functools.partial(one, exchange=exchange))(*mesh_args[:3],
+                                                             *weights_on_mesh)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    return
+  _compare(rng, args, mesh, exchange=exchange)
+
+
+def test_bf16(rng):
+  mesh = _mesh(4)
+  args = _problem(rng, 32, 32, 16, 8, 2, dtype=jnp.bfloat16)
+  ct = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+  one = functools.partial(pallas_gemm.moe_mlp, backend=_backend())
+  want, want_grads = _value_and_grads(one, args, ct)
+  got, grads = _value_and_grads(one, _put(mesh, args), ct)
+  tol = moe_tolerance(jnp.bfloat16, 32, 16)
+  assert got.dtype == jnp.bfloat16
+  for g, w in zip((got, *grads), (want, *want_grads)):
+    assert relative_error(g, w) <= tol
+
+
+GATHERS = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? all-gather(-start)?\(")
+
+
+def test_program_moves_tokens_not_experts(rng):
+  # The compiled forward and backward all-gather only the (n, E) int32 row counts; rows
+  # travel by all-to-all; the weights and their gradients stay split on E.
+  mesh = _mesh(4)
+  x, weights, ids, wgu, wd = _put(mesh, _problem(rng, 64, 32, 16, 8, 2))
+  layer = functools.partial(pallas_gemm.moe_mlp, backend="xla", exchange="padded")
+  loss = lambda x, w, a, b: jnp.sum(layer(x, w, ids, a, b))  # noqa: E731
+  hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(
+      x, weights, wgu, wd).compile().as_text()
+  gathers = GATHERS.findall(hlo)
+  assert gathers and all(dtype == "s32" for dtype, _, _ in gathers), gathers
+  assert "all-to-all" in hlo
+  grads = jax.jit(jax.grad(loss, argnums=(2, 3)))(x, weights, wgu, wd)
+  for g, w in zip(grads, (wgu, wd)):
+    assert g.sharding.is_equivalent_to(w.sharding, 3)
+
+
+def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng):
+  # Random non-overlapping slices, 3 per device pair, against the documented semantics
+  # of jax.lax.ragged_all_to_all written out in numpy.
+  n, per, rows, width = 4, 3, 20, 2
+  mesh = _mesh(n)
+  sizes = rng.integers(0, 3, (n, n * per))                        # [device, slice]
+  in_off = np.cumsum(sizes, 1) - sizes
+  out_off = np.zeros_like(sizes)
+  for dst in range(n):
+    cursor = 0
+    for src in range(n):
+      for i in range(per):
+        out_off[src, dst * per + i] = cursor
+        cursor += sizes[src, dst * per + i]
+  recv = np.stack([np.concatenate([sizes[src, me * per:(me + 1) * per] for src in range(n)])
+                   for me in range(n)])
+  operand = rng.standard_normal((n, rows, width)).astype(np.float32)
+  output = np.full((n, n * rows, width), -1.0, np.float32)
+  want = output.copy()
+  for src in range(n):
+    for i in range(n * per):
+      dst = i // per
+      want[dst, out_off[src, i]:out_off[src, i] + sizes[src, i]] = operand[
+          src, in_off[src, i]:in_off[src, i] + sizes[src, i]]
+
+  def body(operand, output, in_off, sizes, out_off, recv):
+    return parallel.padded_all_to_all(operand[0], output[0], in_off[0], sizes[0],
+                                      out_off[0], recv[0], axis_name=AXIS)[None]
+
+  put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, P(AXIS)))  # noqa: E731
+  got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(
+      *[put(a) for a in (operand, output, in_off.astype(np.int32), sizes.astype(np.int32),
+                         out_off.astype(np.int32), recv.astype(np.int32))])
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    (dict(experts=6), ValueError, "splits the experts evenly"),
+    (dict(expert_axis="model"), ValueError, "not an axis of the mesh"),
+    (dict(expert_axis=3), TypeError, "expert_axis must be a mesh axis name"),
+    (dict(exchange="nccl"), ValueError, "exchange must be one of"),
+])
+def test_bad_input(rng, change, error, match):
+  mesh = _mesh(4)
+  e = change.pop("experts", 8)
+  x, weights, ids, wgu, wd = _problem(rng, 16, 16, 8, e, 2)
+  kwargs = {"expert_axis": AXIS, **change}
+  with jax.set_mesh(mesh), pytest.raises(error, match=match):
+    pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, backend="xla", **kwargs)
+
+
+def test_fp8_experts_are_refused(rng):
+  mesh = _mesh(4)
+  x, weights, ids, wgu, wd = _problem(rng, 16, 128, 128, 8, 2, dtype=jnp.bfloat16)
+  gu8, dn8 = pallas_gemm.moe.quantize_experts(wgu, wd)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="fp8 expert pairs"):
+    pallas_gemm.moe_mlp(x, weights, ids, gu8, dn8, backend="xla", expert_axis=AXIS)
