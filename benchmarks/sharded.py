@@ -2,8 +2,8 @@
 
     python -m benchmarks --sharded [--quick] [--out DIR]
 
-For each case (dtype, shape, backend) and layout (a sharded on M; b on N; a batch of two
-GEMMs sharded on the batch; both on K), it times jnp.dot and gemm with the same inputs,
+For each case (dtype, shape, backend) and layout (a sharded on M; b on N; a batch of one
+GEMM per device sharded on the batch; both on K), it times jnp.dot and gemm with the same inputs,
 the same backend on one device, and lists the collectives in each compiled HLO. With K
 split over two devices, mosaic is timed twice: with its pair kernels (the default) and
 with NCCL's collectives ("mosaic/nccl", `op.PAIR_KERNELS = False`). Timing is wall clock
@@ -47,9 +47,11 @@ LAYOUTS = ("M", "N", "batch", "K")
 
 
 def _inputs(layout, dtype, m, n, k, mesh, seed=0):
-  """Operands and their shardings; 'batch' is two GEMMs of M/2 rows (same FLOPs)."""
+  """Operands and their shardings; 'batch' is one GEMM of M/devices rows per device
+  (the same FLOPs)."""
   ka, kb = jax.random.split(jax.random.key(seed))
-  shape_a, shape_b = ((2, m // 2, k), (2, k, n)) if layout == "batch" else ((m, k), (k, n))
+  g = mesh.size
+  shape_a, shape_b = ((g, m // g, k), (g, k, n)) if layout == "batch" else ((m, k), (k, n))
   spec_a, spec_b = {"M": (P("d"), P()), "N": (P(), P(None, "d")), "batch": (P("d"), P("d")),
                     "K": (P(None, "d"), P("d")), "one": (None, None)}[layout]
 
@@ -71,13 +73,14 @@ def _collectives(f, a, b) -> str:
   return ", ".join(f"{found.count(c)} {c}" for c in sorted(set(found))) or "none"
 
 
-def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
-  devices = jax.devices()
+def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS, num_devices=None) -> list[dict]:
+  devices = jax.devices()[:num_devices]
   print(f"device: {devices[0].device_kind} x {len(devices)}, jax {jax.__version__}", flush=True)
   if len(devices) < 2:
     print(f"--sharded needs >= 2 devices; this process has {len(devices)}: nothing to measure")
     return []
-  mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = jax.make_mesh((len(devices),), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=devices)
   rows = []
   header = (f"{'case':28s} {'layout':6s} {'backend':11s} {'TFLOP/s':>8s} {'x 1 dev':>8s} "
             f"{'x dot':>6s} {'err':>8s}  collectives")
@@ -93,6 +96,11 @@ def run(cases, out_dir: pathlib.Path | None, layouts=LAYOUTS) -> list[dict]:
     ref = fns["jnp.dot"](a1, b1)
     del a1, b1
     for layout in layouts:
+      split = {"M": m, "N": n, "batch": m, "K": k}[layout]
+      if split % len(devices):
+        print(f"{label:28s} {layout:6s} left out: {split} does not split over"
+              f" {len(devices)} devices (jit places no uneven shardings on inputs)", flush=True)
+        continue
       a, b = _inputs(layout, dtype, m, n, k, mesh)
       dot_ms = None
       variants = dict(fns)
@@ -140,9 +148,11 @@ def main(argv=None) -> int:
   p.add_argument("--cases", help="comma-separated substrings of case labels to run")
   p.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of "
                  + ",".join(LAYOUTS))
+  p.add_argument("--devices", type=int, default=None,
+                 help="use the first N devices (default: all)")
   args = p.parse_args(argv)
   cases = QUICK if args.quick else CASES
   if args.cases:
     cases = [c for c in cases if any(t in c[0] for t in args.cases.split(","))]
-  rows = run(cases, args.out, args.layouts.split(","))
+  rows = run(cases, args.out, args.layouts.split(","), args.devices)
   return 1 if any(not r["err_ok"] for r in rows) else 0
