@@ -3,6 +3,7 @@ on a grouped GEMM, and against a dense MLP of the same FLOPs (its ceiling).
 
     python -m benchmarks --moe                     # every config; tiny ones on a CPU
     python -m benchmarks --moe --configs qwen3,decode-qwen3 --modes fwd
+    python -m benchmarks --moe --expert-parallel   # over several devices: moe_parallel.py
 
 Variants, each given the same routing (topk weights and ids: the router is not timed):
   moe_mlp           pallas_gemm.moe_mlp (sort, gathers, grouped GEMMs; its own gradients)
@@ -87,6 +88,9 @@ def parse_args(argv):
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
   p.add_argument("--calls", type=int, default=None, help="calls per round (GPU 5, CPU 1)")
   p.add_argument("--out", type=pathlib.Path, default=None)
+  p.add_argument("--expert-parallel", action="store_true",
+                 help="the expert-parallel layer over 1, 2, 4, ... devices instead; its own"
+                      " options: python -m benchmarks --moe --expert-parallel --help")
   return p.parse_args(argv)
 
 
@@ -240,6 +244,9 @@ def roofline_ms(cfg: Config, device_kind: str) -> float | None:
 
 
 def main(args=None) -> int:
+  if isinstance(args, (list, tuple)) and "--expert-parallel" in args:
+    from benchmarks import moe_parallel  # noqa: PLC0415 - its own parser and options
+    return moe_parallel.main([a for a in args if a != "--expert-parallel"])
   opts = _options(args)
   on_gpu = jax.default_backend() == "gpu"
   rounds = opts.rounds or (7 if on_gpu else 2)

@@ -1,0 +1,235 @@
+"""Expert-parallel `moe_mlp` over 1, 2, 4, ... devices: weak and strong scaling of the
+MoE layer's training step, and the same layout on jax.lax.ragged_dot.
+
+    python -m benchmarks --moe --expert-parallel            # every config, every count
+    python -m benchmarks --moe --expert-parallel --configs mixtral --devices 1,2
+
+For n devices (a mesh of the first n, one Explicit axis), the tokens are split over them
+and the E experts too (E/n each); `moe_mlp` finds the axis in the weights' sharding:
+  weak    tokens = per-device tokens x n: the same work per device at every n
+  strong  tokens = per-device tokens: the same problem split n ways
+The step: forward, backward with a random cotangent (gradients in x, the router weights,
+w_gate_up and w_down) and an SGD update of both expert weights. Variants:
+  ragged  moe_mlp, rows exchanged by jax.lax.ragged_all_to_all (exactly the rows routed)
+  padded  moe_mlp, rows exchanged by a dense all_to_all (n x the bytes)
+  lax     moe_mlp's layout and exchange with jax.lax.ragged_dot as the grouped GEMM
+          (backend="xla")
+On one device the variants are moe_mlp without an axis ("ragged" and "padded" are then
+the same program: "padded" is left out) and "lax".
+Figures: ms per step (wall clock of back-to-back steps, rounds in rotated order, median),
+per-device tokens per second, weak efficiency t(1) / t(n) and strong speedup t(1) / t(n)
+(same per-device work for weak; the same problem for strong), ragged's speedup over lax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
+from pallas_gemm import moe_mlp
+from pallas_gemm.moe import softmax_topk
+
+DTYPE = jnp.bfloat16
+AXIS = "expert"
+VARIANTS = ("ragged", "padded", "lax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  name: str
+  tokens_per_device: int
+  d_model: int
+  d_ff: int
+  experts: int
+  top_k: int
+
+
+CONFIGS = {c.name: c for c in (
+    Config("mixtral", 8192, 4096, 14336, 8, 2),
+    Config("qwen3", 8192, 2048, 768, 128, 8),
+)}
+TINY = dict(tokens_per_device=32, d_model=64, d_ff=32, experts=8, top_k=2)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m benchmarks --moe --expert-parallel",
+                              description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--configs", default=",".join(CONFIGS), help=f"from {list(CONFIGS)}")
+  p.add_argument("--devices", default=None,
+                 help="comma-separated device counts (default 1, 2, 4, ... up to all)")
+  p.add_argument("--scaling", default="weak,strong", help="weak, strong")
+  p.add_argument("--variants", default=",".join(VARIANTS), help=", ".join(VARIANTS))
+  p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 5, CPU 2)")
+  p.add_argument("--calls", type=int, default=None, help="steps per round (GPU 3, CPU 1)")
+  p.add_argument("--out", type=pathlib.Path, default=None)
+  return p.parse_args(argv)
+
+
+def _counts(spec: str | None) -> list[int]:
+  if spec:
+    return [int(c) for c in spec.split(",")]
+  available = len(jax.devices())
+  return [n for n in (1, 2, 4, 8, 16) if n <= available]
+
+
+def problem(cfg: Config, tokens: int, mesh):
+  """(params, x, topk_weights, topk_ids, cotangent), split over the mesh (or on one
+  device when mesh is None)."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  d, f, e, k = cfg.d_model, cfg.d_ff, cfg.experts, cfg.top_k
+
+  def make(fn, spec):
+    sharding = None if mesh is None else NamedSharding(mesh, spec)
+    return jax.jit(fn, out_shardings=sharding)()
+
+  x = make(lambda: jax.random.normal(keys[0], (tokens, d), DTYPE), P(AXIS))
+  routing = make(lambda: softmax_topk(jax.random.normal(keys[1], (tokens, e)), k), P(AXIS))
+  wgu = make(lambda: (jax.random.normal(keys[2], (e, d, 2 * f)) / math.sqrt(d)).astype(DTYPE),
+             P(AXIS))
+  wd = make(lambda: (jax.random.normal(keys[3], (e, f, d)) / math.sqrt(f)).astype(DTYPE),
+            P(AXIS))
+  ct = make(lambda: jax.random.normal(keys[4], (tokens, d), DTYPE), P(AXIS))
+  return (wgu, wd), x, *routing, ct
+
+
+def step_fn(variant: str):
+  """One training step of the layer: value, gradients, SGD on the expert weights."""
+  backend = "xla" if variant == "lax" else "auto"
+  exchange = "padded" if variant == "padded" else "auto"
+  layer = functools.partial(moe_mlp, backend=backend, exchange=exchange)
+
+  def step(params, x, weights, ids, ct):
+    def loss(params, x, weights):
+      out = layer(x, weights, ids, *params)
+      return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+    value, (g, dx, dw) = jax.value_and_grad(loss, argnums=(0, 1, 2))(params, x, weights)
+    params = jax.tree.map(lambda p, gp: (p - 1e-3 * gp).astype(p.dtype), params, g)
+    return params, value, dx, dw
+
+  return jax.jit(step)
+
+
+def _reason(e: Exception) -> str:
+  return f"{type(e).__name__}: {e}".splitlines()[0][:200]
+
+
+def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int,
+              calls: int) -> dict:
+  """{variant: row} for one config, device count and token count."""
+  mesh = None
+  if n > 1:
+    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+                         devices=jax.devices()[:n])
+  else:
+    variants = [v for v in variants if v != "padded"]
+  args = problem(cfg, tokens, mesh)
+  programs, failed = {}, {}
+  for v in variants:
+    try:
+      prog = step_fn(v)
+      jax.block_until_ready(prog(*args))
+      programs[v] = prog
+    except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
+      failed[v] = _reason(e)
+  bound = {v: (lambda p=p: p(*args)) for v, p in programs.items()}
+  times = rounds_ms(PipelinedTimer(), bound, [()], rounds, calls) if bound else {}
+  out = {v: dict(status="failed", reason=why) for v, why in failed.items()}
+  for v, t in times.items():
+    out[v] = dict(status="ok", ms=statistics.median(t), rounds_ms=t,
+                  tokens_per_s_per_device=tokens / n / statistics.median(t) * 1e3)
+    if v != "ragged" and "ragged" in times:
+      r = ratio_stats(t, times["ragged"])
+      out[v]["ragged_speedup"] = dict(median=r.median, spread=r.spread, verdict=r.verdict)
+  return out
+
+
+def main(args=None) -> int:
+  opts = parse_args(list(args or [])) if not isinstance(args, argparse.Namespace) else args
+  on_gpu = jax.default_backend() == "gpu"
+  rounds = opts.rounds or (5 if on_gpu else 2)
+  calls = opts.calls or (3 if on_gpu else 1)
+  names = [c for c in opts.configs.split(",") if c]
+  scalings = [s for s in opts.scaling.split(",") if s]
+  variants = [v for v in opts.variants.split(",") if v]
+  if (any(c not in CONFIGS for c in names) or any(s not in ("weak", "strong") for s in scalings)
+      or any(v not in VARIANTS for v in variants)):
+    print(f"choose configs from {list(CONFIGS)}, scaling from weak/strong, variants from"
+          f" {VARIANTS}", file=sys.stderr)
+    return 2
+  configs = [CONFIGS[c] for c in names]
+  if not on_gpu:
+    configs = [dataclasses.replace(configs[0], **TINY)]
+  counts = _counts(opts.devices)
+  kind = jax.devices()[0].device_kind
+  print(f"device: {kind} x {len(jax.devices())}, jax {jax.__version__}, wall clock of"
+        f" pipelined steps, {rounds} rounds x {calls} steps"
+        + ("" if on_gpu else "; no GPU: one tiny config"), flush=True)
+  results = []
+  for cfg in configs:
+    ns = [n for n in counts if cfg.experts % n == 0]
+    one = None
+    for scaling in scalings:
+      for n in ns:
+        if n == 1 and one is not None:
+          row = dict(one, scaling=scaling)   # one device: weak and strong are one problem
+        else:
+          tokens = cfg.tokens_per_device * (n if scaling == "weak" else 1)
+          row = dict(config=dataclasses.asdict(cfg), scaling=scaling, devices=n,
+                     tokens=tokens, variants=run_point(cfg, n, tokens, variants, rounds,
+                                                       calls))
+          if n == 1:
+            one = row
+        if one is not None:
+          for v, r in row["variants"].items():
+            base = one["variants"].get("ragged" if v == "padded" else v, {})
+            if r["status"] == "ok" and base.get("status") == "ok":
+              r["vs_one_device"] = base["ms"] / r["ms"]  # weak: efficiency; strong: speedup
+        results.append(row)
+        print(markdown([row], header=len(results) == 1), flush=True)
+  text = markdown(results)
+  if opts.out is not None:
+    opts.out.mkdir(parents=True, exist_ok=True)
+    meta = dict(device=kind, devices=len(jax.devices()), jax=jax.__version__,
+                timer="wall clock, pipelined steps, rotated rounds", rounds=rounds,
+                calls=calls)
+    (opts.out / "moe_parallel.json").write_text(json.dumps(dict(meta=meta, results=results),
+                                                           indent=1))
+    (opts.out / "moe_parallel.md").write_text(text + "\n")
+    print(f"wrote {opts.out}/moe_parallel.json, moe_parallel.md", flush=True)
+  print(text, flush=True)
+  return 0
+
+
+def markdown(results: list[dict], header: bool = True) -> str:
+  lines = []
+  if header:
+    lines += ["| config | scaling | devices | tokens | variant | ms/step | tokens/s/device |"
+              " x one device | ragged speedup |", "|---|---|---:|---:|---|---:|---:|---:|---:|"]
+  for row in results:
+    c = row["config"]
+    label = f"{c['name']} (D {c['d_model']}, F {c['d_ff']}, E {c['experts']}, k {c['top_k']})"
+    for v, r in row["variants"].items():
+      if r["status"] != "ok":
+        lines.append(f"| {label} | {row['scaling']} | {row['devices']} | {row['tokens']} |"
+                     f" {v} | failed: {r['reason']} | | | |")
+        continue
+      sp = r.get("ragged_speedup")
+      lines.append(
+          f"| {label} | {row['scaling']} | {row['devices']} | {row['tokens']} | {v} |"
+          f" {r['ms']:.3f} | {r['tokens_per_s_per_device']:.3g} |"
+          f" {r.get('vs_one_device', float('nan')):.2f} |"
+          f" {'' if sp is None else f'{sp['median']:.2f} ± {sp['spread']:.2f}'} |")
+  return "\n".join(lines)
