@@ -23,7 +23,11 @@
 #   full        python -m benchmarks --full (~7-9 min)
 #   tune        python -m benchmarks --autotune (TUNE_ARGS, TUNE_TIMEOUT), then a cache lookup
 #   pair        2 GPUs: the K-split pair kernels' tests
-#   sharded     2+ GPUs: python -m benchmarks --sharded (SHARDED_ARGS)
+#   sharded     2+ GPUs: python -m benchmarks --sharded (SHARDED_ARGS; SHARDED_DEVICES: one
+#               run per count listed, e.g. "2 4")
+#   multi_tests 2+ GPUs: the tests that split work over devices (test_moe_parallel.py,
+#               test_sharding.py), in one process over every GPU
+#   moe_parallel 2+ GPUs: python -m benchmarks --moe --expert-parallel (MOE_PARALLEL_ARGS)
 #   probes (python -m benchmarks.probe, see its --help):
 #   configs     mosaic configs vs jnp.dot and hopper_matmul_mgpu (CONFIGS_ARGS)
 #   ab          mosaic config variants vs jnp.dot, call by call (AB_ARGS, e.g. "8192 wgmma_wait=1")
@@ -193,8 +197,26 @@ if has pair; then
 fi
 
 if has sharded; then
-  log "gemm vs jnp.dot under jit shardings over $(nvidia-smi -L | wc -l) GPUs"
-  timeout 500 python3 -m benchmarks --sharded --out "$OUT/sharded" ${SHARDED_ARGS:-} 2>&1 | tee "$OUT/sharded.log"
+  for n in ${SHARDED_DEVICES:-$(nvidia-smi -L | wc -l)}; do
+    log "gemm vs jnp.dot under jit shardings over $n GPUs"
+    timeout ${SHARDED_TIMEOUT:-500} python3 -m benchmarks --sharded --devices "$n" \
+        --out "$OUT/sharded_$n" ${SHARDED_ARGS:-} 2>&1 | tee "$OUT/sharded_$n.log"
+    grep -E "^(bf16|f32)" "$OUT/sharded_$n.log" | cut -c1-80 | summary "sharded over $n GPUs"
+  done
+fi
+
+if has multi_tests; then
+  log "tests over every GPU: expert-parallel moe_mlp, gemm's partitioning"
+  timeout ${MULTI_TEST_TIMEOUT:-300} python3 -m pytest -v -rfEs -p no:cacheprovider --timeout 240 \
+      tests/test_moe_parallel.py tests/test_sharding.py 2>&1 | tee "$OUT/multi_tests.log" \
+    | grep -E "(FAILED|ERROR) |passed|failed" | cut -c1-220 | tail -30
+  grep -E "(FAILED|ERROR) |passed|failed" "$OUT/multi_tests.log" | tail -8 | summary multi_tests
+fi
+
+if has moe_parallel; then
+  log "expert-parallel moe_mlp: weak and strong scaling over 1, 2, 4, ... GPUs"
+  bench ${MOE_PARALLEL_TIMEOUT:-560} moe_parallel --moe --expert-parallel ${MOE_PARALLEL_ARGS:-}
+  grep '^|' "$OUT/moe_parallel/moe_parallel.md" | summary "moe_parallel table"
 fi
 
 if has configs; then
