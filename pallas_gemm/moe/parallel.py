@@ -102,6 +102,14 @@ def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
   return jnp.where(got.reshape(-1, *([1] * (operand.ndim - 1))), taken, output)
 
 
+def _varying(a, axis: str):
+  """a typed as varying over the manual axis, as the exchanges' results are (a fresh
+  buffer is the same on every device; the gradients that reach it are not)."""
+  if axis in getattr(jax.typeof(a), "vma", frozenset({axis})):
+    return a
+  return jax.lax.pcast(a, axis, to="varying")
+
+
 def _exchange(name: str):
   if name == "ragged":
     return jax.lax.ragged_all_to_all
@@ -122,11 +130,11 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = _offsets(
       counts, me, n, experts_local)
   move = _exchange(exchange)
-  buffer = jnp.zeros((n * t * k, x.shape[1]), x.dtype)
+  buffer = _varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), axis)
   received = move(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
                   axis_name=axis)                                       # step 3
   y = layer.experts(plan, received, w_gate_up, w_down, group_sizes)    # step 4
-  back = move(y, jnp.zeros_like(xs), recv_off, recv_sizes, return_off, send_sizes,
+  back = move(y, _varying(jnp.zeros_like(xs), axis), recv_off, recv_sizes, return_off, send_sizes,
               axis_name=axis)                                           # step 5
   return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)     # step 6
 
