@@ -165,11 +165,15 @@ GATHERS = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? all-gather(-start)?\(")
 
 def test_program_moves_tokens_not_experts(rng):
   # The compiled forward and backward all-gather only the (n, E) int32 row counts; rows
-  # travel by all-to-all; the weights and their gradients stay split on E.
+  # travel by all-to-all; the weights and their gradients stay split on E. No step
+  # scatters rows (as on one device: only the dispatch's R int32s).
   mesh = _mesh(4)
   x, weights, ids, wgu, wd = _put(mesh, _problem(rng, 64, 32, 16, 8, 2))
   layer = functools.partial(pallas_gemm.moe_mlp, backend="xla", exchange="padded")
   loss = lambda x, w, a, b: jnp.sum(layer(x, w, ids, a, b))  # noqa: E731
+  text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, weights, wgu, wd))
+  scatters = re.findall(r"\w+:(\w+)\[([\d,]*)\] = scatter", text)
+  assert scatters and all(d.startswith("i") and "," not in s for d, s in scatters), scatters
   hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(
       x, weights, wgu, wd).compile().as_text()
   gathers = GATHERS.findall(hlo)
@@ -207,7 +211,7 @@ def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng):
 
   def body(operand, output, in_off, sizes, out_off, recv):
     return parallel.padded_all_to_all(operand[0], output[0], in_off[0], sizes[0],
-                                      out_off[0], recv[0], axis_name=AXIS)[None]
+                                      out_off[0], recv[0], AXIS)[None]
 
   put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, P(AXIS)))  # noqa: E731
   got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(

@@ -30,6 +30,8 @@ Two exchanges do step 3 and 5 (the `exchange` argument):
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -68,13 +70,10 @@ def _offsets(counts, me, n: int, local: int):
           per_expert[me])
 
 
-def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                      recv_sizes, *, axis_name: str):
-  """`jax.lax.ragged_all_to_all`'s result through a dense `all_to_all`, for slices that
-  do not overlap in the operand: each device packs its slices for device j into one
-  chunk of operand's length (zero-filled), the chunks are exchanged, and each received
-  row is gathered to its place in output. Moves n * operand's rows per device; runs
-  wherever all_to_all does."""
+def _padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+            axis_name: str):
+  """(result, received): `padded_all_to_all`'s result and the mask of output rows that
+  a slice was written to."""
   n = jax.lax.axis_size(axis_name)
   rows, cap = output.shape[0], operand.shape[0]
   per = input_offsets.shape[0] // n
@@ -97,15 +96,52 @@ def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
   hit = ((p[:, None, None] >= landing[None]) & (p[:, None, None] < (landing + rsizes)[None]))
   flat = (jnp.arange(n, dtype=jnp.int32)[:, None] * cap + rstarts - landing)[None]
   index = jnp.sum(jnp.where(hit, flat + p[:, None, None], 0), axis=(1, 2))
-  got = jnp.any(hit, axis=(1, 2))
+  got = jnp.any(hit, axis=(1, 2)).reshape(-1, *([1] * (operand.ndim - 1)))
   taken = received.reshape(n * cap, *operand.shape[1:])[jnp.clip(index, 0, n * cap - 1)]
-  return jnp.where(got.reshape(-1, *([1] * (operand.ndim - 1))), taken, output)
+  return jnp.where(got, taken, output), got
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                      recv_sizes, axis_name: str):
+  """`jax.lax.ragged_all_to_all`'s result through a dense `all_to_all`, for slices that
+  do not overlap in the operand: each device packs its slices for device j into one
+  chunk of operand's length (zero-filled), the chunks are exchanged, and each received
+  row is gathered to its place in output. Moves n * operand's rows per device; runs
+  wherever all_to_all does. Its gradient is the exchange the other way, as
+  ragged_all_to_all's (autodiff of the gathers would scatter-add)."""
+  return _padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                 axis_name)[0]
+
+
+def _padded_fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                axis_name):
+  result, got = _padded(operand, output, input_offsets, send_sizes, output_offsets,
+                        recv_sizes, axis_name)
+  return result, (jnp.zeros_like(operand), got, input_offsets, send_sizes, output_offsets,
+                  recv_sizes)
+
+
+def _padded_bwd(axis_name, residuals, ct):
+  zero, got, input_offsets, send_sizes, output_offsets, recv_sizes = residuals
+  # Where each received slice landed here, and where it came from on its sender.
+  landed = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  came_from = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
+  d_operand = _padded(ct, zero, landed, recv_sizes, came_from, send_sizes, axis_name)[0]
+  d_output = jnp.where(got, jnp.zeros_like(ct), ct)
+  return d_operand, d_output, None, None, None, None
+
+
+padded_all_to_all.defvjp(_padded_fwd, _padded_bwd)
 
 
 def _varying(a, axis: str):
   """a typed as varying over the manual axis, as the exchanges' results are (a fresh
   buffer is the same on every device; the gradients that reach it are not)."""
-  if axis in getattr(jax.typeof(a), "vma", frozenset({axis})):
+  aval = jax.typeof(a)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.11-0.12; `vma` before
+  varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+  if axis in varying:
     return a
   return jax.lax.pcast(a, axis, to="varying")
 
@@ -113,7 +149,7 @@ def _varying(a, axis: str):
 def _exchange(name: str):
   if name == "ragged":
     return jax.lax.ragged_all_to_all
-  return padded_all_to_all
+  return lambda *args, axis_name: padded_all_to_all(*args, axis_name)
 
 
 def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
