@@ -79,6 +79,9 @@ def parse_args(argv):
   p.add_argument("--variants", default=",".join(VARIANTS), help=", ".join(VARIANTS))
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 5, CPU 2)")
   p.add_argument("--calls", type=int, default=None, help="steps per round (GPU 3, CPU 1)")
+  p.add_argument("--breakdown", action="store_true",
+                 help="instead: the forward's parts at each count (exchange, experts, the"
+                      " whole layer) with moe_mlp's default exchange and ragged's")
   p.add_argument("--out", type=pathlib.Path, default=None)
   return p.parse_args(argv)
 
@@ -167,6 +170,54 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
   return out
 
 
+def breakdown(cfg: Config, n: int, rounds: int, calls: int) -> dict:
+  """ms of the expert-parallel forward and of its parts, weak scaling's problem at n
+  devices: the layer; one exchange of the rows (each kind); the experts' FFN on a
+  receive buffer of n * R rows holding R; the same FFN on R rows (no buffer)."""
+  from pallas_gemm.moe import layer, parallel  # noqa: PLC0415 - diagnostics only
+  mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:n])
+  tokens = cfg.tokens_per_device * n
+  (wgu, wd), x, weights, ids, _ = problem(cfg, tokens, mesh)
+  r = cfg.tokens_per_device * cfg.top_k
+  plan = layer.Plan(activation="swiglu", precision=None, out_dtype=DTYPE, backend="auto")
+  local_experts = cfg.experts // n
+  sizes = jnp.full((local_experts,), r // local_experts, jnp.int32).at[0].add(
+      r % local_experts)
+
+  def rows_only(exchange):
+    def body(x, ids):
+      d = layer.dispatch(ids, cfg.experts)
+      xs = layer.pair_rows(x, d, cfg.top_k)
+      counts = jax.lax.all_gather(d.group_sizes, AXIS)
+      off = parallel._offsets(counts, jax.lax.axis_index(AXIS), n, local_experts)
+      buf = parallel._varying(jnp.zeros((n * r, x.shape[1]), x.dtype), AXIS)
+      return parallel._exchange(exchange)(xs, buf, *off[:4], axis_name=AXIS)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+  def ffn(rows):
+    def body(wgu, wd):
+      xs = jnp.ones((rows, cfg.d_model), DTYPE)
+      return layer.experts(plan, xs, wgu, wd, sizes)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+
+  fns = {
+      "layer fwd (padded)": (jax.jit(functools.partial(moe_mlp, exchange="padded")),
+                             (x, weights, ids, wgu, wd)),
+      "layer fwd (ragged)": (jax.jit(functools.partial(moe_mlp, exchange="ragged")),
+                             (x, weights, ids, wgu, wd)),
+      "dispatch+exchange (padded)": (rows_only("padded"), (x, ids)),
+      "dispatch+exchange (ragged)": (rows_only("ragged"), (x, ids)),
+      "experts, n*R-row buffer": (ffn(n * r), (wgu, wd)),
+      "experts, R rows": (ffn(r), (wgu, wd)),
+  }
+  if jax.default_backend() != "gpu":  # XLA:CPU has no ragged-all-to-all
+    fns = {k: v for k, v in fns.items() if "ragged" not in k}
+  bound = {k: (lambda f=f, a=a: f(*a)) for k, (f, a) in fns.items()}
+  times = rounds_ms(PipelinedTimer(), bound, [()], rounds, calls)
+  return {k: statistics.median(t) for k, t in times.items()}
+
+
 def main(args=None) -> int:
   opts = parse_args(list(args or [])) if not isinstance(args, argparse.Namespace) else args
   on_gpu = jax.default_backend() == "gpu"
@@ -185,6 +236,17 @@ def main(args=None) -> int:
     configs = [dataclasses.replace(configs[0], **TINY)]
   counts = _counts(opts.devices)
   kind = jax.devices()[0].device_kind
+  if opts.breakdown:
+    parts = {}
+    for cfg in configs:
+      for n in [c for c in counts if c > 1 and cfg.experts % c == 0]:
+        parts[f"{cfg.name} n={n}"] = ms = breakdown(cfg, n, rounds, calls)
+        print(f"{cfg.name} over {n} devices (weak: {cfg.tokens_per_device} tokens each),"
+              " forward, ms: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()), flush=True)
+    if opts.out is not None:
+      opts.out.mkdir(parents=True, exist_ok=True)
+      (opts.out / "moe_parallel_breakdown.json").write_text(json.dumps(parts, indent=1))
+    return 0
   print(f"device: {kind} x {len(jax.devices())}, jax {jax.__version__}, wall clock of"
         f" pipelined steps, {rounds} rounds x {calls} steps"
         + ("" if on_gpu else "; no GPU: one tiny config"), flush=True)
