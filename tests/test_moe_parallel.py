@@ -241,3 +241,13 @@ def test_fp8_experts_are_refused(rng):
   gu8, dn8 = pallas_gemm.moe.quantize_experts(wgu, wd)
   with jax.set_mesh(mesh), pytest.raises(ValueError, match="fp8 expert pairs"):
     pallas_gemm.moe_mlp(x, weights, ids, gu8, dn8, backend="xla", expert_axis=AXIS)
+
+
+def test_ragged_exchange_pieces(rng, monkeypatch):
+  # The ragged exchange cuts each slice into pieces (RAGGED_SLICES_PER_PEER); with the
+  # padded exchange standing in for ragged_all_to_all (same semantics, runs here), the
+  # cut offsets and sizes must still put every row in place, both ways.
+  padded = parallel._exchange("padded")
+  monkeypatch.setattr(parallel, "_exchange", lambda name: padded)
+  monkeypatch.setattr(parallel, "RAGGED_SLICES_PER_PEER", 7)  # 4 pieces of 2 experts
+  _compare(rng, _problem(rng, 16, 16, 8, 8, 3), _mesh(4), exchange="ragged")
