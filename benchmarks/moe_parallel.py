@@ -10,9 +10,10 @@ and the E experts too (E/n each); `moe_mlp` finds the axis in the weights' shard
   strong  tokens = per-device tokens: the same problem split n ways
 The step: forward, backward with a random cotangent (gradients in x, the router weights,
 w_gate_up and w_down) and an SGD update of both expert weights. Variants:
-  moe_mlp         moe_mlp, its default exchange ("padded": a dense all_to_all)
-  moe_mlp/ragged  moe_mlp, rows exchanged by jax.lax.ragged_all_to_all (exactly the rows
-                  routed; GPUs only)
+  moe_mlp         moe_mlp as called by default (exchange="auto")
+  moe_mlp/padded  rows exchanged by a dense all_to_all (n x the bytes)
+  moe_mlp/ragged  rows exchanged by jax.lax.ragged_all_to_all (exactly the rows routed;
+                  GPUs only)
   lax             moe_mlp's layout and exchange with jax.lax.ragged_dot as the grouped
                   GEMM (backend="xla")
 On one device the variants are moe_mlp without an axis and "lax".
@@ -43,7 +44,7 @@ from pallas_gemm.moe import softmax_topk
 
 DTYPE = jnp.bfloat16
 AXIS = "expert"
-VARIANTS = ("moe_mlp", "moe_mlp/ragged", "lax")
+VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ def problem(cfg: Config, tokens: int, mesh):
 def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights."""
   backend = "xla" if variant == "lax" else "auto"
-  exchange = "ragged" if variant == "moe_mlp/ragged" else "padded"
+  exchange = variant.split("/")[1] if "/" in variant else "auto"
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange)
 
   def step(params, x, weights, ids, ct):
@@ -144,10 +145,11 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
                          devices=jax.devices()[:n])
   args = problem(cfg, tokens, mesh)
   programs, failed = {}, {}
-  if "moe_mlp/ragged" in variants and (n == 1 or jax.default_backend() != "gpu"):
+  if n == 1:  # one device: no exchange, one program
+    variants = [v for v in variants if not v.startswith("moe_mlp/")]
+  elif "moe_mlp/ragged" in variants and jax.default_backend() != "gpu":
     variants = [v for v in variants if v != "moe_mlp/ragged"]
-    if n > 1:
-      failed["moe_mlp/ragged"] = "left out: XLA:CPU does not implement ragged-all-to-all"
+    failed["moe_mlp/ragged"] = "left out: XLA:CPU does not implement ragged-all-to-all"
   if cfg.no_lax and "lax" in variants:
     variants = [v for v in variants if v != "lax"]
     failed["lax"] = f"left out: {cfg.no_lax}"

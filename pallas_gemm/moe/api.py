@@ -91,7 +91,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       the weights' sharding. None: the axis w_down's type shards E over, if any.
     exchange: how rows travel between devices when expert-parallel: "ragged"
       (`jax.lax.ragged_all_to_all`, GPU), "padded" (a dense all_to_all, n times the
-      bytes, any backend; measured faster on GPUs) or "auto" ("padded").
+      bytes, any backend) or "auto" (by the experts per device: `parallel.py`).
 
   Returns:
     (..., D) in preferred_element_type.

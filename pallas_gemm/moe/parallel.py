@@ -25,8 +25,11 @@ Two exchanges do step 3 and 5 (the `exchange` argument):
   CPU backend does not implement it).
 - "padded": the same slices through a dense `jax.lax.all_to_all` of (n, R) rows per
   device: n times the bytes, on any backend.
-"auto" is "padded": on two H200s it ran the Mixtral-like training step 1.58x faster
-than "ragged" (benchmarks/moe_parallel.py; docs/performance.md).
+"auto" picks by what was measured (two H200s, benchmarks/moe_parallel.py,
+docs/performance.md): "ragged" on a GPU when each peer gets at least
+RAGGED_SLICES_PER_PEER slices without cutting them (Qwen3-like, 64 experts per GPU: the
+training step 1.33x faster than "padded"), else "padded" (Mixtral-like, 4 experts per
+GPU: 1.58x faster than "ragged" with its slices uncut).
 """
 
 from __future__ import annotations
@@ -184,6 +187,9 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   counts = jax.lax.all_gather(d.group_sizes, axis)                      # step 2: (n, E)
   send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = _offsets(
       counts, me, n, experts_local)
+  if exchange == "auto":
+    many = experts_local >= RAGGED_SLICES_PER_PEER
+    exchange = "ragged" if many and jax.default_backend() == "gpu" else "padded"
   if exchange == "ragged":
     pieces = -(-RAGGED_SLICES_PER_PEER // experts_local)
     send_off, send_sizes_p = _pieces(send_off, send_sizes, pieces)
@@ -229,8 +235,6 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis:
   """The expert-parallel layer on x (T, D): inside a manual `axis` on this device's
   shard (`local`); otherwise as a `jax.shard_map` over the axis."""
   mesh = _mesh_with(axis, w_down)
-  if exchange == "auto":
-    exchange = "padded"
   n = mesh.shape[axis]
   if axis in mesh.manual_axes:
     return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
