@@ -5,7 +5,9 @@
     aux = load_balancing_loss(x @ router, ids)
 
 Modules: api.py (moe_mlp: checks and semantics), layer.py (the dataflow and its
-gradients, gathers only), fp8.py (the fp8 inference form and `quantize_experts`), routing.py (routers and the load-balancing loss),
+gradients, gathers only), parallel.py (expert parallelism: the experts split over a mesh
+axis, rows exchanged by all-to-all), fp8.py (the fp8 inference form and
+`quantize_experts`), routing.py (routers and the load-balancing loss),
 flax_block.py (a Flax MoE block; needs the `flax` extra, imported on its own).
 """
 
