@@ -22,7 +22,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
