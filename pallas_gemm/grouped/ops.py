@@ -19,8 +19,9 @@ Operands: lhs, rhs, group_sizes, and with `Plan.offset` an int32 scalar group_of
   `jvp`, `linearize`, `jacfwd`/`jacrev` (a `custom_vjp` would give no forward mode).
 - batching: a vmapped axis becomes a `lax.map` of the kernel over it (each entry has its
   own groups, so the entries do not fold into one ragged problem without copying rhs).
-- lowering: the backend call on the operands (`_kernel`); inside `jax.shard_map` it is the
-  local computation of each shard.
+- lowering: the backend call on the operands (`_kernel`), through the partitioning rule
+  below (`_partition`) so that XLA runs each device's shard instead of gathering the
+  operands; inside `jax.shard_map` it is the local computation of each shard.
 """
 
 from __future__ import annotations
@@ -33,11 +34,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 # Private but stable: core.ShapedArray / core.typeof have no public alias.
 from jax._src import core
 
-from pallas_gemm.core import primitive
+from pallas_gemm.core import primitive, sharding
+
 FORMS = ("forward", "weight_grad")
 F32 = np.dtype(np.float32)
 _16BIT = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
@@ -98,11 +102,17 @@ def kernel_groups(group_sizes, row_start, m: int):
 
 def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
   """The backend call on (local) operands."""
-  m = lhs.shape[0]
   if group_offset is not None:
     group_sizes, row_start = local_groups(group_sizes, group_offset, plan.num_groups)
   else:
     row_start = None
+  return run(plan, lhs, rhs, group_sizes, row_start)
+
+
+def run(plan: Plan, lhs, rhs, group_sizes, row_start):
+  """The backend call on groups given as plan.num_groups sizes whose rows start at
+  row_start (None: row 0); plan.offset is not read."""
+  m = lhs.shape[0]
   if plan.backend == "xla":
     from pallas_gemm.grouped import xla as module  # noqa: PLC0415
     kwargs = dict(precision=plan.precision)
@@ -131,7 +141,8 @@ def out_shape(plan: Plan, lhs_shape, rhs_shape) -> tuple[int, ...]:
 
 # ----------------------------------------------------------------------------- primitive
 
-ragged_dot_p = primitive.new_primitive("pallas_gemm_ragged_dot")
+# requires_devices: custom_partitioning lowers only with the device assignment known.
+ragged_dot_p = primitive.new_primitive("pallas_gemm_ragged_dot", requires_devices=True)
 
 
 @ragged_dot_p.def_effectful_abstract_eval
@@ -154,12 +165,6 @@ def _effects(plan: Plan, *avals):
   return primitive.interpret_effects(functools.partial(_kernel, plan), *avals)
 
 
-def _lower(ctx, *args, plan):
-  return primitive.lower_local(ctx, functools.partial(_kernel, plan), *args,
-                               multiple_results=False)
-
-
-mlir.register_lowering(ragged_dot_p, _lower)
 
 
 # ----------------------------------------------------------------------------- JVP
@@ -262,3 +267,141 @@ def _batch(args, dims, *, plan):
 
 
 batching.primitive_batchers[ragged_dot_p] = _batch
+
+
+# ----------------------------------------------------------------------------- sharding
+# Through `custom_partitioning`, XLA's partitioner (Shardy) runs each device's shard:
+#   forward      lhs (M, K), rhs (G, K, N) [or (G, N, K)] -> out (M, N)
+#     M split:   each device computes its rows; its groups are the global groups cut to
+#                its row window (computed locally from the replicated group_sizes).
+#     N split:   tensor parallel: each device its columns. No communication.
+#     G split:   expert parallel: each device its groups (group_offset moved by the
+#                groups before them); rows of other devices' groups are zero there, so
+#                one psum of the result (an all-reduce of disjoint rows) finishes it.
+#     K split:   f32 partial sums, one psum, then the result's dtype.
+#   weight_grad  lhs (M, K), rhs (M, N) -> out (G, K, N)
+#     M split:   f32 partial sums over each device's rows, one psum.
+#     K, N split, or the result wanted split on G: each device its part. No communication.
+# A dimension that does not divide over its axes is not split (gathered as XLA would).
+# group_sizes and group_offset are small and replicated.
+
+
+def _factors(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
+  """Mesh axes per factor (m, k, n, g) of one call: the operands' first, then the
+  result's for factors still unsplit; an axis serves one factor."""
+  lhs, rhs = arg_shapes[0], arg_shapes[1]
+  sl, sr = sharding.spec_axes(lhs.sharding, 2), sharding.spec_axes(rhs.sharding, rhs.ndim)
+  so = sharding.spec_axes(result_shape.sharding, len(result_shape.shape))
+  m, k = lhs.shape
+  if plan.form == "forward":
+    n_dim, k_dim = (1, 2) if plan.transpose_rhs else (2, 1)
+    n = rhs.shape[n_dim]
+    sources = {"m": [sl[0], so[0]], "n": [sr[n_dim], so[1]], "k": [sl[1], sr[k_dim]],
+               "g": [sr[0]]}
+  else:
+    n = rhs.shape[1]
+    sources = {"m": [sl[0], sr[0]], "k": [sl[1], so[1]], "n": [sr[1], so[2]], "g": [so[0]]}
+  extent = {"m": m, "k": k, "n": n, "g": plan.num_groups}
+  used, chosen = set(), {}
+  for factor, candidates in sources.items():
+    chosen[factor] = ()
+    for c in candidates:
+      names = tuple(x for x in c if x not in used)
+      if names and extent[factor] % sharding.size(mesh, names) == 0:
+        chosen[factor] = names
+        break
+    used.update(chosen[factor])
+  return chosen
+
+
+def _window(sizes, row_start, first, rows: int):
+  """(sizes, row_start) of groups (starting at row_start) cut to rows [first, first +
+  rows), in that window's own row numbers."""
+  start = jnp.zeros((), jnp.int32) if row_start is None else row_start.astype(jnp.int32)
+  ends = start + jnp.cumsum(jnp.maximum(sizes.astype(jnp.int32), 0))
+  local_start = jnp.clip(start - first, 0, rows)
+  local_ends = jnp.clip(ends - first, 0, rows)
+  return jnp.diff(local_ends, prepend=local_start[None]), local_start
+
+
+def _partition(plan: Plan, mesh, arg_shapes, result_shape):
+  f = _factors(plan, mesh, arg_shapes, result_shape)
+  m, k, n, g = f["m"], f["k"], f["n"], f["g"]
+  named = lambda *spec: NamedSharding(  # noqa: E731
+      mesh, PartitionSpec(*map(sharding.entry, spec)))
+  if plan.form == "forward":
+    rhs_spec = (g, n, k) if plan.transpose_rhs else (g, k, n)
+    arg_specs = [named(m, k), named(*rhs_spec)]
+    out_spec, reduce = named(m, n), k + g
+  else:
+    arg_specs = [named(m, k), named(m, n)]
+    out_spec, reduce = named(g, k, n), m
+  arg_specs += [named(())] * (len(arg_shapes) - 2)  # group_sizes, group_offset
+  local_groups_count = plan.num_groups // sharding.size(mesh, g)
+  local_rows = arg_shapes[0].shape[0] // sharding.size(mesh, m)
+  local_plan = dataclasses.replace(plan, num_groups=local_groups_count,
+                                   out_dtype=F32 if reduce else plan.out_dtype)
+
+  def local(lhs, rhs, group_sizes, *offset):
+    if offset:
+      sizes, row_start = local_groups(group_sizes, offset[0], plan.num_groups)
+    else:
+      sizes, row_start = group_sizes, None
+    if g:  # this device's groups, after the rows of the groups before them
+      first = jax.lax.axis_index(g) * local_groups_count
+      before = jnp.sum(jnp.where(jnp.arange(plan.num_groups) < first,
+                                 jnp.maximum(sizes.astype(jnp.int32), 0), 0))
+      row_start = before if row_start is None else row_start + before
+      sizes = jax.lax.dynamic_slice_in_dim(sizes, first, local_groups_count)
+    if m:
+      sizes, row_start = _window(sizes, row_start, jax.lax.axis_index(m) * local_rows,
+                                 local_rows)
+    out = run(local_plan, lhs, rhs, sizes, row_start)
+    if reduce:
+      out = jax.lax.psum(out, reduce).astype(plan.out_dtype)
+    return out
+
+  return mesh, local, out_spec, tuple(arg_specs)
+
+
+def _sharding_rule(plan: Plan, mesh, value_types, result_types):
+  """Shardy's rule: m(rows), k, n, g(roups); s: group_sizes (replicated); a scalar
+  group_offset."""
+  del mesh, value_types, result_types
+  if plan.form == "forward":
+    rhs = "g n k" if plan.transpose_rhs else "g k n"
+    rule, reduction = f"m k, {rhs}, s", ("k", "g")
+    out = "m n"
+  else:
+    rule, reduction, out = "m k, m n, s", ("m",), "g k n"
+  rule += "," if plan.offset else ""
+  return f"{rule} -> {out}", {"reduction_factors": reduction,
+                              "need_replication_factors": ("s",)}
+
+
+def _flat_kernel(plan: Plan, *args):
+  # Positional only: custom_partitioning binds a signature's defaults into its operands.
+  return _kernel(plan, *args)
+
+
+@functools.lru_cache(maxsize=None)
+def _partitioned(plan: Plan):
+  call = custom_partitioning(functools.partial(_flat_kernel, plan))
+  call.def_partition(partition=functools.partial(_partition, plan),
+                     sharding_rule=functools.partial(_sharding_rule, plan))
+  return call
+
+
+def _lowering(*args, plan):
+  # Mosaic GPU's interpreter runs on ordered io_callbacks, which custom_partitioning
+  # cannot lower: that CPU-only path runs on gathered operands.
+  if plan.interpret:
+    return _kernel(plan, *args)
+  return _partitioned(plan)(*args)
+
+
+def _lower(ctx, *args, plan):
+  return primitive.lower_local(ctx, _lowering, *args, multiple_results=False, plan=plan)
+
+
+mlir.register_lowering(ragged_dot_p, _lower)

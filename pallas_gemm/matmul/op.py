@@ -48,7 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 # Private but stable since jax 0.4: core.ShapedArray / core.typeof have no public alias.
 from jax._src import core
 
-from pallas_gemm.core import epilogue, primitive
+from pallas_gemm.core import epilogue, primitive, sharding
 
 F32 = np.dtype(np.float32)
 # Whether a K split over two GPUs runs a backend's pair kernels (`_pair_axis`). False: the
@@ -448,29 +448,9 @@ batching.primitive_batchers[gemm_p] = _batch
 # ----------------------------------------------------------------------------- sharding
 
 
-def _axes(entry) -> tuple[str, ...]:
-  """A PartitionSpec entry (None, an axis name, or a tuple of them) as a tuple."""
-  if entry is None:
-    return ()
-  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _spec(sharding, ndim: int) -> list[tuple[str, ...]]:
-  spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-  return [_axes(e) for e in spec + (None,) * (ndim - len(spec))]
-
-
-def _entry(axes: tuple[str, ...]):
-  return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def _shared_b(a_shape, b_shape) -> bool:
   """One b (batch 1) serves every batch entry of a."""
   return b_shape[0] == 1 and a_shape[0] > 1
-
-
-def _size(mesh, axes) -> int:
-  return int(np.prod([mesh.shape[x] for x in axes]))
 
 
 def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
@@ -486,8 +466,8 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
   (`gather`); else by one all-reduce.
   """
   a, b, *_ = arg_shapes
-  sa, sb = _spec(a.sharding, 3), _spec(b.sharding, 3)
-  so = _spec(result_shape.sharding, 3)
+  sa, sb = sharding.spec_axes(a.sharding, 3), sharding.spec_axes(b.sharding, 3)
+  so = sharding.spec_axes(result_shape.sharding, 3)
   ma, ka = (2, 1) if plan.transpose_a else (1, 2)
   kb, nb = (2, 1) if plan.transpose_b else (1, 2)
   shared_b = _shared_b(a.shape, b.shape)
@@ -498,15 +478,16 @@ def _plan_sharding(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
   for factor, candidates in sources.items():
     chosen[factor] = next((axes for axes in (tuple(x for x in c if x not in used)
                                              for c in candidates) if axes), ())
-    if factor == "k" and k % _size(mesh, chosen["k"]):
+    if factor == "k" and k % sharding.size(mesh, chosen["k"]):
       chosen["k"] = ()
     used.update(chosen[factor])
   for factor, dim in (("batch", 0), ("m", 1), ("n", 2)):
     if not chosen[factor]:
       chosen[factor] = tuple(x for x in so[dim] if x not in used)
       used.update(chosen[factor])
-  rows = m // _size(mesh, chosen["m"]) if m % _size(mesh, chosen["m"]) == 0 else 0
-  splits_rows = rows > 0 and rows % _size(mesh, chosen["k"]) == 0
+  m_devices = sharding.size(mesh, chosen["m"])
+  rows = m // m_devices if m % m_devices == 0 else 0
+  splits_rows = rows > 0 and rows % sharding.size(mesh, chosen["k"]) == 0
   chosen["scatter"] = bool(chosen["k"]) and set(chosen["k"]) <= set(so[1]) and splits_rows
   chosen["gather"] = (bool(chosen["k"]) and not chosen["scatter"] and splits_rows
                       and np.dtype(plan.out_dtype).itemsize < 4)
@@ -523,7 +504,8 @@ def _partition(plan: Plan, tree, mesh, arg_shapes, result_shape):
   b_batch = () if shared_b else bt
   b_spec = (b_batch, n, k) if plan.transpose_b else (b_batch, k, n)
   out_spec = (bt, m + k if f["scatter"] else m, n)
-  named = lambda spec: NamedSharding(mesh, PartitionSpec(*map(_entry, spec)))  # noqa: E731
+  named = lambda spec: NamedSharding(  # noqa: E731
+      mesh, PartitionSpec(*map(sharding.entry, spec)))
   arg_shardings = _per_operand(tree, a=named(a_spec), b=named(b_spec), aux=named(a_spec),
                                c=named(out_spec), bias=named((n,)))
 
@@ -589,9 +571,9 @@ def _pair_axis(plan: Plan, mesh, f: dict, arg_shapes) -> str | None:
     return None
   m, n, kk = _mnk(plan, arg_shapes[0].shape, arg_shapes[1].shape)
   sizes = [(m, f["m"]), (n, f["n"]), (kk, k)]
-  if any(size % _size(mesh, axes) for size, axes in sizes):
+  if any(size % sharding.size(mesh, axes) for size, axes in sizes):
     return None  # an uneven shard: its local shape is not one size
-  local = [size // _size(mesh, axes) for size, axes in sizes]
+  local = [size // sharding.size(mesh, axes) for size, axes in sizes]
   why = module.pair_reason(*local, arg_shapes[0].dtype, plan.out_dtype, plan.interpret,
                            plan.config.num_sms)
   return None if why else k[0]
