@@ -251,3 +251,54 @@ def test_ragged_exchange_pieces(rng, monkeypatch):
   monkeypatch.setattr(parallel, "_exchange", lambda name: padded)
   monkeypatch.setattr(parallel, "RAGGED_SLICES_PER_PEER", 7)  # 4 pieces of 2 experts
   _compare(rng, _problem(rng, 16, 16, 8, 8, 3), _mesh(4), exchange="ragged")
+
+
+def _explicit_mesh(shape, names):
+  if len(jax.devices()) < np.prod(shape):
+    pytest.skip(f"needs {np.prod(shape)} devices; this process has {len(jax.devices())}")
+  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names),
+                       devices=jax.devices()[:int(np.prod(shape))])
+
+
+def test_data_parallel(rng):
+  # Tokens split over an Explicit axis, experts whole on every device: each device runs
+  # the layer on its tokens. The forward moves nothing; the backward only sums the
+  # weights' gradients over the devices (all-reduce), never gathers rows.
+  mesh = _explicit_mesh((4,), ("data",))
+  args = _problem(rng, 32, 16, 8, 6, 2)
+  tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  placed = [jax.device_put(a, tokens if i < 3 else whole) for i, a in enumerate(args)]
+  one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                          backend=_backend())
+  ct = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
+  want, want_grads = _value_and_grads(one, args, ct)
+  got, grads = _value_and_grads(one, placed, ct)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+  assert got.sharding.is_equivalent_to(tokens, 2)
+  x, weights, ids, wgu, wd = placed
+  forward = jax.jit(lambda *a: one(*a)).lower(x, weights, ids, wgu, wd).compile().as_text()
+  assert not re.search(r"\b(all-gather|all-reduce|all-to-all)(-start)?\(", forward)
+  loss = lambda x, w, a, b: jnp.sum(one(x, w, ids, a, b))  # noqa: E731
+  backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(
+      x, weights, wgu, wd).compile().as_text()
+  assert not re.search(r"\b(all-gather|all-to-all)(-start)?\(", backward)
+
+
+def test_data_and_expert_parallel(rng):
+  # A (data, expert) mesh: tokens over both axes, experts over "expert"; each data row of
+  # devices exchanges its own tokens among its experts.
+  mesh = _explicit_mesh((2, 2), ("data", AXIS))
+  args = _problem(rng, 16, 16, 8, 4, 2)
+  tokens, experts = NamedSharding(mesh, P(("data", AXIS))), NamedSharding(mesh, P(AXIS))
+  placed = [jax.device_put(a, tokens if i < 3 else experts) for i, a in enumerate(args)]
+  one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                          backend=_backend())
+  ct = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
+  want, want_grads = _value_and_grads(one, args, ct)
+  got, grads = _value_and_grads(one, placed, ct)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  for g, w in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
+  assert got.sharding.is_equivalent_to(tokens, 2)

@@ -25,6 +25,10 @@ Semantics a user can rely on:
   `jax.shard_map` over that axis, x and topk_* are the device's tokens (ids global) and
   the weights its experts; outside, x's tokens and the weights' experts are split over
   it, and the result comes back sharded on its tokens over it.
+- Data parallel: under jit, when x's type splits its tokens over Explicit mesh axes (and
+  the experts are not split over them), each device runs the layer on its own tokens
+  with every expert: no communication. With an expert axis too, the tokens split over
+  both and the experts over the expert axis.
 - fp8 inference: w_gate_up and w_down given as `quantize` pairs (`quantize_experts` makes
   them from the bf16 weights) run both grouped GEMMs in fp8 with block scales, activations
   quantized in the call (`fp8.py`); that form has no gradient.
@@ -163,12 +167,13 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if tokens == 0 or k == 0:
     return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
   axis = expert_axis if expert_axis is not None else parallel.sharded_expert_axis(w_down)
-  if axis is not None:
+  data = () if quantized else parallel.token_axes(x2, axis)
+  if axis is not None or data:
     if quantized:
       raise ValueError("expert parallelism runs bf16/f16/f32 experts; fp8 expert pairs run"
                        " on one device (expert_axis=None, weights not sharded on E)")
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
-                       exchange=exchange)
+                       data_axes=data, exchange=exchange)
     return out.reshape((*lead, d))
   d_ = layer.dispatch(ids2, e)
   if quantized:

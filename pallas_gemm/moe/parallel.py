@@ -39,6 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_gemm.core import sharding
 from pallas_gemm.moe import layer
 
 EXCHANGES = ("auto", "ragged", "padded")
@@ -157,15 +158,16 @@ def _pieces(offsets, sizes, pieces: int):
           (bounds[:, 1:] - bounds[:, :-1]).reshape(-1))
 
 
-def _varying(a, axis: str):
-  """a typed as varying over the manual axis, as the exchanges' results are (a fresh
-  buffer is the same on every device; the gradients that reach it are not)."""
+def _varying(a, axes):
+  """a typed as varying over the manual axes (a name or a tuple of them): a fresh buffer,
+  the same on every device, that the exchanges' results or gradients reach; or weights
+  whole on every device of a data-parallel axis, whose gradient the transpose of this
+  cast then sums over it."""
   aval = jax.typeof(a)
   manual = getattr(aval, "manual_axis_type", None)  # jax 0.11-0.12; `vma` before
   varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
-  if axis in varying:
-    return a
-  return jax.lax.pcast(a, axis, to="varying")
+  missing = tuple(x for x in ((axes,) if isinstance(axes, str) else axes) if x not in varying)
+  return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
 def _exchange(name: str):
@@ -198,68 +200,93 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
     return_off, _ = _pieces(return_off, recv_sizes, pieces)
     send_sizes, recv_sizes = send_sizes_p, recv_sizes_p
   move = _exchange(exchange)
-  buffer = _varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), axis)
+  # Fresh buffers vary as the rows that fill them do: over every manual axis here.
+  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes) or (axis,)
+  buffer = _varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), manual)
   received = move(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
                   axis_name=axis)                                       # step 3
   y = layer.experts(plan, received, w_gate_up, w_down, group_sizes)    # step 4
-  back = move(y, _varying(jnp.zeros_like(xs), axis), recv_off, recv_sizes, return_off,
+  back = move(y, _varying(jnp.zeros_like(xs), manual), recv_off, recv_sizes, return_off,
               send_sizes, axis_name=axis)                               # step 5
   return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)     # step 6
 
 
+def _explicit_axes(a) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the mesh axes a's type splits its first dim over, the Explicit axes of its mesh)."""
+  type_sharding = getattr(jax.typeof(a), "sharding", None)
+  spec = tuple(getattr(type_sharding, "spec", ()) or ())
+  first = sharding.axes(spec[0]) if spec else ()
+  return first, tuple(getattr(getattr(type_sharding, "mesh", None), "explicit_axes", ()))
+
+
 def sharded_expert_axis(w):
-  """The Explicit mesh axis w's type shards its first dim (E) over, or None."""
-  sharding = getattr(jax.typeof(w), "sharding", None)
-  spec = tuple(getattr(sharding, "spec", ()) or ())
-  if not spec or spec[0] is None:
-    return None
-  names = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-  explicit = getattr(sharding.mesh, "explicit_axes", ())
-  if len(names) == 1 and names[0] in explicit:
-    return names[0]
-  return None
+  """The Explicit mesh axis w's type splits its first dim (E) over, or None."""
+  first, explicit = _explicit_axes(w)
+  return first[0] if len(first) == 1 and first[0] in explicit else None
 
 
-def _mesh_with(axis: str, w):
-  """The mesh that holds `axis`: the context's (jax.set_mesh, shard_map) or w's type's."""
-  for mesh in (jax.sharding.get_abstract_mesh(),
-               getattr(getattr(jax.typeof(w), "sharding", None), "mesh", None)):
-    if mesh is not None and axis in getattr(mesh, "axis_names", ()):
+def token_axes(x, expert_axis) -> tuple[str, ...]:
+  """The Explicit mesh axes x's type splits its tokens over, besides the expert axis:
+  data parallelism, each device's tokens through every expert on that device."""
+  first, explicit = _explicit_axes(x)
+  return tuple(a for a in first if a in explicit and a != expert_axis)
+
+
+def _mesh_with(names: tuple[str, ...], arrays):
+  """The mesh that holds these axes: the context's (jax.set_mesh, shard_map) or one of
+  the arrays' types'."""
+  meshes = [jax.sharding.get_abstract_mesh()] + [
+      getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None) for a in arrays]
+  for mesh in meshes:
+    if mesh is not None and set(names) <= set(getattr(mesh, "axis_names", ())):
       return mesh
-  raise ValueError(f"expert_axis={axis!r} is not an axis of the mesh in context"
+  raise ValueError(f"expert_axis={names[-1]!r} is not an axis of the mesh in context"
                    " (jax.set_mesh, jax.shard_map) nor of the weights' sharding")
 
 
-def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
-        exchange: str):
-  """The expert-parallel layer on x (T, D): inside a manual `axis` on this device's
-  shard (`local`); otherwise as a `jax.shard_map` over the axis."""
-  mesh = _mesh_with(axis, w_down)
-  n = mesh.shape[axis]
-  if axis in mesh.manual_axes:
+def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
+        axis: str | None, data_axes: tuple[str, ...] = (), exchange: str = "auto"):
+  """The layer on x (T, D) with its tokens split over data_axes + (axis,) and, with an
+  expert axis, the experts over it. Inside a manual `axis`: this device's shard
+  (`local`). Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`,
+  and each group of devices along data_axes on its own tokens (no communication)."""
+  names = (*data_axes, *(() if axis is None else (axis,)))
+  mesh = _mesh_with(names, (w_down, x))
+  if axis is not None and axis in mesh.manual_axes:
     return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
                  exchange=exchange)
-  if w_down.shape[0] % n:
-    raise ValueError(f"expert parallelism over {axis!r} ({n} devices) splits the experts"
-                     f" evenly; got E = {w_down.shape[0]}")
+  if axis is not None and w_down.shape[0] % mesh.shape[axis]:
+    raise ValueError(f"expert parallelism over {axis!r} ({mesh.shape[axis]} devices)"
+                     f" splits the experts evenly; got E = {w_down.shape[0]}")
+  n = sharding.size(mesh, names)
   t = x.shape[0]
   pad = -t % n  # tokens padded to a multiple of n route nowhere (id -1)
   if pad:
     x = jnp.pad(x, ((0, pad), (0, 0)))
     topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
     topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
-  spec = jax.sharding.PartitionSpec(axis)
+  tokens = jax.sharding.PartitionSpec(sharding.entry(names))
+  experts = jax.sharding.PartitionSpec(axis)
+  specs = (tokens, tokens, tokens, experts, experts)
   args = (x, topk_weights, topk_ids, w_gate_up, w_down)
-  explicit = axis in getattr(mesh, "explicit_axes", ())
-  if explicit:  # an Explicit axis types every value: move them to the split they need
+  explicit = bool(set(names) & set(getattr(mesh, "explicit_axes", ())))
+  if explicit:  # Explicit axes type every value: move them to the split they need
     args = tuple(jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
-                 for a in args)
-  body = lambda *a: local(plan, *a, axis=axis, exchange=exchange)  # noqa: E731
-  out = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec,
-                      axis_names={axis})(*args)
+                 for a, spec in zip(args, specs))
+  def body(x, weights, ids, w_gate_up, w_down):
+    # The weights are whole on every device of a data axis; the cast makes their
+    # gradients the sum over those devices.
+    w_gate_up, w_down = (_varying(w, data_axes) for w in (w_gate_up, w_down))
+    if axis is None:
+      return layer.layer(plan, x, weights, w_gate_up, w_down,
+                         layer.dispatch(ids, w_down.shape[0]))
+    return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange)
+
+  out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens,
+                      axis_names=set(names))(*args)
   if not pad:
     return out
-  if explicit:  # T rows do not split evenly over the axis: the result is replicated
+  if explicit:  # T rows do not split evenly over the axes: the result is replicated
     out = jax.sharding.reshard(out, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec()))
   return out[:t]
