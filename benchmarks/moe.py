@@ -9,6 +9,8 @@ Variants, each given the same routing (topk weights and ids: the router is not t
   moe_mlp           pallas_gemm.moe_mlp (sort, gathers, grouped GEMMs; its own gradients)
   moe_mlp/fp8       moe_mlp's fp8 inference form (fwd only): expert weights quantized once
                     outside the timed call (`moe.quantize_experts`), activations in the call
+  moe_mlp/fp8-train moe_mlp(precision="fp8"): bf16 master weights quantized in the call,
+                    forward and input gradients in fp8, weight gradients in bf16
   unfused/<gemm>    MaxText-style: argsort by expert, x repeated and permuted, three grouped
                     GEMMs with SwiGLU between them, the rows unsorted by a scatter and
                     combined with the weights; jax.grad of that; <gemm> is pallas_gemm's
@@ -83,8 +85,9 @@ def parse_args(argv):
                  help=f"comma-separated names from {list(CONFIGS)}")
   p.add_argument("--modes", default=",".join(MODES), help="fwd, fwd+bwd")
   p.add_argument("--variants", default=None,
-                 help="comma-separated subset of moe_mlp, unfused/pallas_gemm, unfused/tokamax,"
-                      " unfused/lax, dense (default: all that can run)")
+                 help="comma-separated subset of moe_mlp, moe_mlp/fp8, moe_mlp/fp8-train,"
+                      " unfused/pallas_gemm, unfused/tokamax, unfused/lax, dense (default: all"
+                      " that can run)")
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
   p.add_argument("--calls", type=int, default=None, help="calls per round (GPU 5, CPU 1)")
   p.add_argument("--out", type=pathlib.Path, default=None)
@@ -144,6 +147,7 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
       "unfused/lax": functools.partial(unfused, jax.lax.ragged_dot),
       "dense": dense,
   }
+  fns["moe_mlp/fp8-train"] = functools.partial(moe_mlp, backend=backend, precision="fp8")
   # Weights quantized once, before timing, as a served model holds them.
   fp8_layer = functools.partial(moe_mlp, backend=backend)
   fns["moe_mlp/fp8"] = fp8_layer

@@ -13,8 +13,8 @@ import pytest
 
 import pallas_gemm
 from pallas_gemm import moe
-from pallas_gemm.testing.reference import (moe_fp8_tolerance, moe_reference, moe_tolerance,
-                                           relative_error)
+from pallas_gemm.testing.reference import (moe_fp8_tolerance, moe_fp8_training_tolerance,
+                                           moe_reference, moe_tolerance, relative_error)
 
 from conftest import ON_GPU, jax_config, random
 
@@ -32,10 +32,11 @@ def _problem(rng, t, d, f, e, k, dtype=BF16, *, gated=True, ids=None):
           jnp.asarray(w_gate_up, dtype), jnp.asarray(w_down, dtype))
 
 
-def _check(args, *, backend, activation="swiglu", grads=True):
+def _check(args, *, backend, activation="swiglu", grads=True, precision=None):
   """The layer's output and (with grads) its four gradients within the table's bound."""
   x, weights, ids, wgu, wd = args
-  layer = functools.partial(pallas_gemm.moe_mlp, activation=activation, backend=backend)
+  layer = functools.partial(pallas_gemm.moe_mlp, activation=activation, backend=backend,
+                            precision=precision)
   # Jitted, and each result complete before the next step: Mosaic GPU's interpreter runs
   # the kernels on worker threads, and eager ops dispatched (or the reference traced with
   # x64 on) while they ran deadlocked. conftest's jax_config sets x64 process-wide.
@@ -48,7 +49,8 @@ def _check(args, *, backend, activation="swiglu", grads=True):
     ref, ref_vjp = jax.vjp(lambda x, w, a, b: moe_reference(x, w, ids, a, b, activation),
                            f64(x), f64(weights), f64(wgu), f64(wd))
     ref_grads = ref_vjp(f64(ct)) if grads else ()
-  tol = moe_tolerance(x.dtype, x.shape[-1], wd.shape[1])
+  bound = moe_fp8_training_tolerance if precision == "fp8" else moe_tolerance
+  tol = bound(x.dtype, x.shape[-1], wd.shape[1])
   assert out.dtype == x.dtype and out.shape == x.shape
   assert relative_error(out, ref) <= tol
   for name, g, r in zip(("x", "topk_weights", "w_gate_up", "w_down"), grad_values, ref_grads):
@@ -194,6 +196,29 @@ def test_fp8_bad_input(rng):
     pallas_gemm.moe_mlp(x, weights, ids, (gu8.astype(BF16), gu_s), down8)
   with pytest.raises(ValueError, match="multiple of 128"):
     moe.quantize_experts(wgu[:, :100], wd)
+
+
+# ----------------------------------------------------------------------------- fp8 training
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_fp8_training(rng, backend, activation):
+  # The output and the four gradients of precision="fp8" against the float64 layer of the
+  # bf16 weights; ids outside [0, E) route nowhere here too.
+  ids = np.stack([rng.permutation(4)[:2] for _ in range(29)])
+  ids[3] = [-1, 4]
+  _check(_problem(rng, 29, 256, 128, 4, 2, gated=activation == "swiglu", ids=ids),
+         backend=backend, activation=activation, precision="fp8")
+
+
+def test_fp8_training_bad_input(rng):
+  x, weights, ids, wgu, wd = _problem(rng, 8, 128, 64, 2, 1)
+  with pytest.raises(ValueError, match="D and F multiples of 128"):
+    pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, precision="fp8")
+  x, weights, ids, wgu, wd = _problem(rng, 8, 128, 128, 2, 1)
+  with pytest.raises(ValueError, match="master weights"):
+    pallas_gemm.moe_mlp(x, weights, ids, *moe.quantize_experts(wgu, wd), precision="fp8")
 
 
 # ----------------------------------------------------------------------------- routers

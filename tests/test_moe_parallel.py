@@ -302,3 +302,22 @@ def test_data_and_expert_parallel(rng):
   for g, w in zip(grads, want_grads):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
   assert got.sharding.is_equivalent_to(tokens, 2)
+
+
+def test_fp8_training_data_parallel(rng):
+  # precision="fp8" per device: rows are quantized in 1x128 blocks of their own, so each
+  # device's tokens get the numbers they get on one device.
+  mesh = _explicit_mesh((2,), ("data",))
+  args = _problem(rng, 16, 128, 128, 2, 2, dtype=jnp.bfloat16)
+  tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  placed = [jax.device_put(a, tokens if i < 3 else whole) for i, a in enumerate(args)]
+  one = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend())
+  ct = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
+  want, want_grads = _value_and_grads(one, args, ct)
+  got, grads = _value_and_grads(one, placed, ct)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-2, atol=1e-2)
+  for g, w in zip(grads, want_grads):
+    assert relative_error(g, w) <= 1e-2
+  with pytest.raises(ValueError, match="expert parallelism exchanges bf16 rows only"):
+    pallas_gemm.moe_mlp(*_put(_mesh(2), args), precision="fp8", backend="xla")

@@ -29,6 +29,9 @@ Semantics a user can rely on:
   the experts are not split over them), each device runs the layer on its own tokens
   with every expert: no communication. With an expert axis too, the tokens split over
   both and the experts over the expert axis.
+- fp8 training: precision="fp8" quantizes x's rows, the activations, the cotangents and
+  the (bf16 master) weights in every call and runs the forward and input-gradient GEMMs
+  in fp8; quantization is the identity to its gradients (`fp8.py`).
 - fp8 inference: w_gate_up and w_down given as `quantize` pairs (`quantize_experts` makes
   them from the bf16 weights) run both grouped GEMMs in fp8 with block scales, activations
   quantized in the call (`fp8.py`); that form has no gradient.
@@ -84,7 +87,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       and their 128x128 block scales.
     w_down: (E, F, D), x's dtype; or its fp8 pair, values (E, D, F) and block scales.
     activation: "swiglu" (silu gate), "geglu" (tanh-approximate GELU gate), "silu", "gelu".
-    precision: as jax.lax.ragged_dot takes it, for every grouped GEMM.
+    precision: as jax.lax.ragged_dot takes it, for every grouped GEMM; or "fp8": the
+      forward and input-gradient GEMMs in fp8 (e4m3, 128-blocks, current scaling), weight
+      gradients in the weights' dtype (`fp8.py`). D and F multiples of 128.
     preferred_element_type: the result's dtype (default x's). The GEMMs accumulate in f32
       and write their intermediates in x's dtype; the weighted sum over k is f32.
     backend: "auto", "xla" or "mosaic": the grouped GEMMs' (`ragged_dot`'s).
@@ -157,10 +162,19 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if out_dtype not in checks.SUPPORTED_DTYPES:
     raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got"
                     f" {out_dtype}")
+  fp8_training = isinstance(precision, str) and precision == "fp8"
+  if fp8_training:
+    if quantized:
+      raise ValueError('precision="fp8" trains from bf16 master weights; quantized expert'
+                       " pairs (quantize_experts) already run in fp8: drop precision")
+    if d % fp8.BLOCK or f % fp8.BLOCK:
+      raise ValueError(f'precision="fp8" needs D and F multiples of {fp8.BLOCK} (the scale'
+                       f" blocks along every contraction); got D = {d}, F = {f}")
   k = topk_weights.shape[-1]
   tokens = math.prod(lead)
-  plan = layer.Plan(activation=activation, precision=precision, out_dtype=out_dtype,
-                    backend=backend, config=config)
+  plan = layer.Plan(activation=activation, precision=None if fp8_training else precision,
+                    out_dtype=out_dtype, backend=backend, config=config)
+  one_device = fp8.layer_fp8_train if fp8_training else layer.layer
   x2 = jnp.reshape(x, (tokens, d))
   weights2 = jnp.reshape(topk_weights, (tokens, k))
   ids2 = jnp.reshape(topk_ids, (tokens, k))
@@ -172,13 +186,16 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     if quantized:
       raise ValueError("expert parallelism runs bf16/f16/f32 experts; fp8 expert pairs run"
                        " on one device (expert_axis=None, weights not sharded on E)")
+    if fp8_training and axis is not None:
+      raise ValueError('precision="fp8" runs data parallel or on one device; expert'
+                       " parallelism exchanges bf16 rows only")
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
-                       data_axes=data, exchange=exchange)
+                       data_axes=data, exchange=exchange, layer_fn=one_device)
     return out.reshape((*lead, d))
   d_ = layer.dispatch(ids2, e)
   if quantized:
     out = fp8.layer_fp8(plan, x2, weights2, w_gate_up, gate_up_scales, w_down, down_scales,
                         d_)
   else:
-    out = layer.layer(plan, x2, weights2, w_gate_up, w_down, d_)
+    out = one_device(plan, x2, weights2, w_gate_up, w_down, d_)
   return out.reshape((*lead, d))

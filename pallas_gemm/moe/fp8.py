@@ -1,14 +1,27 @@
-"""`moe_mlp`'s fp8 inference form: expert weights quantized once (`quantize_experts`),
-activations quantized in the call, both grouped GEMMs on `scaled_ragged_dot`.
+"""`moe_mlp` in fp8: the inference form with expert weights quantized once
+(`quantize_experts`), and the training form (`precision="fp8"`) with bf16 master weights.
 
     gate_up8, down8 = quantize_experts(w_gate_up, w_down)   # once, e.g. after loading
     out = moe_mlp(x, weights, ids, gate_up8, down8)         # fp8 GEMMs, x's dtype out
+    out = moe_mlp(x, weights, ids, w_gate_up, w_down, precision="fp8")   # differentiable
 
 DeepSeek-V3's recipe for the blocks: weights in 128x128 blocks per expert, K-major; the
 activations that enter each GEMM (the gathered rows of x, and act(gate) * up) in 1x128
 blocks along the contraction, with power-of-two scales (`pallas_gemm.quantize`). The
-dispatch, the activation and the combine are the bf16 layer's (`layer.py`). Forward only:
-the values of a quantized weight have no gradient, and asking for one is an error.
+dispatch, the activation and the combine are the bf16 layer's (`layer.py`). The inference
+form is forward only: the values of a quantized weight have no gradient, and asking for
+one is an error.
+
+The training form (`layer_fp8_train`) quantizes with current scaling in every call, and
+treats quantization as the identity in its gradients (straight through):
+- forward: both grouped GEMMs in fp8, e4m3, the weights quantized K-major as
+  `quantize_experts` makes them;
+- input gradients: both in fp8, the cotangents quantized to e4m3 in 1x128 blocks.
+  w_gate_up (E, D, 2F) and w_down (E, F, D) are already K-major for these products, so
+  their 128x128 blocks are quantized as they lie, with no transpose;
+- weight gradients: in the weights' dtype on the bf16 weight-gradient kernel, as
+  `fp8_dot_general(wgrad="input")`, the faster dense step.
+D and F must be multiples of 128, the scale blocks along every contraction.
 """
 
 from __future__ import annotations
@@ -67,3 +80,48 @@ def _bwd(plan, residuals, g):
 
 
 layer_fp8.defvjp(_fwd, _bwd)
+
+
+def _quantize_weight(w, dtype):
+  """(values, 128x128 block scales) of (E, N, K) weights, K the contraction."""
+  return fp8_ops.quantize(w, dtype, block_shape=(BLOCK, BLOCK))
+
+
+def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
+  e4m3 = jnp.float8_e4m3fn
+  gu8, gu_s = _quantize_weight(jnp.swapaxes(w_gate_up, 1, 2), e4m3)
+  dn8, dn_s = _quantize_weight(jnp.swapaxes(w_down, 1, 2), e4m3)
+  h = _gemm(plan, x[d.token], gu8, gu_s, d.group_sizes, x.dtype)
+  y = _gemm(plan, layer.act(plan, h), dn8, dn_s, d.group_sizes, x.dtype)
+  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def layer_fp8_train(plan: layer.Plan, x, topk_weights, w_gate_up, w_down,
+                    d: layer.Dispatch):
+  """out (T, D) of x (T, D) and bf16 experts, GEMMs in fp8 (module docstring)."""
+  return _train_forward(plan, x, topk_weights, w_gate_up, w_down, d)[0]
+
+
+def _train_fwd(plan, x, topk_weights, w_gate_up, w_down, d):
+  out, (h, y) = _train_forward(plan, x, topk_weights, w_gate_up, w_down, d)
+  return out, (x, topk_weights, w_gate_up, w_down, d, h, y)
+
+
+def _train_bwd(plan, residuals, g):
+  x, topk_weights, w_gate_up, w_down, d, h, y = residuals
+  e4m3 = jnp.float8_e4m3fn
+  dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
+  dn8, dn_s = _quantize_weight(w_down, e4m3)           # (E, F, D): K = D for da
+  da = _gemm(plan, dy, dn8, dn_s, d.group_sizes, x.dtype)
+  a = layer.act(plan, h)
+  dw_down = layer.weight_grad(plan, a, dy, d.group_sizes, w_down.dtype)
+  dh = layer.act_grad(plan, h, da)
+  gu8, gu_s = _quantize_weight(w_gate_up, e4m3)        # (E, D, W): K = W for dxs
+  dxs = _gemm(plan, dh, gu8, gu_s, d.group_sizes, x.dtype)
+  dw_gate_up = layer.weight_grad(plan, x[d.token], dh, d.group_sizes, w_gate_up.dtype)
+  dx = layer.combine(dxs, d.inverse, jnp.ones(topk_weights.shape, jnp.float32), x.dtype)
+  return dx, dweights, dw_gate_up, dw_down, None
+
+
+layer_fp8_train.defvjp(_train_fwd, _train_bwd)

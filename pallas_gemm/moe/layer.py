@@ -104,7 +104,7 @@ def act(plan: Plan, h):
   return (epilogue.activate(hf[:, :f], name) * hf[:, f:]).astype(h.dtype)
 
 
-def _act_grad(plan: Plan, h, da):
+def act_grad(plan: Plan, h, da):
   """dh from da = d a, through `_act` (f32, rounded to h's dtype)."""
   name, gated = ACTIVATIONS[plan.activation]
   hf, daf = h.astype(F32), da.astype(F32)
@@ -124,6 +124,11 @@ def combine(rows, inverse, weights, out_dtype):
   return jnp.einsum("tk,tkd->td", weights.astype(F32), picked).astype(out_dtype)
 
 
+def weight_grad(plan: Plan, lhs, rhs, group_sizes, dtype):
+  """(E, K, N): per expert lhs^T @ rhs over its rows (the ragged-contraction kernel)."""
+  return _gemm(plan, lhs, rhs, group_sizes, _WEIGHT_GRAD, dtype)
+
+
 def _experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes):
   """y = FFN(xs) row by row, each row through its group's expert (steps 3 and 4)."""
   h = _gemm(plan, xs, w_gate_up, group_sizes, _FORWARD, xs.dtype)
@@ -134,14 +139,14 @@ def _experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes):
 def _experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy):
   """(dxs, dw_gate_up, dw_down) from dy; a is recomputed from h."""
   da = _gemm(plan, dy, w_down, group_sizes, _BACKWARD, xs.dtype)
-  dw_down = _gemm(plan, act(plan, h), dy, group_sizes, _WEIGHT_GRAD, w_down.dtype)
-  dh = _act_grad(plan, h, da)
+  dw_down = weight_grad(plan, act(plan, h), dy, group_sizes, w_down.dtype)
+  dh = act_grad(plan, h, da)
   dxs = _gemm(plan, dh, w_gate_up, group_sizes, _BACKWARD, xs.dtype)
-  dw_gate_up = _gemm(plan, xs, dh, group_sizes, _WEIGHT_GRAD, w_gate_up.dtype)
+  dw_gate_up = weight_grad(plan, xs, dh, group_sizes, w_gate_up.dtype)
   return dxs, dw_gate_up, dw_down
 
 
-def _combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
+def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
   """(d rows, d topk_weights) of `combine`, as gathers:
   d topk_weights[t, j] = <rows[inverse[t, j]], g[t]>;
   d rows[r] = topk_weights[order[r]] * g[token[r]] (rows of no group are never read)."""
@@ -172,7 +177,7 @@ def _layer_fwd(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
 
 def _layer_bwd(plan: Plan, residuals, g):
   x, topk_weights, w_gate_up, w_down, d, h, y = residuals
-  dy, dweights = _combine_backward(y, topk_weights, d, g, x.dtype)
+  dy, dweights = combine_backward(y, topk_weights, d, g, x.dtype)
   dxs, dw_gate_up, dw_down = _experts_backward(plan, x[d.token], h, w_gate_up, w_down,
                                                d.group_sizes, dy)
   dx = combine(dxs, d.inverse, jnp.ones(topk_weights.shape, F32), x.dtype)
@@ -237,7 +242,7 @@ def _combine_pairs_fwd(rows, topk_weights, d: Dispatch, out_dtype):
 
 def _combine_pairs_bwd(out_dtype, residuals, g):
   rows, topk_weights, d = residuals
-  return (*_combine_backward(rows, topk_weights, d, g, rows.dtype), None)
+  return (*combine_backward(rows, topk_weights, d, g, rows.dtype), None)
 
 
 combine_pairs.defvjp(_combine_pairs_fwd, _combine_pairs_bwd)

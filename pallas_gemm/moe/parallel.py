@@ -245,11 +245,13 @@ def _mesh_with(names: tuple[str, ...], arrays):
 
 
 def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
-        axis: str | None, data_axes: tuple[str, ...] = (), exchange: str = "auto"):
+        axis: str | None, data_axes: tuple[str, ...] = (), exchange: str = "auto",
+        layer_fn=layer.layer):
   """The layer on x (T, D) with its tokens split over data_axes + (axis,) and, with an
   expert axis, the experts over it. Inside a manual `axis`: this device's shard
   (`local`). Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`,
-  and each group of devices along data_axes on its own tokens (no communication)."""
+  and each group of devices along data_axes on its own tokens (no communication);
+  without an expert axis, each device runs layer_fn (`layer.layer` or the fp8 form)."""
   names = (*data_axes, *(() if axis is None else (axis,)))
   mesh = _mesh_with(names, (w_down, x))
   if axis is not None and axis in mesh.manual_axes:
@@ -278,8 +280,8 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     # gradients the sum over those devices.
     w_gate_up, w_down = (_varying(w, data_axes) for w in (w_gate_up, w_down))
     if axis is None:
-      return layer.layer(plan, x, weights, w_gate_up, w_down,
-                         layer.dispatch(ids, w_down.shape[0]))
+      return layer_fn(plan, x, weights, w_gate_up, w_down,
+                      layer.dispatch(ids, w_down.shape[0]))
     return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange)
 
   out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens,

@@ -225,6 +225,15 @@ def moe_tolerance(dtype, d_model: int, d_ff: int) -> float:
   return tolerance(dtype, None, d_model) + tolerance(dtype, None, 2 * d_ff)
 
 
+def moe_fp8_training_tolerance(dtype, d_model: int, d_ff: int) -> float:
+  """The bound of `moe_mlp(precision="fp8")` and of each of its gradients against the
+  float64 layer of the bf16 weights: the bf16 layer's, plus e4m3's relative rounding step
+  (2^-4) for each quantized operand on the path, to first order: the forward quantizes
+  two activations and two weights; an input gradient adds two cotangents and two weights
+  to the forward's error in h (the weight gradients, in bf16, see the same)."""
+  return moe_tolerance(dtype, d_model, d_ff) + 8 * 2.0**-4
+
+
 def moe_fp8_tolerance(dtype, d_model: int, d_ff: int) -> float:
   """The bound of `moe_mlp`'s fp8 inference form against the float64 layer of its
   dequantized weights: the bf16 layer's, plus e4m3's relative rounding step (2^-4: 3
