@@ -82,7 +82,7 @@ def parse_args(argv):
   p.add_argument("--calls", type=int, default=None, help="steps per round (GPU 3, CPU 1)")
   p.add_argument("--breakdown", action="store_true",
                  help="instead: the forward's parts at each count (exchange, experts, the"
-                      " whole layer) with moe_mlp's default exchange and ragged's")
+                      " whole layer) with the padded and the ragged exchange")
   p.add_argument("--out", type=pathlib.Path, default=None)
   return p.parse_args(argv)
 
@@ -192,9 +192,10 @@ def breakdown(cfg: Config, n: int, rounds: int, calls: int) -> dict:
       d = layer.dispatch(ids, cfg.experts)
       xs = layer.pair_rows(x, d, cfg.top_k)
       counts = jax.lax.all_gather(d.group_sizes, AXIS)
-      off = parallel._offsets(counts, jax.lax.axis_index(AXIS), n, local_experts)
-      buf = parallel._varying(jnp.zeros((n * r, x.shape[1]), x.dtype), AXIS)
-      return parallel._exchange(exchange)(xs, buf, *off[:4], axis_name=AXIS)
+      kind, off = parallel.exchange_plan(counts, jax.lax.axis_index(AXIS), n, local_experts,
+                                         exchange)
+      buf = jax.lax.pcast(jnp.zeros((n * r, x.shape[1]), x.dtype), AXIS, to="varying")
+      return parallel.move(kind)(xs, buf, *off[:4], axis_name=AXIS)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
   def ffn(rows):

@@ -172,7 +172,7 @@ def test_program_moves_tokens_not_experts(rng):
   layer = functools.partial(pallas_gemm.moe_mlp, backend="xla", exchange="padded")
   loss = lambda x, w, a, b: jnp.sum(layer(x, w, ids, a, b))  # noqa: E731
   text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(x, weights, wgu, wd))
-  scatters = re.findall(r"\w+:(\w+)\[([\d,]*)\] = scatter", text)
+  scatters = re.findall(r"\w+:(\w+)\[([\d,]*)\](?:\{[^}]*\})? = scatter", text)
   assert scatters and all(d.startswith("i") and "," not in s for d, s in scatters), scatters
   hlo = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3))).lower(
       x, weights, wgu, wd).compile().as_text()
@@ -187,7 +187,7 @@ def test_program_moves_tokens_not_experts(rng):
 def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng):
   # Random non-overlapping slices, 3 per device pair, against the documented semantics
   # of jax.lax.ragged_all_to_all written out in numpy.
-  n, per, rows, width = 4, 3, 20, 2
+  n, per, rows, width = 4, 3, 24, 2  # rows: a device sends up to n * per * 2
   mesh = _mesh(n)
   sizes = rng.integers(0, 3, (n, n * per))                        # [device, slice]
   in_off = np.cumsum(sizes, 1) - sizes
@@ -247,8 +247,9 @@ def test_ragged_exchange_pieces(rng, monkeypatch):
   # The ragged exchange cuts each slice into pieces (RAGGED_SLICES_PER_PEER); with the
   # padded exchange standing in for ragged_all_to_all (same semantics, runs here), the
   # cut offsets and sizes must still put every row in place, both ways.
-  padded = parallel._exchange("padded")
-  monkeypatch.setattr(parallel, "_exchange", lambda name: padded)
+  padded = parallel.move("padded")
+  monkeypatch.setattr(parallel, "move", lambda name: padded)
+  monkeypatch.setattr(parallel, "ragged_available", lambda: True)
   monkeypatch.setattr(parallel, "RAGGED_SLICES_PER_PEER", 7)  # 4 pieces of 2 experts
   _compare(rng, _problem(rng, 16, 16, 8, 8, 3), _mesh(4), exchange="ragged")
 
@@ -321,3 +322,23 @@ def test_fp8_training_data_parallel(rng):
     assert relative_error(g, w) <= 1e-2
   with pytest.raises(ValueError, match="expert parallelism exchanges bf16 rows only"):
     pallas_gemm.moe_mlp(*_put(_mesh(2), args), precision="fp8", backend="xla")
+
+
+def test_a_mesh_axis_the_layer_does_not_use(rng):
+  # A (model, expert) Explicit mesh: the layer is expert-parallel over "expert" and
+  # replicated over "model".
+  mesh = _explicit_mesh((2, 4), ("model", AXIS))
+  _compare(rng, _problem(rng, 16, 16, 8, 8, 2), mesh, exchange="auto")
+
+
+def test_one_expert_per_device_and_top_1(rng):
+  mesh = _mesh(4)
+  _compare(rng, _problem(rng, 16, 16, 8, 4, 1), mesh, exchange="auto")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the refusal where XLA has no ragged-all-to-all")
+def test_ragged_exchange_refused_off_gpu(rng):
+  mesh = _mesh(4)
+  args = _put(mesh, _problem(rng, 16, 16, 8, 8, 2))
+  with pytest.raises(ValueError, match="exchange='ragged' runs on GPUs"):
+    pallas_gemm.moe_mlp(*args, backend="xla", exchange="ragged")

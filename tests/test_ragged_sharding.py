@@ -76,6 +76,7 @@ FORWARD = {
     "columns": (P(), P(None, None, "y"), P(None, "y"), []),
     "rows and columns": (P("x"), P(None, None, "y"), P("x", "y"), []),
     "experts": (P(), P("x"), P(), ["all-reduce"]),
+    "rows and experts": (P("x"), P("y"), P("x"), ["all-reduce"]),
     "contraction": (P(None, "y"), P(None, "y"), P(), ["all-reduce"]),
 }
 
@@ -156,3 +157,26 @@ def test_gradients_of_an_expert_parallel_call(rng):
     _close(g, w, dtype)
   assert got[1].sharding.is_equivalent_to(spec, 3)
   assert "all-gather" not in _collectives(grads, a, b)
+
+
+def test_forward_with_rhs_transposed(rng):
+  # rhs (G, N, K): columns split on its dim 1, the contraction on its dim 2.
+  mesh = _mesh()
+  backend, dtype, kw = _setup()
+  lhs, rhs, sizes = _operands(rng, dtype)
+  rhs_t = jnp.swapaxes(rhs, 1, 2)
+  dims = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[0])
+
+  def f(a, b, s):
+    return ragged_dot_general(a, b, s, dims, backend=backend, **kw)
+
+  want = f(lhs, rhs_t, sizes)
+  for sl, sr, so, allowed in ((P(), P(None, "y"), P(None, "y"), []),
+                              (P(None, "y"), P(None, None, "y"), P(), ["all-reduce"])):
+    a, b = _put(mesh, lhs, sl), _put(mesh, rhs_t, sr)
+    got = jax.jit(f)(a, b, sizes)
+    _close(got, want, dtype)
+    assert got.sharding.is_equivalent_to(NamedSharding(mesh, so), 2), got.sharding
+    assert _collectives(f, a, b, sizes) == allowed

@@ -109,6 +109,9 @@ def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
   return run(plan, lhs, rhs, group_sizes, row_start)
 
 
+_NO_MESH = jax.sharding.AbstractMesh((), ())
+
+
 def run(plan: Plan, lhs, rhs, group_sizes, row_start):
   """The backend call on groups given as plan.num_groups sizes whose rows start at
   row_start (None: row 0); plan.offset is not read."""
@@ -125,8 +128,11 @@ def run(plan: Plan, lhs, rhs, group_sizes, row_start):
     module = importlib.import_module(f"pallas_gemm.grouped.{plan.backend}_{plan.form}")
     kwargs = {} if plan.form == "forward" else dict(num_groups=plan.num_groups)
   common = dict(out_dtype=plan.out_dtype, config=plan.config, interpret=plan.interpret, **kwargs)
-  # group_sizes and row_start are int32 (above), as the kernels' index arithmetic.
-  with primitive.kernel_x64(plan.backend):
+  # group_sizes and row_start are int32 (above), as the kernels' index arithmetic. lax's
+  # ops (xla) trace with no mesh in context: this is the local computation, and under
+  # Explicit mesh axes lax would infer shardings for it and refuse ragged_dot_general's.
+  mesh = _NO_MESH if plan.backend == "xla" else jax.sharding.get_abstract_mesh()
+  with primitive.kernel_x64(plan.backend), jax.sharding.use_abstract_mesh(mesh):
     if plan.form == "forward":
       return module.forward(lhs, rhs, group_sizes, row_start, transpose_rhs=plan.transpose_rhs,
                             **common)
@@ -163,8 +169,6 @@ def _effects(plan: Plan, *avals):
   if not plan.interpret:
     return primitive.no_effects
   return primitive.interpret_effects(functools.partial(_kernel, plan), *avals)
-
-
 
 
 # ----------------------------------------------------------------------------- JVP
@@ -277,13 +281,16 @@ batching.primitive_batchers[ragged_dot_p] = _batch
 #     N split:   tensor parallel: each device its columns. No communication.
 #     G split:   expert parallel: each device its groups (group_offset moved by the
 #                groups before them); rows of other devices' groups are zero there, so
-#                one psum of the result (an all-reduce of disjoint rows) finishes it.
+#                one psum of the result (an all-reduce of disjoint rows, exact in the
+#                result's dtype) finishes it.
 #     K split:   f32 partial sums, one psum, then the result's dtype.
 #   weight_grad  lhs (M, K), rhs (M, N) -> out (G, K, N)
 #     M split:   f32 partial sums over each device's rows, one psum.
 #     K, N split, or the result wanted split on G: each device its part. No communication.
 # A dimension that does not divide over its axes is not split (gathered as XLA would).
-# group_sizes and group_offset are small and replicated.
+# group_sizes and group_offset are small and replicated. With rows split, a negative
+# group size (possible only traced) counts as 0, as the Mosaic kernels read it. Rows are
+# chosen before groups: lhs and rhs both split over one axis run row-split, rhs gathered.
 
 
 def _factors(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
@@ -329,18 +336,20 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   m, k, n, g = f["m"], f["k"], f["n"], f["g"]
   named = lambda *spec: NamedSharding(  # noqa: E731
       mesh, PartitionSpec(*map(sharding.entry, spec)))
+  # reduce: the axes whose partial results are summed; partial: whether those partials
+  # are sums over a split contraction (f32 until summed) rather than disjoint rows.
   if plan.form == "forward":
     rhs_spec = (g, n, k) if plan.transpose_rhs else (g, k, n)
     arg_specs = [named(m, k), named(*rhs_spec)]
-    out_spec, reduce = named(m, n), k + g
+    out_spec, reduce, partial = named(m, n), k + g, bool(k)
   else:
     arg_specs = [named(m, k), named(m, n)]
-    out_spec, reduce = named(g, k, n), m
+    out_spec, reduce, partial = named(g, k, n), m, bool(m)
   arg_specs += [named(())] * (len(arg_shapes) - 2)  # group_sizes, group_offset
   local_groups_count = plan.num_groups // sharding.size(mesh, g)
   local_rows = arg_shapes[0].shape[0] // sharding.size(mesh, m)
   local_plan = dataclasses.replace(plan, num_groups=local_groups_count,
-                                   out_dtype=F32 if reduce else plan.out_dtype)
+                                   out_dtype=F32 if partial else plan.out_dtype)
 
   def local(lhs, rhs, group_sizes, *offset):
     if offset:

@@ -19,13 +19,13 @@ Semantics a user can rely on:
 - Differentiable in x, topk_weights, w_gate_up and w_down in reverse mode (jax.grad,
   jax.vjp); forward mode (jax.jvp) is not implemented.
 - Leading dims: x (..., D) with topk_weights / topk_ids (..., k).
-- Expert parallel (`parallel.py`): with `expert_axis` (or, under jit, when w_down's type
-  is sharded on E over an Explicit mesh axis, that axis), the experts split over the
+- Expert parallel (`parallel.py`): with `expert_axis` (or, when w_down's type is sharded
+  on E over an Explicit mesh axis, under jit or eagerly, that axis), the experts split over the
   axis and the tokens travel to them by all-to-all; no expert weight is gathered. Inside
   `jax.shard_map` over that axis, x and topk_* are the device's tokens (ids global) and
   the weights its experts; outside, x's tokens and the weights' experts are split over
   it, and the result comes back sharded on its tokens over it.
-- Data parallel: under jit, when x's type splits its tokens over Explicit mesh axes (and
+- Data parallel: when x's type splits its tokens over Explicit mesh axes (and
   the experts are not split over them), each device runs the layer on its own tokens
   with every expert: no communication. With an expert axis too, the tokens split over
   both and the experts over the expert axis.

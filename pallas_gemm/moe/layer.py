@@ -190,7 +190,9 @@ layer.defvjp(_layer_fwd, _layer_bwd)
 # ----------------------------------------------------------------------------- in pieces
 # The layer's steps as separately differentiable pieces, for dataflows that run something
 # between them (expert parallelism exchanges the rows between devices: `parallel.py`).
-# Each backward is the layer's own, so no piece scatters either.
+# Each backward is the layer's own, so no piece scatters either. Unlike the fused layer,
+# `experts` keeps its input rows as a residual: there they are what an exchange brought,
+# which only another exchange could bring again.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def experts(plan: Plan, xs, w_gate_up, w_down, group_sizes):

@@ -11,7 +11,7 @@ the experts of device j being j*E_l ... (j+1)*E_l - 1). Tokens travel; experts s
      sorted by local expert (sources in device order inside each expert): the grouped
      GEMMs run on it as it is, with no local sort.
   4. the experts' FFN on the received rows (`layer.experts`).
-  5. the same exchange backwards: each result row returns to its pair's place.
+  5. the same exchange backwards: each result row returns to its row of step 1.
   6. combine locally (`layer.combine_pairs`).
 Reverse mode differentiates through it: the exchanges are linear (their transposes are
 the exchanges the other way), and the layer's pieces keep their gather-only backwards.
@@ -20,7 +20,7 @@ The receive buffer holds n * R rows, the most a device can receive (every pair o
 device routed to its experts), so nothing is dropped whatever the routing. Rows past
 what arrived are zero and in no group: the grouped GEMMs skip them.
 
-Two exchanges do step 3 and 5 (the `exchange` argument):
+Two exchanges do steps 3 and 5 (the `exchange` argument):
 - "ragged": `jax.lax.ragged_all_to_all`, which moves exactly the rows routed (XLA:GPU; XLA's
   CPU backend does not implement it).
 - "padded": the same slices through a dense `jax.lax.all_to_all` of (n, R) rows per
@@ -29,7 +29,11 @@ Two exchanges do step 3 and 5 (the `exchange` argument):
 docs/performance.md): "ragged" on a GPU when each peer gets at least
 RAGGED_SLICES_PER_PEER slices without cutting them (Qwen3-like, 64 experts per GPU: the
 training step 1.33x faster than "padded"), else "padded" (Mixtral-like, 4 experts per
-GPU: 1.58x faster than "ragged" with its slices uncut).
+GPU: 1.58x faster than "ragged" was with its 4 slices per peer uncut; "ragged" now cuts
+them, which is not yet timed, so "auto" keeps the measured choice).
+
+The same module runs data parallelism (`run` without an expert axis: each device its
+tokens through every expert) and both together on a (data, expert) mesh.
 """
 
 from __future__ import annotations
@@ -53,10 +57,14 @@ def _offsets(counts, me, n: int, local: int):
   """The exchange's offsets (int32) from counts (n, E) = rows of device s for expert e.
 
   Slice (j, l) of a device (j the destination, l its local expert) is its rows for
-  expert j*local + l. Returns (send_offsets, send_sizes, out_offsets, recv_sizes,
-  recv_offsets, group_sizes), the first three and the fifth of length E (slice order
-  (j, l) for sending, (s, l) for receiving) as ragged_all_to_all takes them; group_sizes
-  (local,) are the receiver's rows per local expert."""
+  expert j*local + l. Returns seven arrays, the first six of length E:
+    send_offsets, send_sizes  (j, l): where this device's slices start in its sorted rows;
+    out_offsets               (j, l): where each lands in device j's receive buffer;
+    recv_sizes, recv_offsets  (s, l): what this device receives from device s for its
+                              expert l, and where that lands in its buffer;
+    return_offsets            (s, l): where those rows go back to on device s (its
+                              send offsets);
+    group_sizes               (local,): the rows received per local expert."""
   e = counts.shape[1]
   by_dst = counts.reshape(n, n, local)            # [src, dst, l]
   send_sizes = counts[me]                          # (E,) this device's slices, (j, l)
@@ -123,12 +131,13 @@ def _padded_fwd(operand, output, input_offsets, send_sizes, output_offsets, recv
                 axis_name):
   result, got = _padded(operand, output, input_offsets, send_sizes, output_offsets,
                         recv_sizes, axis_name)
-  return result, (jnp.zeros_like(operand), got, input_offsets, send_sizes, output_offsets,
-                  recv_sizes)
+  rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # operand's rows and dtype only
+  return result, (rows, got, input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
 def _padded_bwd(axis_name, residuals, ct):
-  zero, got, input_offsets, send_sizes, output_offsets, recv_sizes = residuals
+  rows, got, input_offsets, send_sizes, output_offsets, recv_sizes = residuals
+  zero = jnp.zeros((rows.shape[0], *ct.shape[1:]), rows.dtype)
   # Where each received slice landed here, and where it came from on its sender.
   landed = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
   came_from = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
@@ -158,22 +167,55 @@ def _pieces(offsets, sizes, pieces: int):
           (bounds[:, 1:] - bounds[:, :-1]).reshape(-1))
 
 
-def _varying(a, axes):
-  """a typed as varying over the manual axes (a name or a tuple of them): a fresh buffer,
-  the same on every device, that the exchanges' results or gradients reach; or weights
-  whole on every device of a data-parallel axis, whose gradient the transpose of this
-  cast then sums over it."""
+def _vary(a) -> frozenset:
+  """The manual axes a's value varies over (its type's)."""
   aval = jax.typeof(a)
   manual = getattr(aval, "manual_axis_type", None)  # jax 0.11-0.12; `vma` before
-  varying = manual.varying if manual is not None else getattr(aval, "vma", frozenset())
-  missing = tuple(x for x in ((axes,) if isinstance(axes, str) else axes) if x not in varying)
+  return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
+def _varying(a, axes):
+  """a typed as varying over the manual axes (a name or a tuple of them): a fresh buffer,
+  the same on every device, that rows varying over them fill; or weights whole on every
+  device of a data-parallel axis, whose gradient the transpose of this cast then sums
+  over it."""
+  missing = tuple(x for x in ((axes,) if isinstance(axes, str) else axes)
+                  if x not in _vary(a))
   return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
-def _exchange(name: str):
+def move(name: str):
+  """The exchange function of that name, with ragged_all_to_all's signature."""
   if name == "ragged":
     return jax.lax.ragged_all_to_all
   return lambda *args, axis_name: padded_all_to_all(*args, axis_name)
+
+
+def ragged_available() -> bool:
+  """Whether XLA implements ragged-all-to-all on this backend (GPUs only)."""
+  return jax.default_backend() == "gpu"
+
+
+def exchange_plan(counts, me, n: int, experts_local: int, exchange: str):
+  """(exchange, the offsets of `_offsets`) for the exchange that runs: "auto" resolved,
+  and for "ragged" every slice cut into pieces."""
+  offsets = _offsets(counts, me, n, experts_local)
+  if exchange == "auto":
+    many = experts_local >= RAGGED_SLICES_PER_PEER
+    exchange = "ragged" if many and ragged_available() else "padded"
+  if exchange == "ragged":
+    if not ragged_available():
+      raise ValueError("exchange='ragged' runs on GPUs (XLA implements ragged-all-to-all"
+                       f" there only); this backend is {jax.default_backend()!r}: use"
+                       " 'padded' or 'auto'")
+    send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, groups = offsets
+    pieces = -(-RAGGED_SLICES_PER_PEER // experts_local)
+    send_off, send_cut = _pieces(send_off, send_sizes, pieces)
+    out_off, _ = _pieces(out_off, send_sizes, pieces)
+    recv_off, recv_cut = _pieces(recv_off, recv_sizes, pieces)
+    return_off, _ = _pieces(return_off, recv_sizes, pieces)
+    offsets = (send_off, send_cut, out_off, recv_cut, recv_off, return_off, groups)
+  return exchange, offsets
 
 
 def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
@@ -187,27 +229,17 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   d = layer.dispatch(topk_ids, experts_local * n)
   xs = layer.pair_rows(x, d, k)                                           # step 1
   counts = jax.lax.all_gather(d.group_sizes, axis)                      # step 2: (n, E)
-  send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = _offsets(
-      counts, me, n, experts_local)
-  if exchange == "auto":
-    many = experts_local >= RAGGED_SLICES_PER_PEER
-    exchange = "ragged" if many and jax.default_backend() == "gpu" else "padded"
-  if exchange == "ragged":
-    pieces = -(-RAGGED_SLICES_PER_PEER // experts_local)
-    send_off, send_sizes_p = _pieces(send_off, send_sizes, pieces)
-    out_off, _ = _pieces(out_off, send_sizes, pieces)
-    recv_off, recv_sizes_p = _pieces(recv_off, recv_sizes, pieces)
-    return_off, _ = _pieces(return_off, recv_sizes, pieces)
-    send_sizes, recv_sizes = send_sizes_p, recv_sizes_p
-  move = _exchange(exchange)
-  # Fresh buffers vary as the rows that fill them do: over every manual axis here.
-  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes) or (axis,)
+  exchange, offsets = exchange_plan(counts, me, n, experts_local, exchange)
+  send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = offsets
+  exchange_fn = move(exchange)
+  # Fresh buffers vary as the rows that fill them do.
+  manual = tuple(sorted(_vary(xs) | {axis}))
   buffer = _varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), manual)
-  received = move(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
+  received = exchange_fn(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
                   axis_name=axis)                                       # step 3
   y = layer.experts(plan, received, w_gate_up, w_down, group_sizes)    # step 4
-  back = move(y, _varying(jnp.zeros_like(xs), manual), recv_off, recv_sizes, return_off,
-              send_sizes, axis_name=axis)                               # step 5
+  back = exchange_fn(y, _varying(jnp.zeros_like(xs), manual), recv_off, recv_sizes,
+                     return_off, send_sizes, axis_name=axis)            # step 5
   return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)     # step 6
 
 
@@ -262,6 +294,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
                      f" splits the experts evenly; got E = {w_down.shape[0]}")
   n = sharding.size(mesh, names)
   t = x.shape[0]
+  topk_ids = topk_ids.astype(jnp.int32)  # -1 below must not wrap in an unsigned dtype
   pad = -t % n  # tokens padded to a multiple of n route nowhere (id -1)
   if pad:
     x = jnp.pad(x, ((0, pad), (0, 0)))
@@ -284,8 +317,10 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
                       layer.dispatch(ids, w_down.shape[0]))
     return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange)
 
-  out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens,
-                      axis_names=set(names))(*args)
+  # Manual over every axis of the mesh (values are replicated over the axes not named):
+  # a partly manual shard_map leaves the grouped GEMM's partitioning and lax's sharding
+  # inference an abstract mesh with Explicit axes, which neither handles.
+  out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=tokens)(*args)
   if not pad:
     return out
   if explicit:  # T rows do not split evenly over the axes: the result is replicated
