@@ -67,16 +67,19 @@ def _put(mesh, args):
   return [jax.device_put(a, NamedSharding(mesh, P(AXIS))) for a in args]
 
 
-def _compare(rng, args, mesh, *, exchange, layer=None):
-  """The expert-parallel layer (`layer`, default moe_mlp on arrays sharded over the
-  Explicit mesh) against the one-device layer (close: same math, other order) and the
-  float64 reference (the table's bound)."""
+def _compare(rng, args, mesh, *, exchange, layer=None, tokens=P(AXIS), experts=P(AXIS)):
+  """The parallel layer (`layer`, default moe_mlp) on args placed over the mesh (x and
+  topk_* as `tokens`, the weights as `experts`) against the one-device layer (close: same
+  math, other order) and the float64 reference (the table's bound). Returns
+  (result, the placed args)."""
   highest = jax.lax.Precision.HIGHEST
   one = functools.partial(pallas_gemm.moe_mlp, precision=highest, backend=_backend())
   ep = layer or functools.partial(one, exchange=exchange)
   ct = jnp.asarray(rng.standard_normal(args[0].shape), jnp.float32)
   want, want_grads = _value_and_grads(one, args, ct)
-  got, grads = _value_and_grads(ep, _put(mesh, args), ct)
+  placed = [jax.device_put(a, NamedSharding(mesh, tokens if i < 3 else experts))
+            for i, a in enumerate(args)]
+  got, grads = _value_and_grads(ep, placed, ct)
   assert got.shape == want.shape and got.dtype == want.dtype
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
   for name, g, w in zip(("x", "topk_weights", "w_gate_up", "w_down"), grads, want_grads):
@@ -87,7 +90,7 @@ def _compare(rng, args, mesh, *, exchange, layer=None):
   with jax_config("jax_enable_x64", True):
     ref = moe_reference(f64(x), f64(weights), ids, f64(wgu), f64(wd), "swiglu")
   assert relative_error(got, ref) <= moe_tolerance(x.dtype, x.shape[-1], wd.shape[1])
-  return got
+  return got, placed
 
 
 @pytest.mark.parametrize("exchange", _exchanges())
@@ -266,18 +269,10 @@ def test_data_parallel(rng):
   # the layer on its tokens. The forward moves nothing; the backward only sums the
   # weights' gradients over the devices (all-reduce), never gathers rows.
   mesh = _explicit_mesh((4,), ("data",))
-  args = _problem(rng, 32, 16, 8, 6, 2)
-  tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-  placed = [jax.device_put(a, tokens if i < 3 else whole) for i, a in enumerate(args)]
-  one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
-                          backend=_backend())
-  ct = jnp.asarray(rng.standard_normal((32, 16)), jnp.float32)
-  want, want_grads = _value_and_grads(one, args, ct)
-  got, grads = _value_and_grads(one, placed, ct)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  for g, w in zip(grads, want_grads):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
-  assert got.sharding.is_equivalent_to(tokens, 2)
+  got, placed = _compare(rng, _problem(rng, 32, 16, 8, 6, 2), mesh, exchange="auto",
+                         tokens=P("data"), experts=P())
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
+  one = functools.partial(pallas_gemm.moe_mlp, backend=_backend())
   x, weights, ids, wgu, wd = placed
   forward = jax.jit(lambda *a: one(*a)).lower(x, weights, ids, wgu, wd).compile().as_text()
   assert not re.search(r"\b(all-gather|all-reduce|all-to-all)(-start)?\(", forward)
@@ -291,18 +286,10 @@ def test_data_and_expert_parallel(rng):
   # A (data, expert) mesh: tokens over both axes, experts over "expert"; each data row of
   # devices exchanges its own tokens among its experts.
   mesh = _explicit_mesh((2, 2), ("data", AXIS))
-  args = _problem(rng, 16, 16, 8, 4, 2)
-  tokens, experts = NamedSharding(mesh, P(("data", AXIS))), NamedSharding(mesh, P(AXIS))
-  placed = [jax.device_put(a, tokens if i < 3 else experts) for i, a in enumerate(args)]
-  one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
-                          backend=_backend())
-  ct = jnp.asarray(rng.standard_normal((16, 16)), jnp.float32)
-  want, want_grads = _value_and_grads(one, args, ct)
-  got, grads = _value_and_grads(one, placed, ct)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-  for g, w in zip(grads, want_grads):
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-4)
-  assert got.sharding.is_equivalent_to(tokens, 2)
+  tokens = P(("data", AXIS))
+  got, _ = _compare(rng, _problem(rng, 16, 16, 8, 4, 2), mesh, exchange="auto",
+                    tokens=tokens)
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, tokens), 2)
 
 
 def test_fp8_training_data_parallel(rng):
