@@ -28,14 +28,18 @@ received with its E / D experts: `ragged_dot(..., group_offset=first local exper
 the senders' global expert counts, vmapped over the D chunks, and sends the results back
 (a second all-to-all) to be unsorted and combined where the tokens live. jax 0.11.2's
 `jax.lax.ragged_dot` implements no `group_offset`, so its variant in the same layout
-passes the local experts' counts instead. `--expert-parallel` checks the block's loss and
-gradients against one device's and times three training steps in turns: expert-parallel
-with each grouped GEMM, and the same global batch on one device.
+passes the local experts' counts instead. The library does the same for you:
+`moe_mlp(..., expert_axis="expert")` (`moe_layer` with expert_axis) exchanges exactly the
+routed rows' slices and runs no vmap (docs/moe.md, "Expert parallelism").
+`--expert-parallel` checks the block's loss and gradients against one device's (the
+hand-written variant) and times four training steps in turns: expert-parallel with each
+grouped GEMM written here and with moe_mlp's own, and the same global batch on one device.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import pathlib
@@ -120,13 +124,14 @@ def moe(params, x, *, top_k: int, ragged):
   return unsort_and_combine(out, order, weights)
 
 
-def moe_layer(params, x, *, top_k: int, backend: str = "auto"):
+def moe_layer(params, x, *, top_k: int, backend: str = "auto", expert_axis=None):
   """`moe` as one `pallas_gemm.moe_mlp` call on `route`'s weights and experts; the layer
-  takes the gate and up projections side by side, (E, d, 2 * hidden)."""
+  takes the gate and up projections side by side, (E, d, 2 * hidden). With expert_axis,
+  moe_mlp's own expert parallelism over that mesh axis."""
   weights, experts = route(x, params["router"], top_k)
   w_gate_up = jnp.concatenate([params["w_gate"], params["w_up"]], axis=-1).astype(x.dtype)
   return pallas_gemm.moe_mlp(x, weights, experts, w_gate_up, params["w_down"].astype(x.dtype),
-                             backend=backend)
+                             backend=backend, expert_axis=expert_axis)
 
 
 class MoE(nn.Module):
@@ -229,6 +234,9 @@ def trainer(impl: str, cfg: dict, backend: str = "auto", seed: int = 0, mesh=Non
   if mesh is None:
     forward = MoE(cfg["experts"], cfg["hidden"], cfg["top_k"], jnp.dtype(cfg["dtype"]), impl,
                   backend).apply
+  elif impl == "moe_mlp":  # the library's expert parallelism, the axis named
+    forward = lambda v, x: moe_layer(  # noqa: E731
+        v["params"], x, top_k=cfg["top_k"], backend=backend, expert_axis=axis)
   else:
     forward = lambda v, x: moe_expert_parallel(  # noqa: E731
         v["params"], x, top_k=cfg["top_k"], mesh=mesh, axis=axis, impl=impl, backend=backend)
@@ -253,7 +261,8 @@ def trainer(impl: str, cfg: dict, backend: str = "auto", seed: int = 0, mesh=Non
 
   def next_step():
     start = time.perf_counter()
-    carry[0], carry[1], loss = step(*carry)
+    with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+      carry[0], carry[1], loss = step(*carry)
     loss = float(loss)  # waits for the step
     return loss, (time.perf_counter() - start) * 1e3
 
@@ -268,8 +277,8 @@ def expert_mesh(axis: str = "expert"):
 
 def expert_parallel_check(cfg: dict, axis: str = "expert", impl: str = "pallas_gemm") -> float:
   """The largest relative difference between the expert-parallel block's loss and
-  gradients (its grouped GEMM: `impl`'s) and the one-device block's (same parameters and
-  data, pallas_gemm's grouped GEMM)."""
+  gradients (its grouped GEMM: `impl`'s; "moe_mlp": the library's expert-parallel layer)
+  and the one-device block's (same parameters and data, pallas_gemm's grouped GEMM)."""
   mesh = expert_mesh(axis)
   x, y, variables = problem(cfg)
   params = variables["params"]
@@ -278,10 +287,14 @@ def expert_parallel_check(cfg: dict, axis: str = "expert", impl: str = "pallas_g
     return jnp.mean((forward(p, x).astype(jnp.float32) - y.astype(jnp.float32)) ** 2)
 
   one = functools.partial(moe, top_k=cfg["top_k"], ragged=ragged_fn("pallas_gemm"))
-  ep = functools.partial(moe_expert_parallel, top_k=cfg["top_k"], mesh=mesh, axis=axis,
-                         impl=impl)
+  if impl == "moe_mlp":  # the library's expert parallelism, over the mesh in context
+    ep = functools.partial(moe_layer, top_k=cfg["top_k"], expert_axis=axis)
+  else:
+    ep = functools.partial(moe_expert_parallel, top_k=cfg["top_k"], mesh=mesh, axis=axis,
+                           impl=impl)
   ref = jax.jit(jax.value_and_grad(functools.partial(loss, forward=one)))(params)
-  got = jax.jit(jax.value_and_grad(functools.partial(loss, forward=ep)))(params)
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax.value_and_grad(functools.partial(loss, forward=ep)))(params)
   diffs = [float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
                  / jnp.maximum(jnp.linalg.norm(b.astype(jnp.float32)), 1e-30))
            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref))]
@@ -289,12 +302,14 @@ def expert_parallel_check(cfg: dict, axis: str = "expert", impl: str = "pallas_g
 
 
 def expert_parallel_timing(cfg: dict, backend: str = "auto") -> dict:
-  """Median step ms of the block expert-parallel over every device, with each grouped GEMM,
-  and of the same global batch on one device; the three step in turns."""
+  """Median step ms of the block expert-parallel over every device (written here with each
+  grouped GEMM, and moe_mlp's own), and of the same global batch on one device; the four
+  step in turns."""
   mesh = expert_mesh()
   runs = in_turns({
       "one device, pallas_gemm": trainer("pallas_gemm", cfg, backend),
       "expert parallel, pallas_gemm": trainer("pallas_gemm", cfg, backend, mesh=mesh),
+      "expert parallel, moe_mlp": trainer("moe_mlp", cfg, backend, mesh=mesh),
       "expert parallel, lax": trainer("lax", cfg, backend, mesh=mesh)}, cfg["steps"])
   return {name: step_ms(run) for name, run in runs.items()}
 

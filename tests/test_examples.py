@@ -45,11 +45,12 @@ def test_moe_losses_agree(tmp_path):
   assert (tmp_path / "losses.json").exists()
 
 
-@pytest.mark.parametrize("impl", ["pallas_gemm", "lax"])
+@pytest.mark.parametrize("impl", ["pallas_gemm", "lax", "moe_mlp"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_expert_parallel_matches_one_device(dtype, impl):
   """16 experts over 8 devices (two local experts each, offsets 0, 2, ..., 14); lax's
-  variant takes the local experts' counts, pallas_gemm's the global ones and group_offset."""
+  variant takes the local experts' counts, pallas_gemm's the global ones and group_offset;
+  moe_mlp's is the library's own (expert_axis)."""
   if len(jax.devices()) < 2:
     pytest.skip(f"needs >= 2 devices; this process has {len(jax.devices())}")
   moe = _example("moe")
@@ -58,14 +59,14 @@ def test_expert_parallel_matches_one_device(dtype, impl):
 
 
 def test_expert_parallel_timing_runs(tmp_path):
-  """--expert-parallel checks and times the three steps and records them."""
+  """--expert-parallel checks and times the four steps and records them."""
   if len(jax.devices()) < 2:
     pytest.skip(f"needs >= 2 devices; this process has {len(jax.devices())}")
   moe = _example("moe")
   assert moe.main(["--steps", "2", "--expert-parallel", "--out", str(tmp_path)]) == 0
   timing = json.loads((tmp_path / "losses.json").read_text())["results"]["expert_parallel_step_ms"]
   assert set(timing) == {"one device, pallas_gemm", "expert parallel, pallas_gemm",
-                         "expert parallel, lax"}
+                         "expert parallel, moe_mlp", "expert parallel, lax"}
   assert all(ms > 0 for ms in timing.values())
 
 
