@@ -29,8 +29,9 @@ the senders' global expert counts, vmapped over the D chunks, and sends the resu
 (a second all-to-all) to be unsorted and combined where the tokens live. jax 0.11.2's
 `jax.lax.ragged_dot` implements no `group_offset`, so its variant in the same layout
 passes the local experts' counts instead. The library does the same for you:
-`moe_mlp(..., expert_axis="expert")` (`moe_layer` with expert_axis) exchanges exactly the
-routed rows' slices and runs no vmap (docs/moe.md, "Expert parallelism").
+`moe_mlp(..., expert_axis="expert")` (`moe_layer` with expert_axis) exchanges the rows into
+a receive buffer already sorted by local expert and runs no vmap (docs/moe.md, "Expert
+parallelism").
 `--expert-parallel` checks the block's loss and gradients against one device's (the
 hand-written variant) and times four training steps in turns: expert-parallel with each
 grouped GEMM written here and with moe_mlp's own, and the same global batch on one device.
