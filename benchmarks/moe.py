@@ -131,8 +131,10 @@ def dense(x, topk_weights, topk_ids, w_gate_up, w_down):
   return jnp.dot(jax.nn.silu(h[:, :f]) * h[:, f:], w_down[0])
 
 
-# variant -> how its operands are made from the shared ones, once per config and mode
-PREPARE = {}
+# variant -> how its operands are made from the shared ones, once per config and mode:
+# moe_mlp/fp8's weights are quantized once, before timing, as a served model holds them.
+PREPARE = {"moe_mlp/fp8": lambda x, w, ids, wgu, wd, *rest: (x, w, ids,
+                                                            *quantize_experts(wgu, wd), *rest)}
 # variants that have no backward pass
 FORWARD_ONLY = ("moe_mlp/fp8",)
 
@@ -148,11 +150,7 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
       "dense": dense,
   }
   fns["moe_mlp/fp8-train"] = functools.partial(moe_mlp, backend=backend, precision="fp8")
-  # Weights quantized once, before timing, as a served model holds them.
-  fp8_layer = functools.partial(moe_mlp, backend=backend)
-  fns["moe_mlp/fp8"] = fp8_layer
-  PREPARE[fp8_layer] = lambda x, w, ids, wgu, wd, *rest: (x, w, ids,
-                                                          *quantize_experts(wgu, wd), *rest)
+  fns["moe_mlp/fp8"] = functools.partial(moe_mlp, backend=backend)  # on PREPARE's operands
   missing = {}
   tokamax, why = import_tokamax()
   if tokamax is None:
@@ -210,8 +208,8 @@ def run_config(cfg: Config, mode: str, fns: dict, timer, rounds: int, calls: int
       continue
     try:
       a = shared[name == "dense"]
-      if layer in PREPARE:
-        a = jax.block_until_ready(jax.jit(PREPARE[layer])(*a))
+      if name in PREPARE:
+        a = jax.block_until_ready(jax.jit(PREPARE[name])(*a))
       prog = _program(layer, mode)
       compiled = prog.lower(*a).compile()
       stats = compiled.memory_analysis()

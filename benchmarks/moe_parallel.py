@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import math
 import pathlib
 import statistics
 import sys
@@ -38,9 +37,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchmarks import moe as layer_bench
 from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
 from pallas_gemm import moe_mlp
-from pallas_gemm.moe import softmax_topk
 
 DTYPE = jnp.bfloat16
 AXIS = "expert"
@@ -95,23 +94,14 @@ def _counts(spec: str | None) -> list[int]:
 
 
 def problem(cfg: Config, tokens: int, mesh):
-  """(params, x, topk_weights, topk_ids, cotangent), split over the mesh (or on one
-  device when mesh is None)."""
-  keys = jax.random.split(jax.random.key(0), 5)
-  d, f, e, k = cfg.d_model, cfg.d_ff, cfg.experts, cfg.top_k
-
-  def make(fn, spec):
-    sharding = None if mesh is None else NamedSharding(mesh, spec)
-    return jax.jit(fn, out_shardings=sharding)()
-
-  x = make(lambda: jax.random.normal(keys[0], (tokens, d), DTYPE), P(AXIS))
-  routing = make(lambda: softmax_topk(jax.random.normal(keys[1], (tokens, e)), k), P(AXIS))
-  wgu = make(lambda: (jax.random.normal(keys[2], (e, d, 2 * f)) / math.sqrt(d)).astype(DTYPE),
-             P(AXIS))
-  wd = make(lambda: (jax.random.normal(keys[3], (e, f, d)) / math.sqrt(f)).astype(DTYPE),
-            P(AXIS))
-  ct = make(lambda: jax.random.normal(keys[4], (tokens, d), DTYPE), P(AXIS))
-  return (wgu, wd), x, *routing, ct
+  """(params, x, topk_weights, topk_ids, cotangent): the one-device benchmark's operands
+  (`moe.operands`) for `tokens` tokens, made split over the mesh (or on one device when
+  mesh is None)."""
+  shape = layer_bench.Config(cfg.name, tokens, cfg.d_model, cfg.d_ff, cfg.experts, cfg.top_k)
+  split = None if mesh is None else NamedSharding(mesh, P(AXIS))
+  x, weights, ids, wgu, wd, ct = jax.jit(
+      lambda: layer_bench.operands(shape, "fwd+bwd", is_dense=False), out_shardings=split)()
+  return (wgu, wd), x, weights, ids, ct
 
 
 def step_fn(variant: str):

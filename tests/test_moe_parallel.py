@@ -26,10 +26,14 @@ from conftest import ON_GPU, jax_config, random
 AXIS = "expert"
 
 
-def _mesh(n: int, kind=jax.sharding.AxisType.Explicit):
+def _mesh(shape, names=(AXIS,), kind=jax.sharding.AxisType.Explicit):
+  """A mesh of the first devices: shape an int (one axis) or a tuple, one per name."""
+  shape = (shape,) if isinstance(shape, int) else tuple(shape)
+  n = int(np.prod(shape))
   if len(jax.devices()) < n:
     pytest.skip(f"needs {n} devices; this process has {len(jax.devices())}")
-  return jax.make_mesh((n,), (AXIS,), axis_types=(kind,), devices=jax.devices()[:n])
+  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names),
+                       devices=jax.devices()[:n])
 
 
 def _exchanges():
@@ -103,7 +107,7 @@ def test_explicit_mesh_matches_one_device(rng, n, exchange):
 
 def test_expert_axis_with_context_mesh(rng):
   # An Auto mesh under jax.set_mesh: the types carry no sharding, expert_axis names it.
-  mesh = _mesh(4, jax.sharding.AxisType.Auto)
+  mesh = _mesh(4, kind=jax.sharding.AxisType.Auto)
   layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
                             backend=_backend(), expert_axis=AXIS)
   with jax.set_mesh(mesh):
@@ -257,18 +261,11 @@ def test_ragged_exchange_pieces(rng, monkeypatch):
   _compare(rng, _problem(rng, 16, 16, 8, 8, 3), _mesh(4), exchange="ragged")
 
 
-def _explicit_mesh(shape, names):
-  if len(jax.devices()) < np.prod(shape):
-    pytest.skip(f"needs {np.prod(shape)} devices; this process has {len(jax.devices())}")
-  return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names),
-                       devices=jax.devices()[:int(np.prod(shape))])
-
-
 def test_data_parallel(rng):
   # Tokens split over an Explicit axis, experts whole on every device: each device runs
   # the layer on its tokens. The forward moves nothing; the backward only sums the
   # weights' gradients over the devices (all-reduce), never gathers rows.
-  mesh = _explicit_mesh((4,), ("data",))
+  mesh = _mesh((4,), ("data",))
   got, placed = _compare(rng, _problem(rng, 32, 16, 8, 6, 2), mesh, exchange="auto",
                          tokens=P("data"), experts=P())
   assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("data")), 2)
@@ -285,7 +282,7 @@ def test_data_parallel(rng):
 def test_data_and_expert_parallel(rng):
   # A (data, expert) mesh: tokens over both axes, experts over "expert"; each data row of
   # devices exchanges its own tokens among its experts.
-  mesh = _explicit_mesh((2, 2), ("data", AXIS))
+  mesh = _mesh((2, 2), ("data", AXIS))
   tokens = P(("data", AXIS))
   got, _ = _compare(rng, _problem(rng, 16, 16, 8, 4, 2), mesh, exchange="auto",
                     tokens=tokens)
@@ -295,7 +292,7 @@ def test_data_and_expert_parallel(rng):
 def test_fp8_training_data_parallel(rng):
   # precision="fp8" per device: rows are quantized in 1x128 blocks of their own, so each
   # device's tokens get the numbers they get on one device.
-  mesh = _explicit_mesh((2,), ("data",))
+  mesh = _mesh((2,), ("data",))
   args = _problem(rng, 16, 128, 128, 2, 2, dtype=jnp.bfloat16)
   tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   placed = [jax.device_put(a, tokens if i < 3 else whole) for i, a in enumerate(args)]
@@ -314,7 +311,7 @@ def test_fp8_training_data_parallel(rng):
 def test_a_mesh_axis_the_layer_does_not_use(rng):
   # A (model, expert) Explicit mesh: the layer is expert-parallel over "expert" and
   # replicated over "model".
-  mesh = _explicit_mesh((2, 4), ("model", AXIS))
+  mesh = _mesh((2, 4), ("model", AXIS))
   _compare(rng, _problem(rng, 16, 16, 8, 8, 2), mesh, exchange="auto")
 
 

@@ -49,10 +49,13 @@ def quantize_experts(w_gate_up, w_down, dtype=jnp.float8_e4m3fn):
     if w.shape[1] % BLOCK:
       raise ValueError(f"{name}.shape={tuple(w.shape)}: its contraction (dim 1) must be a"
                        f" multiple of {BLOCK}, the fp8 scale block; pad it with zeros")
-  blocks = (BLOCK, BLOCK)
-  gu8, gu_s = fp8_ops.quantize(jnp.swapaxes(w_gate_up, 1, 2), dtype, block_shape=blocks)
-  dn8, dn_s = fp8_ops.quantize(jnp.swapaxes(w_down, 1, 2), dtype, block_shape=blocks)
-  return (gu8, gu_s), (dn8, dn_s)
+  return (_quantize_weight(jnp.swapaxes(w_gate_up, 1, 2), dtype),
+          _quantize_weight(jnp.swapaxes(w_down, 1, 2), dtype))
+
+
+def _quantize_weight(w, dtype):
+  """(values, 128x128 block scales) of (E, N, K) weights, K the contraction."""
+  return fp8_ops.quantize(w, dtype, block_shape=(BLOCK, BLOCK))
 
 
 def _gemm(plan: layer.Plan, rows, w8, w_scales, group_sizes, dtype):
@@ -82,17 +85,19 @@ def _bwd(plan, residuals, g):
 layer_fp8.defvjp(_fwd, _bwd)
 
 
-def _quantize_weight(w, dtype):
-  """(values, 128x128 block scales) of (E, N, K) weights, K the contraction."""
-  return fp8_ops.quantize(w, dtype, block_shape=(BLOCK, BLOCK))
+def _product(plan: layer.Plan, group_sizes, dtype, transpose: bool):
+  """rows @ w[e] (or @ w[e]^T) per group in fp8: w quantized to e4m3 K-major, in 128x128
+  blocks (w_gate_up (E, D, 2F) and w_down (E, F, D) are K-major as they lie for ^T)."""
+  def product(rows, w):
+    w8, w_scales = _quantize_weight(w if transpose else jnp.swapaxes(w, 1, 2),
+                                    jnp.float8_e4m3fn)
+    return _gemm(plan, rows, w8, w_scales, group_sizes, dtype)
+  return product
 
 
 def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
-  e4m3 = jnp.float8_e4m3fn
-  gu8, gu_s = _quantize_weight(jnp.swapaxes(w_gate_up, 1, 2), e4m3)
-  dn8, dn_s = _quantize_weight(jnp.swapaxes(w_down, 1, 2), e4m3)
-  h = _gemm(plan, x[d.token], gu8, gu_s, d.group_sizes, x.dtype)
-  y = _gemm(plan, layer.act(plan, h), dn8, dn_s, d.group_sizes, x.dtype)
+  y, h = layer.experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes,
+                               _product(plan, d.group_sizes, x.dtype, transpose=False))
   return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
@@ -110,17 +115,11 @@ def _train_fwd(plan, x, topk_weights, w_gate_up, w_down, d):
 
 def _train_bwd(plan, residuals, g):
   x, topk_weights, w_gate_up, w_down, d, h, y = residuals
-  e4m3 = jnp.float8_e4m3fn
   dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
-  dn8, dn_s = _quantize_weight(w_down, e4m3)           # (E, F, D): K = D for da
-  da = _gemm(plan, dy, dn8, dn_s, d.group_sizes, x.dtype)
-  a = layer.act(plan, h)
-  dw_down = layer.weight_grad(plan, a, dy, d.group_sizes, w_down.dtype)
-  dh = layer.act_grad(plan, h, da)
-  gu8, gu_s = _quantize_weight(w_gate_up, e4m3)        # (E, D, W): K = W for dxs
-  dxs = _gemm(plan, dh, gu8, gu_s, d.group_sizes, x.dtype)
-  dw_gate_up = layer.weight_grad(plan, x[d.token], dh, d.group_sizes, w_gate_up.dtype)
-  dx = layer.combine(dxs, d.inverse, jnp.ones(topk_weights.shape, jnp.float32), x.dtype)
+  dxs, dw_gate_up, dw_down = layer.experts_backward(
+      plan, x[d.token], h, w_gate_up, w_down, d.group_sizes, dy,
+      _product(plan, d.group_sizes, x.dtype, transpose=True))
+  dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down, None
 
 

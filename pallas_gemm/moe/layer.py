@@ -104,7 +104,7 @@ def act(plan: Plan, h):
   return (epilogue.activate(hf[:, :f], name) * hf[:, f:]).astype(h.dtype)
 
 
-def act_grad(plan: Plan, h, da):
+def _act_grad(plan: Plan, h, da):
   """dh from da = d a, through `_act` (f32, rounded to h's dtype)."""
   name, gated = ACTIVATIONS[plan.activation]
   hf, daf = h.astype(F32), da.astype(F32)
@@ -124,26 +124,35 @@ def combine(rows, inverse, weights, out_dtype):
   return jnp.einsum("tk,tkd->td", weights.astype(F32), picked).astype(out_dtype)
 
 
-def weight_grad(plan: Plan, lhs, rhs, group_sizes, dtype):
-  """(E, K, N): per expert lhs^T @ rhs over its rows (the ragged-contraction kernel)."""
-  return _gemm(plan, lhs, rhs, group_sizes, _WEIGHT_GRAD, dtype)
+def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None):
+  """(y, h): y = FFN(xs) row by row, each row through its group's expert (steps 3 and 4).
+  product(rows, w) is rows @ w[e] per group (default: the grouped GEMM in xs's dtype;
+  the fp8 training form passes its own)."""
+  product = product or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _FORWARD,
+                                              xs.dtype))
+  h = product(xs, w_gate_up)
+  return product(act(plan, h), w_down), h
 
 
-def _experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes):
-  """y = FFN(xs) row by row, each row through its group's expert (steps 3 and 4)."""
-  h = _gemm(plan, xs, w_gate_up, group_sizes, _FORWARD, xs.dtype)
-  y = _gemm(plan, act(plan, h), w_down, group_sizes, _FORWARD, xs.dtype)
-  return y, h
-
-
-def _experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy):
-  """(dxs, dw_gate_up, dw_down) from dy; a is recomputed from h."""
-  da = _gemm(plan, dy, w_down, group_sizes, _BACKWARD, xs.dtype)
-  dw_down = weight_grad(plan, act(plan, h), dy, group_sizes, w_down.dtype)
-  dh = act_grad(plan, h, da)
-  dxs = _gemm(plan, dh, w_gate_up, group_sizes, _BACKWARD, xs.dtype)
-  dw_gate_up = weight_grad(plan, xs, dh, group_sizes, w_gate_up.dtype)
+def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
+                     product_t=None):
+  """(dxs, dw_gate_up, dw_down) from dy; a is recomputed from h. product_t(rows, w) is
+  rows @ w[e]^T per group (default: the grouped GEMM, w read transposed); the weight
+  gradients run on the ragged-contraction kernel in the weights' dtype."""
+  product_t = product_t or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _BACKWARD,
+                                                  xs.dtype))
+  da = product_t(dy, w_down)
+  dw_down = _gemm(plan, act(plan, h), dy, group_sizes, _WEIGHT_GRAD, w_down.dtype)
+  dh = _act_grad(plan, h, da)
+  dxs = product_t(dh, w_gate_up)
+  dw_gate_up = _gemm(plan, xs, dh, group_sizes, _WEIGHT_GRAD, w_gate_up.dtype)
   return dxs, dw_gate_up, dw_down
+
+
+def sum_pairs(rows, d: Dispatch, k: int, dtype):
+  """dx[t] = sum_j rows[inverse[t, j]]: the gradient of x[d.token] (a gather and a k-term
+  sum, never a scatter-add of R rows into T)."""
+  return combine(rows, d.inverse, jnp.ones((rows.shape[0] // k, k), F32), dtype)
 
 
 def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
@@ -159,7 +168,7 @@ def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
 
 
 def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
-  y, h = _experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
+  y, h = experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
   return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
@@ -178,9 +187,9 @@ def _layer_fwd(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
 def _layer_bwd(plan: Plan, residuals, g):
   x, topk_weights, w_gate_up, w_down, d, h, y = residuals
   dy, dweights = combine_backward(y, topk_weights, d, g, x.dtype)
-  dxs, dw_gate_up, dw_down = _experts_backward(plan, x[d.token], h, w_gate_up, w_down,
+  dxs, dw_gate_up, dw_down = experts_backward(plan, x[d.token], h, w_gate_up, w_down,
                                                d.group_sizes, dy)
-  dx = combine(dxs, d.inverse, jnp.ones(topk_weights.shape, F32), x.dtype)
+  dx = sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down, None  # the dispatch is integer: no cotangent
 
 
@@ -197,17 +206,17 @@ layer.defvjp(_layer_fwd, _layer_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def experts(plan: Plan, xs, w_gate_up, w_down, group_sizes):
   """y (R, D) = FFN(xs) with xs (R, D) sorted by group; rows past sum(group_sizes) are 0."""
-  return _experts_forward(plan, xs, w_gate_up, w_down, group_sizes)[0]
+  return experts_forward(plan, xs, w_gate_up, w_down, group_sizes)[0]
 
 
 def _experts_fwd(plan: Plan, xs, w_gate_up, w_down, group_sizes):
-  y, h = _experts_forward(plan, xs, w_gate_up, w_down, group_sizes)
+  y, h = experts_forward(plan, xs, w_gate_up, w_down, group_sizes)
   return y, (xs, h, w_gate_up, w_down, group_sizes)
 
 
 def _experts_bwd(plan: Plan, residuals, dy):
   xs, h, w_gate_up, w_down, group_sizes = residuals
-  return (*_experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy), None)
+  return (*experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy), None)
 
 
 experts.defvjp(_experts_fwd, _experts_bwd)
@@ -225,8 +234,7 @@ def _pair_rows_fwd(x, d: Dispatch, k: int):
 
 
 def _pair_rows_bwd(k: int, d: Dispatch, g):
-  t = g.shape[0] // k
-  return combine(g, d.inverse, jnp.ones((t, k), F32), g.dtype), None
+  return sum_pairs(g, d, k, g.dtype), None
 
 
 pair_rows.defvjp(_pair_rows_fwd, _pair_rows_bwd)

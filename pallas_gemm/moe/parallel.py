@@ -83,6 +83,16 @@ def _offsets(counts, me, n: int, local: int):
           per_expert[me])
 
 
+def _covering(pos, starts, sizes, shifts):
+  """For each position (P,), the slice along starts' last axis with starts <= pos <
+  starts + sizes (slices do not overlap): (pos + that slice's shift, whether one covers
+  pos), each of shape starts.shape[:-1] + (P,)."""
+  hit = ((pos[:, None] >= starts[..., None, :])
+         & (pos[:, None] < (starts + sizes)[..., None, :]))
+  return (jnp.sum(jnp.where(hit, shifts[..., None, :] + pos[:, None], 0), axis=-1),
+          jnp.any(hit, axis=-1))
+
+
 def _padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
             axis_name: str):
   """(result, received): `padded_all_to_all`'s result and the mask of output rows that
@@ -92,24 +102,20 @@ def _padded(operand, output, input_offsets, send_sizes, output_offsets, recv_siz
   per = input_offsets.shape[0] // n
   sizes = send_sizes.reshape(n, per)
   starts = _exclusive_cumsum(sizes)                          # slice starts in its chunk
-  q = jnp.arange(cap, dtype=jnp.int32)
-  # chunk j, row q: slice i of j with starts[j, i] <= q < starts[j, i] + sizes[j, i]
-  hit = ((q[None, :, None] >= starts[:, None, :])
-         & (q[None, :, None] < (starts + sizes)[:, None, :]))  # (n, cap, per)
-  src = jnp.sum(jnp.where(hit, (input_offsets.reshape(n, per) - starts)[:, None, :]
-                          + q[None, :, None], 0), axis=-1)
-  filled = jnp.any(hit, axis=-1)
+  # chunk j, row q: the operand row of the slice of j that covers q
+  src, filled = _covering(jnp.arange(cap, dtype=jnp.int32), starts, sizes,
+                          input_offsets.reshape(n, per) - starts)  # (n, cap)
   packed = jnp.where(filled[..., None], operand[jnp.clip(src, 0, cap - 1)], 0)
   packed = packed.astype(operand.dtype)
   received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)  # [src, q]
   landing = jax.lax.all_to_all(output_offsets.reshape(n, per), axis_name, 0, 0)
   rsizes = recv_sizes.reshape(n, per)
   rstarts = _exclusive_cumsum(rsizes)                        # slice starts in src's chunk
-  p = jnp.arange(rows, dtype=jnp.int32)
-  hit = ((p[:, None, None] >= landing[None]) & (p[:, None, None] < (landing + rsizes)[None]))
-  flat = (jnp.arange(n, dtype=jnp.int32)[:, None] * cap + rstarts - landing)[None]
-  index = jnp.sum(jnp.where(hit, flat + p[:, None, None], 0), axis=(1, 2))
-  got = jnp.any(hit, axis=(1, 2)).reshape(-1, *([1] * (operand.ndim - 1)))
+  # output row p: the row of `received` (flattened) of the slice that landed over p
+  shifts = jnp.arange(n, dtype=jnp.int32)[:, None] * cap + rstarts - landing
+  index, got = _covering(jnp.arange(rows, dtype=jnp.int32), landing.reshape(-1),
+                         rsizes.reshape(-1), shifts.reshape(-1))  # (rows,)
+  got = got.reshape(-1, *([1] * (operand.ndim - 1)))
   taken = received.reshape(n * cap, *operand.shape[1:])[jnp.clip(index, 0, n * cap - 1)]
   return jnp.where(got, taken, output), got
 
