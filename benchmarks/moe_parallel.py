@@ -87,10 +87,14 @@ def parse_args(argv):
 
 
 def _counts(spec: str | None) -> list[int]:
-  if spec:
-    return [int(c) for c in spec.split(",")]
+  """The device counts asked for (default 1, 2, 4, ... up to all), those beyond the
+  devices there are left out with a line that says so."""
   available = len(jax.devices())
-  return [n for n in (1, 2, 4, 8, 16) if n <= available]
+  asked = [int(c) for c in spec.split(",")] if spec else [1, 2, 4, 8, 16]
+  beyond = [n for n in asked if n > available]
+  if spec and beyond:
+    print(f"left out: {beyond} devices ({available} available)", flush=True)
+  return [n for n in asked if n <= available]
 
 
 def problem(cfg: Config, tokens: int, mesh):

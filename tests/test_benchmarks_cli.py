@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 
+import jax
 import pytest
 
 from benchmarks import report, timing
@@ -149,6 +150,14 @@ def test_moe_benchmark_writes_its_table(tmp_path):
   assert results[1]["variants"]["moe_mlp/fp8-train"]["status"] == "ok"
 
 
+def test_expert_parallel_counts_leave_out_missing_devices(capsys):
+  from benchmarks import moe_parallel  # noqa: PLC0415
+  many = 2 * len(jax.devices())
+  assert moe_parallel._counts(f"1,{many}") == [1]
+  assert f"left out: [{many}] devices" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="expert parallelism needs 2 devices")
 def test_expert_parallel_benchmark_writes_its_table(tmp_path):
   from benchmarks import moe  # noqa: PLC0415
   args = ["--expert-parallel", "--configs", "mixtral", "--devices", "1,2", "--scaling", "weak",
