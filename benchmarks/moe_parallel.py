@@ -14,6 +14,9 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
   moe_mlp/padded  rows exchanged by a dense all_to_all (n x the bytes)
   moe_mlp/ragged  rows exchanged by jax.lax.ragged_all_to_all (exactly the rows routed;
                   GPUs only)
+  moe_mlp/padded/2, moe_mlp/ragged/2, .../4  the same with each device's tokens in 2 (4)
+                  chunks (exchange_chunks), each exchanged on its own so that one chunk's
+                  exchanges can run under another's GEMMs (not in the default list)
   lax             moe_mlp's layout and exchange with jax.lax.ragged_dot as the grouped
                   GEMM (backend="xla")
 On one device the variants are moe_mlp without an axis and "lax".
@@ -43,7 +46,9 @@ from pallas_gemm import moe_mlp
 
 DTYPE = jnp.bfloat16
 AXIS = "expert"
-VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
+DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
+VARIANTS = DEFAULT_VARIANTS + tuple(f"moe_mlp/{e}/{c}" for c in (2, 4)
+                                    for e in ("padded", "ragged"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +81,7 @@ def parse_args(argv):
   p.add_argument("--devices", default=None,
                  help="comma-separated device counts (default 1, 2, 4, ... up to all)")
   p.add_argument("--scaling", default="weak,strong", help="weak, strong")
-  p.add_argument("--variants", default=",".join(VARIANTS), help=", ".join(VARIANTS))
+  p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=", ".join(VARIANTS))
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 5, CPU 2)")
   p.add_argument("--calls", type=int, default=None, help="steps per round (GPU 3, CPU 1)")
   p.add_argument("--breakdown", action="store_true",
@@ -111,8 +116,11 @@ def problem(cfg: Config, tokens: int, mesh):
 def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights."""
   backend = "xla" if variant == "lax" else "auto"
-  exchange = variant.split("/")[1] if "/" in variant else "auto"
-  layer = functools.partial(moe_mlp, backend=backend, exchange=exchange)
+  parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
+  exchange = parts[1] if len(parts) > 1 else "auto"
+  chunks = int(parts[2]) if len(parts) > 2 else 1
+  layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
+                            exchange_chunks=chunks)
 
   def step(params, x, weights, ids, ct):
     def loss(params, x, weights):
@@ -138,12 +146,13 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
     mesh = jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,),
                          devices=jax.devices()[:n])
   args = problem(cfg, tokens, mesh)
-  programs, failed = {}, {}
+  programs, failed, variants = {}, {}, list(variants)
   if n == 1:  # one device: no exchange, one program
     variants = [v for v in variants if not v.startswith("moe_mlp/")]
-  elif "moe_mlp/ragged" in variants and jax.default_backend() != "gpu":
-    variants = [v for v in variants if v != "moe_mlp/ragged"]
-    failed["moe_mlp/ragged"] = "left out: XLA:CPU does not implement ragged-all-to-all"
+  elif jax.default_backend() != "gpu":
+    for v in [v for v in variants if v.startswith("moe_mlp/ragged")]:
+      variants.remove(v)
+      failed[v] = "left out: XLA:CPU does not implement ragged-all-to-all"
   if cfg.no_lax and "lax" in variants:
     variants = [v for v in variants if v != "lax"]
     failed["lax"] = f"left out: {cfg.no_lax}"

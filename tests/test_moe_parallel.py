@@ -154,6 +154,17 @@ def test_routings(rng, routing, exchange):
   _compare(rng, args, mesh, exchange=exchange)
 
 
+@pytest.mark.parametrize("exchange", _exchanges())
+@pytest.mark.parametrize("chunks", [2, 3, 64])
+def test_exchange_chunks(rng, chunks, exchange):
+  # 20 tokens over 4 devices: 5 each, so 3 chunks are of 1, 2 and 2 tokens and 64 is
+  # one chunk per token; the result and the summed weight gradients as with one chunk.
+  mesh = _mesh(4)
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend(), exchange=exchange, exchange_chunks=chunks)
+  _compare(rng, _problem(rng, 20, 16, 8, 8, 3), mesh, exchange=exchange, layer=layer)
+
+
 def test_bf16(rng):
   mesh = _mesh(4)
   args = _problem(rng, 32, 32, 16, 8, 2, dtype=jnp.bfloat16)
@@ -189,6 +200,28 @@ def test_program_moves_tokens_not_experts(rng):
   grads = jax.jit(jax.grad(loss, argnums=(2, 3)))(x, weights, wgu, wd)
   for g, w in zip(grads, (wgu, wd)):
     assert g.sharding.is_equivalent_to(w.sharding, 3)
+
+
+def test_chunks_exchange_on_their_own(rng):
+  # Each chunk has its own exchanges (two per forward): the compiled forward of 3 chunks
+  # holds three times one chunk's all-to-alls, each of a third of the rows.
+  mesh = _mesh(4)
+  x, weights, ids, wgu, wd = _put(mesh, _problem(rng, 48, 32, 16, 8, 2))
+
+  def all_to_alls(chunks):
+    layer = functools.partial(pallas_gemm.moe_mlp, backend="xla", exchange="padded",
+                              exchange_chunks=chunks)
+    hlo = jax.jit(layer).lower(x, weights, ids, wgu, wd).compile().as_text()
+    ops = [re.split(r" all-to-all(?:-start)?\(", line)[0] for line in hlo.splitlines()
+           if re.search(r" all-to-all(-start)?\(", line)]
+    # the f32 elements each all-to-all of rows moves (a tuple's parts summed)
+    return [sum(np.prod([int(n) for n in dims.split(",")])
+                for dims in re.findall(r"f32\[([\d,]+)\]", op)) for op in ops
+            if "f32[" in op]
+
+  one, three = all_to_alls(1), all_to_alls(3)
+  assert len(one) == 2 and len(three) == 3 * len(one), (one, three)
+  assert sorted(3 * n for n in three) == sorted(one * 3), (one, three)
 
 
 def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng):
@@ -232,6 +265,8 @@ def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng):
     (dict(expert_axis="model"), ValueError, "not an axis of the mesh"),
     (dict(expert_axis=3), TypeError, "expert_axis must be a mesh axis name"),
     (dict(exchange="nccl"), ValueError, "exchange must be one of"),
+    (dict(exchange_chunks=0), ValueError, "exchange_chunks must be an int >= 1; got 0"),
+    (dict(exchange_chunks=2.0), ValueError, "exchange_chunks must be an int >= 1; got 2.0"),
 ])
 def test_bad_input(rng, change, error, match):
   mesh = _mesh(4)

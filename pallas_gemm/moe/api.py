@@ -75,7 +75,8 @@ def _pair(w, name: str):
 
 def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "swiglu",
             precision=None, preferred_element_type=None, backend: str = "auto",
-            config=None, expert_axis: str | None = None, exchange: str = "auto"):
+            config=None, expert_axis: str | None = None, exchange: str = "auto",
+            exchange_chunks: int = 1):
   """The MoE layer of the module docstring.
 
   Args:
@@ -101,6 +102,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     exchange: how rows travel between devices when expert-parallel: "ragged"
       (`jax.lax.ragged_all_to_all`, GPU), "padded" (a dense all_to_all, n times the
       bytes, any backend) or "auto" (by the experts per device: `parallel.py`).
+    exchange_chunks: when expert-parallel, each device's tokens run in this many chunks,
+      each exchanged and computed on its own, so that XLA can overlap one chunk's
+      exchanges with another's GEMMs (`parallel.local`). 1: one chunk.
 
   Returns:
     (..., D) in preferred_element_type.
@@ -108,6 +112,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   quantized = isinstance(w_gate_up, (tuple, list)) or isinstance(w_down, (tuple, list))
   if exchange not in parallel.EXCHANGES:
     raise ValueError(f"exchange must be one of {parallel.EXCHANGES}; got {exchange!r}")
+  if (isinstance(exchange_chunks, bool) or not isinstance(exchange_chunks, (int, np.integer))
+      or exchange_chunks < 1):
+    raise ValueError(f"exchange_chunks must be an int >= 1; got {exchange_chunks!r}")
   if expert_axis is not None and not isinstance(expert_axis, str):
     raise TypeError(f"expert_axis must be a mesh axis name (str) or None; got"
                     f" {expert_axis!r}")
@@ -190,7 +197,8 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       raise ValueError('precision="fp8" runs data parallel or on one device; expert'
                        " parallelism exchanges bf16 rows only")
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
-                       data_axes=data, exchange=exchange, layer_fn=one_device)
+                       data_axes=data, exchange=exchange, chunks=int(exchange_chunks),
+                       layer_fn=one_device)
     return out.reshape((*lead, d))
   d_ = layer.dispatch(ids2, e)
   if quantized:

@@ -225,9 +225,23 @@ def exchange_plan(counts, me, n: int, experts_local: int, exchange: str):
 
 
 def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
-          exchange: str):
+          exchange: str, chunks: int = 1):
   """The expert-parallel layer on one device's shard, inside a manual `axis`: x (T_l, D),
-  topk_* (T_l, k) with global expert ids, w_* this device's E_l experts. (T_l, D)."""
+  topk_* (T_l, k) with global expert ids, w_* this device's E_l experts. (T_l, D).
+
+  chunks > 1 splits the T_l tokens into that many consecutive chunks (sizes differing by
+  at most one, the same on every device, so the exchanges of a chunk pair up), each run
+  through steps 1-6 on its own: no chunk's values depend on another's, so XLA may run one
+  chunk's exchanges while another's GEMMs run. Each chunk's receive buffer is n * R / chunks
+  rows; the weight gradients are the sum of the chunks'."""
+  t = x.shape[0]
+  chunks = max(1, min(chunks, t))
+  if chunks > 1:
+    bounds = [t * i // chunks for i in range(chunks + 1)]
+    return jnp.concatenate([
+        local(plan, x[a:b], topk_weights[a:b], topk_ids[a:b], w_gate_up, w_down, axis=axis,
+              exchange=exchange)
+        for a, b in zip(bounds[:-1], bounds[1:])])
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
   t, k = topk_ids.shape
@@ -284,7 +298,7 @@ def _mesh_with(names: tuple[str, ...], arrays):
 
 def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
         axis: str | None, data_axes: tuple[str, ...] = (), exchange: str = "auto",
-        layer_fn=layer.layer):
+        chunks: int = 1, layer_fn=layer.layer):
   """The layer on x (T, D) with its tokens split over data_axes + (axis,) and, with an
   expert axis, the experts over it. Inside a manual `axis`: this device's shard
   (`local`). Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`,
@@ -294,7 +308,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   mesh = _mesh_with(names, (w_down, x))
   if axis is not None and axis in mesh.manual_axes:
     return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
-                 exchange=exchange)
+                 exchange=exchange, chunks=chunks)
   if axis is not None and w_down.shape[0] % mesh.shape[axis]:
     raise ValueError(f"expert parallelism over {axis!r} ({mesh.shape[axis]} devices)"
                      f" splits the experts evenly; got E = {w_down.shape[0]}")
@@ -321,7 +335,8 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     if axis is None:
       return layer_fn(plan, x, weights, w_gate_up, w_down,
                       layer.dispatch(ids, w_down.shape[0]))
-    return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange)
+    return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange,
+                 chunks=chunks)
 
   # Manual over every axis of the mesh (values are replicated over the axes not named):
   # a partly manual shard_map leaves the grouped GEMM's partitioning and lax's sharding
