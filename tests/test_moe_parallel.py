@@ -343,6 +343,32 @@ def test_fp8_training_data_parallel(rng):
     pallas_gemm.moe_mlp(*_put(_mesh(2), args), precision="fp8", backend="xla")
 
 
+def test_mosaic_kernels_inside_shard_map_lower_for_the_gpu(monkeypatch):
+  # The fp8 family calls its Mosaic kernels (quantize, the fp8 grouped GEMM) without a
+  # primitive of its own; inside shard_map their operands vary over the manual axes,
+  # which Pallas refuses to trace, so `launch.call` runs them as a primitive lowered on
+  # plain avals. Lowered for CUDA here as the GPU would: the forward and the gradients of
+  # the data-parallel fp8 layer, every kernel compiled in.
+  from pallas_gemm.mgpu import hw, launch  # noqa: PLC0415
+  grid = launch.grid_sms
+  monkeypatch.setattr(hw, "on_gpu", lambda: True)
+  monkeypatch.setattr(launch, "grid_sms", lambda num_sms, interpret, need_gpu=False: grid(
+      num_sms or 132, interpret))
+  mesh = _mesh((2,), ("data",))
+  tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  t, d, f, e, k = 16, 128, 128, 2, 2
+  args = [jax.ShapeDtypeStruct(shape, dtype, sharding=spec) for shape, dtype, spec in (
+      ((t, d), jnp.bfloat16, tokens), ((t, k), jnp.float32, tokens),
+      ((t, k), jnp.int32, tokens), ((e, d, 2 * f), jnp.bfloat16, whole),
+      ((e, f, d), jnp.bfloat16, whole))]
+  layer = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend="mosaic")
+  loss = lambda x, w, ids, a, b: jnp.sum(layer(x, w, ids, a, b).astype(jnp.float32))  # noqa: E731
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 3, 4))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for name in ("pallas_gemm_quantize_fp8", "pallas_gemm_scaled_ragged_fp8"):
+    assert name in text, name
+
+
 def test_a_mesh_axis_the_layer_does_not_use(rng):
   # A (model, expert) Explicit mesh: the layer is expert-parallel over "expert" and
   # replicated over "model".

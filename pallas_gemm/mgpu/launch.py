@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.core import primitive
 from pallas_gemm.mgpu import hw
 
 
@@ -44,11 +45,55 @@ def warpgroup_kernel(body, *, out_type, num_ctas: int, num_compute_wgs: int,
   )
 
 
+def _varying(a) -> frozenset:
+  manual = getattr(jax.typeof(a), "manual_axis_type", None)
+  return manual.varying if manual is not None else frozenset()
+
+
+# A kernel called on values that vary over jax.shard_map's manual axes (a family that calls
+# its kernels without a primitive of its own, inside a user's or moe_mlp's shard_map):
+# Pallas traces kernels on unvarying Refs only, so the kernel becomes this primitive,
+# whose result varies as its operands do and whose lowering traces the kernel on plain
+# avals, as every family primitive's does (`primitive.lower_local`).
+_local_call_p = primitive.new_primitive("pallas_gemm_mosaic_call", multiple_results=True)
+
+
+@_local_call_p.def_abstract_eval
+def _local_call_abstract_eval(*avals, kernel, out_avals):
+  del kernel
+  manual = avals[0].manual_axis_type  # one set: `call` casts the operands to it
+  return [jax.core.ShapedArray(o.shape, o.dtype, sharding=avals[0].sharding.update(
+      spec=jax.sharding.PartitionSpec(*([None] * len(o.shape)))), manual_axis_type=manual)
+          for o in out_avals]
+
+
+def _local_call_lowering(*operands, kernel, out_avals):
+  del out_avals
+  with jax.enable_x64(False):
+    return jax.tree.leaves(kernel(*operands))
+
+
+jax.interpreters.mlir.register_lowering(
+    _local_call_p, lambda ctx, *args, **params: primitive.lower_local(
+        ctx, _local_call_lowering, *args, multiple_results=True, **params))
+
+
 def call(kernel, *operands, interpret):
   """kernel(*operands); interpret: False, True, or the interpreter's parameters
   (plgpu.InterpretGPUParams, e.g. detect_races=True) to run it in on the CPU."""
   if not interpret:
-    return kernel(*operands)
+    axes = frozenset().union(*(_varying(a) for a in operands))
+    if not axes:
+      return kernel(*operands)
+    operands = [jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying")
+                if axes - _varying(a) else a for a in operands]
+    plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+      out = jax.eval_shape(kernel, *plain)
+    leaves, tree = jax.tree.flatten(out)
+    outs = _local_call_p.bind(*operands, kernel=kernel, out_avals=tuple(
+        jax.core.ShapedArray(o.shape, o.dtype) for o in leaves))
+    return jax.tree.unflatten(tree, outs)
   params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
             else plgpu.InterpretGPUParams())
   with plgpu.force_gpu_interpret_mode(params):
