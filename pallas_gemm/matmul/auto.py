@@ -14,6 +14,14 @@ from pallas_gemm.mgpu import hw
 
 BACKENDS = ("xla", "triton", "mosaic", "cuda")
 
+# Whether 16-bit products with misaligned rows go to the mosaic kernel (on padded copies).
+# Under jax 0.11 it ran bf16 4097^3 at 545 TFLOP/s against jnp.dot's 135; under jax
+# 0.12.0.1 the same call ran 92 TFLOP/s, 0.665x jnp.dot (H200, same run,
+# benchmarks/results/2026-11-27-h200), while the aligned kernels and float32_accurate's
+# padded bf16 pieces kept their speed. Until that path is measured fast on 0.12, `auto`
+# leaves those products to XLA there; backend="mosaic" still runs them.
+MISALIGNED_16BIT_KERNEL = jax.__version_info__ < (0, 12)
+
 
 class BackendUnavailableError(RuntimeError):
   """The requested backend cannot run on this machine (the message says why)."""
@@ -106,6 +114,8 @@ def auto_backend(dtype: np.dtype, precision, m: int, n: int, k: int,
   # TF32 pays for a transposed copy of B besides the pads: at 997x1009x1013 that lost
   # (0.88x), from 2047x8191x1023 (1.5x) up it wins.
   small_tf32 = dtype == np.float32 and m * n * k * batch < 2**32
+  if misaligned and dtype.itemsize == 2 and not MISALIGNED_16BIT_KERNEL:
+    return "xla"
   if misaligned and not ieee_f32 and not small_tf32 and status["mosaic"] is None:
     return "mosaic"  # TMA + wgmma on padded copies; the IEEE-f32 case has no fast kernel
   return "xla"

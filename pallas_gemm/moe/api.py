@@ -101,7 +101,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       the weights' sharding. None: the axis w_down's type shards E over, if any.
     exchange: how rows travel between devices when expert-parallel: "ragged"
       (`jax.lax.ragged_all_to_all`, GPU), "padded" (a dense all_to_all, n times the
-      bytes, any backend) or "auto" (by the experts per device: `parallel.py`).
+      bytes, any backend) or "auto" ("ragged" on GPUs, "padded" elsewhere: `parallel.py`).
     exchange_chunks: when expert-parallel, each device's tokens run in this many chunks,
       each exchanged and computed on its own, so that XLA can overlap one chunk's
       exchanges with another's GEMMs (`parallel.local`). 1: one chunk.

@@ -25,12 +25,18 @@ Two exchanges do steps 3 and 5 (the `exchange` argument):
   CPU backend does not implement it).
 - "padded": the same slices through a dense `jax.lax.all_to_all` of (n, R) rows per
   device: n times the bytes, on any backend.
-"auto" picks by what was measured (two H200s, benchmarks/moe_parallel.py,
-docs/performance.md): "ragged" on a GPU when each peer gets at least
-RAGGED_SLICES_PER_PEER slices without cutting them (Qwen3-like, 64 experts per GPU: the
-training step 1.33x faster than "padded"), else "padded" (Mixtral-like, 4 experts per
-GPU: 1.58x faster than "ragged" was with its 4 slices per peer uncut; "ragged" now cuts
-them, which is not yet timed, so "auto" keeps the measured choice).
+"auto" picks "ragged" on a GPU and "padded" elsewhere. Measured on two H200s
+(benchmarks/moe_parallel.py, docs/performance.md), training step: "ragged" 1.33x
+"padded" at Qwen3-like sizes (64 experts per GPU) and on par at Mixtral-like ones (4 per
+GPU), where XLA's ragged-all-to-all moved 4 large slices per peer 5.4x slower than
+"padded" moved twice the bytes until the slices were cut into pieces (at least
+RAGGED_SLICES_PER_PEER per peer).
+
+Chunks (moe_mlp's `exchange_chunks`, `local`): each device's tokens in chunks that are
+dispatched, exchanged and computed on their own, so that a scheduler may run one chunk's
+exchanges under another's GEMMs. Two H200s with XLA's default flags: 2 chunks made the
+training step 1-13% slower (no overlap came of it, and each chunk pays its own dispatch
+and smaller GEMMs), so the default is one chunk.
 
 The same module runs data parallelism (`run` without an expert axis: each device its
 tokens through every expert) and both together on a (data, expert) mesh.
@@ -157,8 +163,8 @@ padded_all_to_all.defvjp(_padded_fwd, _padded_bwd)
 
 # XLA:GPU's ragged-all-to-all copies its slices in parallel, one slice per unit of work:
 # at 4 slices per peer (Mixtral-like, 8 experts on 2 GPUs) it moved the rows 5x slower
-# than a dense all_to_all of twice the bytes. Slices are cut into pieces so that each
-# peer gets at least this many.
+# than a dense all_to_all of twice the bytes; cut into pieces, so that each peer gets at
+# least this many, it ran on par with it (the training step 0.99 +- 0.03x, two H200s).
 RAGGED_SLICES_PER_PEER = 64
 
 
@@ -207,8 +213,7 @@ def exchange_plan(counts, me, n: int, experts_local: int, exchange: str):
   and for "ragged" every slice cut into pieces."""
   offsets = _offsets(counts, me, n, experts_local)
   if exchange == "auto":
-    many = experts_local >= RAGGED_SLICES_PER_PEER
-    exchange = "ragged" if many and ragged_available() else "padded"
+    exchange = "ragged" if ragged_available() else "padded"
   if exchange == "ragged":
     if not ragged_available():
       raise ValueError("exchange='ragged' runs on GPUs (XLA implements ragged-all-to-all"
