@@ -19,7 +19,8 @@ gathers where this file scatters (its gradients too).
 The task: regress a fixed random teacher MLP (mean squared error), Adam, the same initial
 parameters and data for every implementation. Prints each step time (median over the
 steps, wall clock of the whole jitted step; the models step in turns) and checks that
-each loss curve agrees with the first implementation's within LOSS_RTOL.
+each loss curve agrees with the first implementation's within the band of LOSS_ATOL and
+LOSS_RTOL.
 
 Expert parallelism (`moe_expert_parallel`): tokens and experts split over one mesh axis
 of D devices. Each device routes its tokens, sends every other device the rows for its
@@ -65,9 +66,15 @@ SMALL = dict(tokens=256, d_model=64, hidden=128, experts=8, top_k=2, steps=20,
              dtype="bfloat16")
 FULL = dict(tokens=8192, d_model=4096, hidden=6144, experts=8, top_k=2, steps=20,
             dtype="bfloat16")
-# Loss curves agree when every step's losses are within this relative difference: the
-# grouped GEMMs are the same math accumulated in f32 in another order, bf16 rounds every
-# activation (2^-9), and a rounding can move a token whose two best experts tie.
+# Loss curves agree when at every step |loss - first impl's| <= LOSS_ATOL * (its first
+# loss) + LOSS_RTOL * (its loss at that step), numpy.allclose's form. The grouped GEMMs are
+# the same math accumulated in f32 in another order, bf16 rounds every activation (2^-9),
+# and a rounding can move a token whose two best experts tie; the gaps that follow are
+# absolute noise on a loss that falls ~50x in 20 steps (--full), so a band relative to
+# each step's loss alone closes on them: an H200 measured 2.02e-2 of a late step's loss,
+# an H100 1.4e-2, whose largest gap was 3.3e-4 of the first loss (13% of this band).
+# LOSS_RTOL alone also bounds the expert-parallel check's one-step loss and gradients.
+LOSS_ATOL = {"float32": 1e-5, "bfloat16": 2e-3}
 LOSS_RTOL = {"float32": 1e-4, "bfloat16": 2e-2}
 # The first is the one the others are compared with.
 IMPLS = ("lax", "pallas_gemm", "moe_mlp")
@@ -356,16 +363,20 @@ def main(argv=None) -> int:
     base = results[first]["step_ms"]
     print(f"{impl:12s} {ms:10.3f} ms/step  {base / ms:6.3f}x {first}  "
           f"loss {losses[0]:.5f} -> {losses[-1]:.5f}", flush=True)
-  rtol = LOSS_RTOL[cfg["dtype"]]
+  atol, rtol = LOSS_ATOL[cfg["dtype"]], LOSS_RTOL[cfg["dtype"]]
   base_losses = np.array(results[first]["losses"])
+  band = atol * base_losses[0] + rtol * base_losses
   agree = True
   for impl in IMPLS[1:]:
-    diff = float(np.max(np.abs(np.array(results[impl]["losses"]) - base_losses)
-                        / base_losses))
-    results[impl]["max_rel_loss_diff"] = diff
-    agree &= diff <= rtol
-    print(f"{impl:12s} loss curve vs {first}: max relative difference {diff:.2e} "
-          f"({'within' if diff <= rtol else 'OUTSIDE'} {rtol:g})", flush=True)
+    gap = np.abs(np.array(results[impl]["losses"]) - base_losses)
+    used = float(np.max(gap / band))
+    results[impl]["max_rel_loss_diff"] = float(np.max(gap / base_losses))
+    results[impl]["band_used"] = used
+    agree &= used <= 1
+    print(f"{impl:12s} loss curve vs {first}: largest gap {np.max(gap):.2e} "
+          f"({np.max(gap / base_losses):.2e} of its step's loss), {used:.0%} of the band "
+          f"{atol:g} x first loss + {rtol:g} x loss ({'within' if used <= 1 else 'OUTSIDE'})",
+          flush=True)
   results["max_rel_loss_diff"] = max(results[impl]["max_rel_loss_diff"] for impl in IMPLS[1:])
   if args.expert_parallel:
     ep_diff = expert_parallel_check(cfg)
