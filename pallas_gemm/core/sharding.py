@@ -1,9 +1,14 @@
 """PartitionSpecs as the partitioning rules read them: each dimension's mesh axes as a
-tuple, and back. Shared by the dense and grouped primitives' rules."""
+tuple, and back. Shared by the dense and grouped primitives' rules; and `partitioned`, the
+rule of a kernel call indexed like an einsum (the fp8 family's)."""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 
 
@@ -28,3 +33,112 @@ def entry(names: tuple[str, ...]):
 def size(mesh, names) -> int:
   """The number of devices along these mesh axes."""
   return int(np.prod([mesh.shape[x] for x in names]))
+
+
+# ----------------------------------------------------------------------------- einsum-like
+# A kernel call whose operands and results are indexed by named factors (as an einsum's),
+# run by XLA's partitioner (custom_partitioning, Shardy) on each device's shard. Each
+# dimension is labelled (factor, per): it holds one entry per `per` units of the factor
+# (a scale per 128 rows: ("m", 128)), or None: never split (a per-tensor scale's 1).
+# A factor is split over the mesh axes that an operand (or the result) already splits its
+# dimension over, when every dimension it labels divides evenly, in units of `align`;
+# otherwise it is whole on every device. Factors in `reduce` (contractions) leave partial
+# sums, computed by the local call in float32 and summed over their axes (one psum).
+
+
+def _choose_axes(mesh, labels, shapes, result_labels, result_shardings, arg_shardings, align):
+  """{factor: the mesh axes it splits over} (the comment above); an axis serves one factor."""
+  extent = {}
+  for dims, shape in zip(labels, shapes):
+    for label, n in zip(dims, shape):
+      if label is not None and label[1] == 1:
+        extent[label[0]] = n
+  sources = {f: [] for f in extent}
+  for dims_list, shardings in ((labels, arg_shardings), (result_labels, result_shardings)):
+    for dims, s in zip(dims_list, shardings):
+      for label, names in zip(dims, spec_axes(s, len(dims))):
+        if label is not None and label[1] == 1 and names:
+          sources[label[0]].append(names)
+  every = [d for dims in (*labels, *result_labels) for d in dims if d is not None]
+  used, chosen = set(), {}
+  for factor, candidates in sources.items():
+    chosen[factor] = ()
+    unit = math.lcm(align.get(factor, 1), *[p for f, p in every if f == factor])
+    for names in candidates:
+      names = tuple(x for x in names if x not in used)
+      if names and extent[factor] % (size(mesh, names) * unit) == 0:
+        chosen[factor] = names
+        break
+    used.update(chosen[factor])
+  return chosen
+
+
+def partitioned(fn, shapes, labels, result_labels, *, reduce=(), align=None, out_dtypes=()):
+  """fn(*operands) -> results (a tuple), run shard by shard under jit (module comment).
+
+  shapes: the operands' shapes. labels / result_labels: per operand / result, a tuple of
+  (factor, per) or None per dim. fn(*local operands, partial=bool) computes one shard;
+  partial is True where a factor of `reduce` is split, and then fn returns float32
+  partial sums, summed here and cast to out_dtypes."""
+  align = dict(align or {})
+
+  def named(mesh, dims, chosen):
+    return NamedSharding(mesh, jax.sharding.PartitionSpec(
+        *[None if d is None else entry(chosen[d[0]]) for d in dims]))
+
+  def partition(mesh, arg_shapes, result_shape):
+    results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
+    chosen = _choose_axes(mesh, labels, [a.shape for a in arg_shapes], result_labels,
+                          [r.sharding for r in results], [a.sharding for a in arg_shapes],
+                          align)
+    summed = tuple(x for f in reduce for x in chosen.get(f, ()))
+
+    def local(*args):
+      outs = fn(*args, partial=bool(summed))
+      if summed:
+        outs = tuple(jax.lax.psum(o, summed).astype(t) for o, t in zip(outs, out_dtypes))
+      return outs
+
+    arg_specs = tuple(named(mesh, dims, chosen) for dims in labels)
+    out_specs = tuple(named(mesh, dims, chosen) for dims in result_labels)
+    return mesh, local, out_specs, arg_specs
+
+  call = custom_partitioning(lambda *args: fn(*args, partial=False))
+  rule, kinds = _shardy_rule(shapes, labels, result_labels, reduce)
+  call.def_partition(partition=partition, sharding_rule=rule, **kinds)
+  return call
+
+
+def _shardy_rule(shapes, labels, result_labels, reduce):
+  """The Shardy rule string and factor kinds for propagation. A factor that a scale's
+  dimension holds in blocks of `per` (K = K/128 blocks x 128) is the compound (F Fp) where
+  it is whole, F where blocked, so both split together; other blocked or None dims are
+  factors of their own that propagation leaves whole (the partition decides them)."""
+  extent = {d[0]: n for dims, shape in zip(labels, shapes) for d, n in zip(dims, shape)
+            if d is not None and d[1] == 1}
+  pers = {}
+  for dims in (*labels, *result_labels):
+    for d in dims:
+      if d is not None and d[1] > 1:
+        pers.setdefault(d[0], set()).add(d[1])
+  compound = {f: next(iter(p)) for f, p in pers.items()
+              if len(p) == 1 and extent[f] % next(iter(p)) == 0}
+  letters = {f: f"f{i}" for i, f in enumerate(extent)}
+  alone = []
+
+  def token(d):
+    if d is not None and d[1] == 1:
+      f = letters[d[0]]
+      return f"({f} {f}p)" if d[0] in compound else f
+    if d is not None and compound.get(d[0]) == d[1]:
+      return letters[d[0]]
+    alone.append(f"r{len(alone)}")
+    return alone[-1]
+
+  rule = " -> ".join(", ".join(" ".join(token(d) for d in dims) for dims in group)
+                     for group in (labels, result_labels))
+  reduced = [letters[f] for f in reduce if f in letters]
+  reduced += [letters[f] + "p" for f in reduce if f in compound]
+  kinds = dict(reduction_factors=tuple(reduced), need_replication_factors=tuple(alone),
+               **{letters[f] + "p": p for f, p in compound.items()})
+  return rule, kinds

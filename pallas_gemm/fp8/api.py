@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_gemm.fp8 import checks, scales
+from pallas_gemm.fp8 import checks, partition, scales
 from pallas_gemm.core import primitive
 from pallas_gemm.mgpu import hw
 from pallas_gemm.fp8 import xla as _xla
@@ -141,7 +141,15 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
   else:
     ls = _for_kernel(lhs_scales, lhs_layout, lhs.shape, row_blocks=False)
     rs = _for_kernel(rhs_scales, rhs_layout, rhs.shape, row_blocks=True)
-    with primitive.kernel_x64("mosaic"):
-      out = checks.mosaic_module().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype,
-                                               config=config, interpret=not hw.on_gpu())
+    interpret = not hw.on_gpu()
+
+    def kernel(lhs, rhs, ls, rs, out_dtype):
+      with primitive.kernel_x64("mosaic"):
+        return checks.mosaic_module().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype,
+                                                  config=config, interpret=interpret)
+
+    if interpret or not partition.available(lhs, rhs, ls, rs):
+      out = kernel(lhs, rhs, ls, rs, out_dtype)
+    else:
+      out = partition.gemm(kernel, lhs, rhs, ls, rs, out_dtype)
   return out[0] if squeeze else out

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.core import primitive
-from pallas_gemm.fp8 import checks, mosaic_quantize
+from pallas_gemm.fp8 import checks, mosaic_quantize, partition
 from pallas_gemm.fp8.scales import (FP8_DTYPES, INPUT_DTYPES, ROW_BLOCK, pow2, saturation,
                                      scale_exponent)
 from pallas_gemm.mgpu import hw
@@ -120,9 +120,17 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
   b, m, k = x3.shape
   block = _block(block_shape, m, k)
   if _choose(backend, block[:2], b * m, k) == "mosaic":
-    with primitive.kernel_x64("mosaic"):
-      values, scales = mosaic_quantize.quantize_rows(
-          x3.reshape(b * m, k), dtype, interpret=not hw.on_gpu())
+    interpret = not hw.on_gpu()
+
+    def kernel(x2):
+      with primitive.kernel_x64("mosaic"):
+        return mosaic_quantize.quantize_rows(x2, dtype, interpret=interpret)
+
+    x2 = x3.reshape(b * m, k)
+    if interpret or not partition.available(x2):
+      values, scales = kernel(x2)
+    else:
+      values, scales = partition.quantize_rows(kernel, x2)
     values, scales = values.reshape(b, m, k), scales.reshape(b, m, k // 128)
   else:
     values, scales = _quantize(x3, dtype=dtype, block=block)

@@ -1,0 +1,136 @@
+"""The fp8 kernels' partitioning (pallas_gemm/fp8/partition.py, core/sharding.partitioned)
+on 8 CPU devices: each layout's result equals the unsharded call, and the compiled program
+gathers no operand (a split contraction adds one all-reduce). The Mosaic kernels run
+interpreted on a CPU, which cannot be partitioned, so the shards here run the XLA path of
+the same op (`backend="xla"`, the same numbers); the kernels' own lowering for CUDA is
+checked to take the partitioned path."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import pallas_gemm
+from pallas_gemm.fp8 import partition
+
+from conftest import random
+
+E4M3 = jnp.float8_e4m3fn
+
+
+def _mesh():
+  if len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
+  return jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:8])
+
+
+def _xla_gemm(lhs, rhs, ls, rs, out_dtype):
+  return pallas_gemm.scaled_matmul(lhs, rhs, ls, rs, out_dtype, backend="xla")
+
+
+def _operands(rng, b, m, n, k, rhs_blocks):
+  lhs8, ls = pallas_gemm.quantize(jnp.asarray(random(rng, (b, m, k), np.float32)), E4M3,
+                                  block_shape=(1, 128), backend="xla")
+  rhs8, rs = pallas_gemm.quantize(jnp.asarray(random(rng, (b, n, k), np.float32)), E4M3,
+                                  block_shape=(128, 128) if rhs_blocks else None,
+                                  backend="xla")
+  return lhs8, rhs8, ls, rs
+
+
+GATHER = re.compile(r" all-gather(-start)?\(")
+REDUCE = re.compile(r" all-reduce(-start)?\(")
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rhs_blocks", [True, False])
+@pytest.mark.parametrize("layout, split", [
+    ("m", dict(lhs=P(None, "y"), ls=P(None, "y"))),
+    ("n", dict(rhs=P(None, "x"), rs=P(None, "x"))),
+    ("b", dict(lhs=P("x"), rhs=P("x"), ls=P("x"), rs=P("x"))),
+    ("k", dict(lhs=P(None, None, "x"), rhs=P(None, None, "x"), ls=P(None, None, "x"))),
+    ("m+n", dict(lhs=P(None, "y"), rhs=P(None, "x"))),
+])
+def test_scaled_gemm_shards(rng, layout, split, rhs_blocks, out_dtype):
+  mesh = _mesh()
+  args = _operands(rng, 2, 64, 256, 512, rhs_blocks)
+  names = ("lhs", "rhs", "ls", "rs")
+  if not rhs_blocks:  # per-tensor rhs scales: (B, 1, 1), never split
+    split = {key: v for key, v in split.items() if key != "rs"}
+  placed = [jax.device_put(a, NamedSharding(mesh, split.get(name, P())))
+            for name, a in zip(names, args)]
+  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, out_dtype))
+  got = f(*placed)
+  want = _xla_gemm(*args, out_dtype)
+  assert got.dtype == want.dtype and got.shape == want.shape
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-5 if out_dtype == jnp.float32 else 1e-2, atol=1e-4)
+  hlo = f.lower(*placed).compile().as_text()
+  assert not GATHER.search(hlo), layout
+  assert bool(REDUCE.search(hlo)) == (layout == "k"), layout
+  if layout == "m":
+    assert got.sharding.spec[1] == "y"
+
+
+def test_splits_that_do_not_divide_are_not_made(rng):
+  # N = 192 over 4 devices with 128-row weight blocks: 48 rows each would cut a block,
+  # so N stays whole (gathered, as XLA would) and the result is still right.
+  mesh = _mesh()
+  args = _operands(rng, 1, 16, 192, 256, True)
+  placed = [jax.device_put(a, NamedSharding(mesh, P(None, "y") if i == 1 else P()))
+            for i, a in enumerate(args)]
+  got = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32))(*placed)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(_xla_gemm(*args, jnp.float32)),
+                             rtol=1e-6, atol=1e-6)
+
+
+def _xla_quantize(x):
+  return pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="xla")
+
+
+@pytest.mark.parametrize("spec", [P("y"), P(None, "x"), P("y", "x")])
+def test_quantize_rows_shards(rng, spec):
+  mesh = _mesh()
+  x = jnp.asarray(random(rng, (64, 512), np.float32)).astype(jnp.bfloat16)
+  placed = jax.device_put(x, NamedSharding(mesh, spec))
+  f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize))
+  values, scales = f(placed)
+  want_values, want_scales = _xla_quantize(x)
+  np.testing.assert_array_equal(np.asarray(values, np.float32),
+                                np.asarray(want_values, np.float32))
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  hlo = f.lower(placed).compile().as_text()
+  assert not GATHER.search(hlo) and not REDUCE.search(hlo)
+  assert values.sharding.is_equivalent_to(placed.sharding, 2)
+
+
+def test_kernels_lower_partitioned_for_the_gpu(monkeypatch):
+  # On a GPU, scaled_matmul and quantize run their Mosaic kernels through the partitioned
+  # call: lowered here for CUDA as the GPU would, under jit with sharded operands.
+  from pallas_gemm.mgpu import hw, launch  # noqa: PLC0415
+  grid = launch.grid_sms
+  monkeypatch.setattr(hw, "on_gpu", lambda: True)
+  monkeypatch.setattr(launch, "grid_sms", lambda num_sms, interpret, need_gpu=False: grid(
+      num_sms or 132, interpret))
+  mesh = _mesh()
+  rows = NamedSharding(mesh, P("y"))
+
+  def f(x, w):
+    x8, xs = pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="mosaic")
+    w8, ws = pallas_gemm.quantize(w, E4M3, block_shape=(128, 128), backend="xla")
+    return pallas_gemm.scaled_matmul(x8, w8, xs, ws, jnp.bfloat16, backend="mosaic")
+
+  x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=rows)
+  w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
+  text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
+  # The kernels' own modules are lowered per shard when XLA partitions (compiling, on
+  # the GPU); here each call is one partitioned custom call, the quantize and the GEMM.
+  assert text.count("CustomSPMDPartitioning") == 2
+  # Under vmap the kernels run unpartitioned (custom_partitioning has no batching rule).
+  batched = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in (x, w)]
+  text = jax.jit(jax.vmap(f)).trace(*batched).lower(lowering_platforms=("cuda",)).as_text()
+  assert "CustomSPMDPartitioning" not in text and "pallas_gemm_scaled_fp8" in text
