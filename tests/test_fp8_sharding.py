@@ -88,6 +88,41 @@ def test_splits_that_do_not_divide_are_not_made(rng):
                              rtol=1e-6, atol=1e-6)
 
 
+def _xla_ragged(lhs, rhs, sizes, ls, rs, out_dtype):
+  return pallas_gemm.scaled_ragged_dot(lhs, rhs, sizes, ls, rs, out_dtype, backend="xla")
+
+
+@pytest.mark.parametrize("layout, split", [
+    ("m", dict(lhs=P("y"), ls=P("y"))),
+    ("n", dict(rhs=P(None, "x"), rs=P(None, "x"))),
+    ("k", dict(lhs=P(None, "x"), rhs=P(None, None, "x"), ls=P(None, "x"))),
+    ("m+n", dict(lhs=P("y"), rhs=P(None, "x"))),
+    ("g: gathered", dict(rhs=P("x"), rs=P("x"))),
+])
+def test_scaled_ragged_gemm_shards(rng, layout, split):
+  # 96 rows over 4 devices (24 each) in groups of 5, 0, 40, 30 with 21 rows past the last
+  # group: groups straddle the devices' rows, one is empty, the last device's tail is
+  # in no group.
+  mesh = _mesh()
+  m, n, k = 96, 256, 512
+  lhs8, ls = pallas_gemm.quantize(jnp.asarray(random(rng, (m, k), np.float32)), E4M3,
+                                  block_shape=(1, 128), backend="xla")
+  rhs8, rs = pallas_gemm.quantize(jnp.asarray(random(rng, (4, n, k), np.float32)), E4M3,
+                                  block_shape=(128, 128), backend="xla")
+  sizes = jnp.asarray([5, 0, 40, 30], jnp.int32)
+  args = dict(lhs=lhs8, rhs=rhs8, sizes=sizes, ls=ls, rs=rs)
+  placed = [jax.device_put(a, NamedSharding(mesh, split.get(name, P())))
+            for name, a in args.items()]
+  f = jax.jit(lambda *a: partition.ragged_gemm(_xla_ragged, *a, jnp.float32))
+  got = f(*placed)
+  want = _xla_ragged(*args.values(), jnp.float32)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
+  assert not np.asarray(got)[75:].any()
+  hlo = f.lower(*placed).compile().as_text()
+  assert bool(GATHER.search(hlo)) == (layout == "g: gathered"), layout
+  assert bool(REDUCE.search(hlo)) == (layout == "k"), layout
+
+
 def _xla_quantize(x):
   return pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="xla")
 
@@ -122,15 +157,20 @@ def test_kernels_lower_partitioned_for_the_gpu(monkeypatch):
   def f(x, w):
     x8, xs = pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="mosaic")
     w8, ws = pallas_gemm.quantize(w, E4M3, block_shape=(128, 128), backend="xla")
-    return pallas_gemm.scaled_matmul(x8, w8, xs, ws, jnp.bfloat16, backend="mosaic")
+    out = pallas_gemm.scaled_matmul(x8, w8, xs, ws, jnp.bfloat16, backend="mosaic")
+    grouped = pallas_gemm.scaled_ragged_dot(x8, w8[None], jnp.asarray([100], jnp.int32),
+                                            xs, ws[None], jnp.bfloat16, backend="mosaic")
+    return out, grouped
 
   x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=rows)
   w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
   text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
   # The kernels' own modules are lowered per shard when XLA partitions (compiling, on
   # the GPU); here each call is one partitioned custom call, the quantize and the GEMM.
-  assert text.count("CustomSPMDPartitioning") == 2
+  assert text.count("CustomSPMDPartitioning") == 3
   # Under vmap the kernels run unpartitioned (custom_partitioning has no batching rule).
   batched = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in (x, w)]
   text = jax.jit(jax.vmap(f)).trace(*batched).lower(lowering_platforms=("cuda",)).as_text()
-  assert "CustomSPMDPartitioning" not in text and "pallas_gemm_scaled_fp8" in text
+  assert "CustomSPMDPartitioning" not in text
+  for name in ("pallas_gemm_scaled_fp8", "pallas_gemm_scaled_ragged_fp8"):
+    assert name in text, name

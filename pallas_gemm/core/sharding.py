@@ -42,11 +42,13 @@ def size(mesh, names) -> int:
 # (a scale per 128 rows: ("m", 128)), or None: never split (a per-tensor scale's 1).
 # A factor is split over the mesh axes that an operand (or the result) already splits its
 # dimension over, when every dimension it labels divides evenly, in units of `align`;
-# otherwise it is whole on every device. Factors in `reduce` (contractions) leave partial
-# sums, computed by the local call in float32 and summed over their axes (one psum).
+# otherwise it is whole on every device (always, for the factors in `whole`). Factors in
+# `reduce` (contractions) leave partial sums, computed by the local call in float32 and
+# summed over their axes (one psum).
 
 
-def _choose_axes(mesh, labels, shapes, result_labels, result_shardings, arg_shardings, align):
+def _choose_axes(mesh, labels, shapes, result_labels, result_shardings, arg_shardings, align,
+                 whole=()):
   """{factor: the mesh axes it splits over} (the comment above); an axis serves one factor."""
   extent = {}
   for dims, shape in zip(labels, shapes):
@@ -63,6 +65,8 @@ def _choose_axes(mesh, labels, shapes, result_labels, result_shardings, arg_shar
   used, chosen = set(), {}
   for factor, candidates in sources.items():
     chosen[factor] = ()
+    if factor in whole:
+      continue
     unit = math.lcm(align.get(factor, 1), *[p for f, p in every if f == factor])
     for names in candidates:
       names = tuple(x for x in names if x not in used)
@@ -73,13 +77,15 @@ def _choose_axes(mesh, labels, shapes, result_labels, result_shardings, arg_shar
   return chosen
 
 
-def partitioned(fn, shapes, labels, result_labels, *, reduce=(), align=None, out_dtypes=()):
+def partitioned(fn, shapes, labels, result_labels, *, reduce=(), whole=(), align=None,
+                out_dtypes=()):
   """fn(*operands) -> results (a tuple), run shard by shard under jit (module comment).
 
   shapes: the operands' shapes. labels / result_labels: per operand / result, a tuple of
-  (factor, per) or None per dim. fn(*local operands, partial=bool) computes one shard;
-  partial is True where a factor of `reduce` is split, and then fn returns float32
-  partial sums, summed here and cast to out_dtypes."""
+  (factor, per) or None per dim. fn(*local operands, partial=bool, start=fn) computes
+  one shard: partial is True where a factor of `reduce` is split, and then fn returns
+  float32 partial sums, summed here and cast to out_dtypes; start(factor) is the shard's
+  first index along that factor (traced; 0 where it is whole)."""
   align = dict(align or {})
 
   def named(mesh, dims, chosen):
@@ -90,11 +96,19 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), align=None, out
     results = result_shape if isinstance(result_shape, (tuple, list)) else (result_shape,)
     chosen = _choose_axes(mesh, labels, [a.shape for a in arg_shapes], result_labels,
                           [r.sharding for r in results], [a.sharding for a in arg_shapes],
-                          align)
+                          align, whole)
     summed = tuple(x for f in reduce for x in chosen.get(f, ()))
+    extent = {d[0]: n for dims, a in zip(labels, arg_shapes) for d, n in zip(dims, a.shape)
+              if d is not None and d[1] == 1}
+
+    def start(factor):
+      names = chosen.get(factor, ())
+      if not names:
+        return jax.numpy.zeros((), jax.numpy.int32)
+      return jax.lax.axis_index(names) * (extent[factor] // size(mesh, names))
 
     def local(*args):
-      outs = fn(*args, partial=bool(summed))
+      outs = fn(*args, partial=bool(summed), start=start)
       if summed:
         outs = tuple(jax.lax.psum(o, summed).astype(t) for o, t in zip(outs, out_dtypes))
       return outs
@@ -103,13 +117,14 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), align=None, out
     out_specs = tuple(named(mesh, dims, chosen) for dims in result_labels)
     return mesh, local, out_specs, arg_specs
 
-  call = custom_partitioning(lambda *args: fn(*args, partial=False))
-  rule, kinds = _shardy_rule(shapes, labels, result_labels, reduce)
+  call = custom_partitioning(lambda *args: fn(
+      *args, partial=False, start=lambda f: jax.numpy.zeros((), jax.numpy.int32)))
+  rule, kinds = _shardy_rule(shapes, labels, result_labels, reduce, whole)
   call.def_partition(partition=partition, sharding_rule=rule, **kinds)
   return call
 
 
-def _shardy_rule(shapes, labels, result_labels, reduce):
+def _shardy_rule(shapes, labels, result_labels, reduce, whole):
   """The Shardy rule string and factor kinds for propagation. A factor that a scale's
   dimension holds in blocks of `per` (K = K/128 blocks x 128) is the compound (F Fp) where
   it is whole, F where blocked, so both split together; other blocked or None dims are
@@ -139,6 +154,7 @@ def _shardy_rule(shapes, labels, result_labels, reduce):
                      for group in (labels, result_labels))
   reduced = [letters[f] for f in reduce if f in letters]
   reduced += [letters[f] + "p" for f in reduce if f in compound]
+  alone += [letters[f] for f in whole if f in letters]
   kinds = dict(reduction_factors=tuple(reduced), need_replication_factors=tuple(alone),
                **{letters[f] + "p": p for f, p in compound.items()})
   return rule, kinds

@@ -5,6 +5,8 @@ partitioned`), where XLA would otherwise gather every operand of a Mosaic kernel
   kernel's layouts. B, M and N split with no communication (a scale per 128 rows splits
   with its rows, in whole blocks); K splits in multiples of 128 (each device its 128-wide
   scale blocks), leaving float32 partial sums that one psum adds before the result's dtype.
+- `ragged_gemm` (scaled_ragged_dot's kernel): M, N and K as for `gemm`, M with the groups
+  cut to each device's rows; G whole.
 - `quantize_rows` (quantize's kernel): x (R, K) in 1x128 blocks: R split in multiples of 8
   and K in multiples of 128, values and scales with it; no communication.
 A split that does not divide so is not made: that factor is whole on every device.
@@ -53,7 +55,8 @@ def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype):
   labels = ((("b", 1), ("m", 1), ("k", 1)), (("b", 1), ("n", 1), ("k", 1)),
             _scale_labels(lhs_scales, m, k, "m"), _scale_labels(rhs_scales, n, k, "n"))
 
-  def shard(lhs, rhs, ls, rs, *, partial):
+  def shard(lhs, rhs, ls, rs, *, partial, start):
+    del start  # every split of a dense product is the same product on fewer numbers
     return (local(lhs, rhs, ls, rs, jnp.float32 if partial else out_dtype),)
 
   call = sharding.partitioned(
@@ -68,10 +71,36 @@ def quantize_rows(local, x):
   labels = ((("r", 1), ("k", 1)),)
   results = ((("r", 1), ("k", 1)), (("r", 1), ("k", BLOCK)))
 
-  def shard(x, *, partial):
-    del partial  # nothing is contracted
+  def shard(x, *, partial, start):
+    del partial, start  # nothing is contracted; blocks are local to their rows
     return tuple(local(x))
 
   call = sharding.partitioned(shard, [x.shape], labels, results,
                               align={"r": 8, "k": BLOCK})
   return tuple(call(x))
+
+
+def ragged_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype):
+  """local(lhs, rhs, group_sizes, ls, rs, out_dtype) -> (M, N) (scaled_ragged_dot's
+  kernel), run per shard: lhs (M, K), rhs (G, N, K), group_sizes (G,), ls (M, K/128), rs
+  (G, ceil(N/128), K/128). M splits with no communication (each device's rows, the
+  groups cut to its row window), N in multiples of 128 (whole weight blocks) likewise,
+  K in multiples of 128 with one f32 all-reduce. G (expert parallel) is not split: the
+  groups' weights are gathered (`moe_mlp` runs expert parallelism itself)."""
+  m, k = lhs.shape
+  labels = ((("m", 1), ("k", 1)), (("g", 1), ("n", 1), ("k", 1)), (("g", 1),),
+            (("m", 1), ("k", BLOCK)), (("g", 1), ("n", BLOCK), ("k", BLOCK)))
+
+  def shard(lhs, rhs, sizes, ls, rs, *, partial, start):
+    rows = lhs.shape[0]
+    if rows != m:  # this device's rows: the groups cut to them, in its own row numbers
+      ends = jnp.cumsum(jnp.maximum(sizes.astype(jnp.int32), 0))
+      local_ends = jnp.clip(ends - start("m"), 0, rows)
+      sizes = jnp.diff(local_ends, prepend=jnp.zeros((1,), jnp.int32))
+    return (local(lhs, rhs, sizes, ls, rs, jnp.float32 if partial else out_dtype),)
+
+  call = sharding.partitioned(
+      shard, [a.shape for a in (lhs, rhs, group_sizes, lhs_scales, rhs_scales)], labels,
+      ((("m", 1), ("n", 1)),), reduce=("k",), whole=("g",), align={"k": BLOCK},
+      out_dtypes=(out_dtype,))
+  return call(lhs, rhs, group_sizes, lhs_scales, rhs_scales)[0]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.fp8 import checks, scales
+from pallas_gemm.fp8 import checks, partition, scales
 from pallas_gemm.core import primitive
 from pallas_gemm.mgpu import hw
 
@@ -94,6 +94,13 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
     return out.astype(out_dtype)
   from pallas_gemm.fp8 import mosaic_ragged  # noqa: PLC0415 - the GPU kernel, on demand
 
-  with primitive.kernel_x64("mosaic"):
-    return mosaic_ragged.ragged_gemm(lhs, rhs, sizes, ls, rs, out_dtype=out_dtype,
-                                     config=config, interpret=not hw.on_gpu())
+  interpret = not hw.on_gpu()
+
+  def kernel(lhs, rhs, sizes, ls, rs, out_dtype):
+    with primitive.kernel_x64("mosaic"):
+      return mosaic_ragged.ragged_gemm(lhs, rhs, sizes, ls, rs, out_dtype=out_dtype,
+                                       config=config, interpret=interpret)
+
+  if interpret or not partition.available(lhs, rhs, sizes, ls, rs):
+    return kernel(lhs, rhs, sizes, ls, rs, out_dtype)
+  return partition.ragged_gemm(kernel, lhs, rhs, sizes, ls, rs, out_dtype)
