@@ -17,6 +17,8 @@
   python -m benchmarks --fp8                # fp8 GEMMs with scales (benchmarks/fp8.py)
   python -m benchmarks --fp8-ragged         # fp8 grouped GEMM (benchmarks/fp8_ragged.py)
   python -m benchmarks --moe                # the MoE layer (benchmarks/moe.py)
+  python -m benchmarks --moe --expert-parallel   # several devices: expert-parallel moe_mlp,
+                                            # weak and strong scaling (benchmarks/moe_parallel.py)
 
 The headline sweep compares bf16 (aligned and misaligned), f32 HIGHEST, float32_accurate
 and a fused bias + GELU layer with jnp.dot in the same run: ratios per round, variants in

@@ -88,6 +88,47 @@ def test_splits_that_do_not_divide_are_not_made(rng):
                              rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("n, k", [(128, 512), (256, 128), (128, 128)])
+def test_one_block_dims(rng, n, k):
+  # N or K of exactly one 128-block: their scale dims have one entry (no compound factor
+  # for Shardy), and the call still shards M.
+  mesh = _mesh()
+  args = _operands(rng, 1, 64, n, k, True)
+  placed = [jax.device_put(a, NamedSharding(mesh, P(None, "y") if i in (0, 2) else P()))
+            for i, a in enumerate(args)]
+  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32))
+  np.testing.assert_allclose(np.asarray(f(*placed)), np.asarray(_xla_gemm(*args, jnp.float32)),
+                             rtol=1e-6, atol=1e-6)
+  assert not GATHER.search(f.lower(*placed).compile().as_text())
+  sizes = jnp.asarray([10, 54], jnp.int32)
+  two = lambda a: jnp.concatenate([a, a])  # noqa: E731 - two groups of one weight
+  rag = [args[0][0], two(args[1]), sizes, args[2][0], two(args[3])]
+  placed = [jax.device_put(a, NamedSharding(mesh, P("y") if i in (0, 3) else P()))
+            for i, a in enumerate(rag)]
+  g = jax.jit(lambda *a: partition.ragged_gemm(_xla_ragged, *a, jnp.float32))
+  np.testing.assert_allclose(np.asarray(g(*placed)), np.asarray(_xla_ragged(*rag, jnp.float32)),
+                             rtol=1e-6, atol=1e-6)
+  x = jax.device_put(jnp.asarray(random(rng, (64, k), np.float32)), NamedSharding(mesh, P("y")))
+  values, scales = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize))(x)
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(_xla_quantize(x)[1]))
+
+
+def test_per_tensor_scales_split_with_any_rows(rng):
+  # A per-tensor scale (B, 1, 1) of an operand of <= 128 rows is not a 128-row block
+  # scale: M = 64 still splits 4 ways, with no gather.
+  mesh = _mesh()
+  lhs8, ls = pallas_gemm.quantize(jnp.asarray(random(rng, (2, 64, 512), np.float32)), E4M3,
+                                  block_shape=None, backend="xla")
+  rhs8, rs = _operands(rng, 2, 64, 256, 512, True)[1::2]
+  args = (lhs8, rhs8, ls, rs)
+  placed = [jax.device_put(a, NamedSharding(mesh, P(None, "y") if i == 0 else P()))
+            for i, a in enumerate(args)]
+  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32))
+  np.testing.assert_allclose(np.asarray(f(*placed)), np.asarray(_xla_gemm(*args, jnp.float32)),
+                             rtol=1e-6, atol=1e-6)
+  assert not GATHER.search(f.lower(*placed).compile().as_text())
+
+
 def _xla_ragged(lhs, rhs, sizes, ls, rs, out_dtype):
   return pallas_gemm.scaled_ragged_dot(lhs, rhs, sizes, ls, rs, out_dtype, backend="xla")
 
@@ -168,9 +209,45 @@ def test_kernels_lower_partitioned_for_the_gpu(monkeypatch):
   # The kernels' own modules are lowered per shard when XLA partitions (compiling, on
   # the GPU); here each call is one partitioned custom call, the quantize and the GEMM.
   assert text.count("CustomSPMDPartitioning") == 3
-  # Under vmap the kernels run unpartitioned (custom_partitioning has no batching rule).
+  # Under vmap the kernels run unpartitioned (custom_partitioning has no batching rule),
+  # also where vmap batches an inner jit, checkpoint or scan that holds the calls.
   batched = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in (x, w)]
-  text = jax.jit(jax.vmap(f)).trace(*batched).lower(lowering_platforms=("cuda",)).as_text()
-  assert "CustomSPMDPartitioning" not in text
-  for name in ("pallas_gemm_scaled_fp8", "pallas_gemm_scaled_ragged_fp8"):
-    assert name in text, name
+  scan = lambda x, w: jax.lax.scan(lambda c, _: (c, f(x, w)), 0, None, length=2)[1]  # noqa: E731
+  for g in (f, jax.jit(f), jax.checkpoint(f), scan):
+    text = jax.jit(jax.vmap(g)).trace(*batched).lower(lowering_platforms=("cuda",)).as_text()
+    assert "CustomSPMDPartitioning" not in text
+    for name in ("pallas_gemm_scaled_fp8", "pallas_gemm_scaled_ragged_fp8"):
+      assert name in text, name
+
+
+def test_explicit_mesh_axes_take_the_xla_path(rng, monkeypatch):
+  # Under Explicit mesh axes sharding is part of the type and the Pallas kernels cannot
+  # be traced on sharded Refs: "auto" takes the XLA path (GPU or not), "mosaic" asked
+  # for by name is a ValueError that says so.
+  from pallas_gemm.mgpu import hw  # noqa: PLC0415
+  monkeypatch.setattr(hw, "on_gpu", lambda: True)
+  if len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:8])
+  x = jnp.asarray(random(rng, (64, 256), np.float32)).astype(jnp.bfloat16)
+  w = jnp.asarray(random(rng, (128, 256), np.float32)).astype(jnp.bfloat16)
+  x = jax.device_put(x, NamedSharding(mesh, P("y")))
+  w8, ws = pallas_gemm.quantize(w, E4M3, block_shape=(128, 128), backend="xla")
+  with jax.set_mesh(mesh):
+    for call in (lambda: pallas_gemm.quantize(x, E4M3, backend="mosaic"),
+                 lambda: pallas_gemm.scaled_matmul(
+                     *pallas_gemm.quantize(x, E4M3, backend="xla")[:1], w8,
+                     pallas_gemm.quantize(x, E4M3, backend="xla")[1], ws, backend="mosaic"),
+                 lambda: pallas_gemm.scaled_ragged_dot(
+                     *pallas_gemm.quantize(x, E4M3, backend="xla")[:1], w8[None],
+                     jnp.asarray([64], jnp.int32), pallas_gemm.quantize(x, E4M3)[1],
+                     ws[None], backend="mosaic")):
+      with pytest.raises(ValueError, match="sharded over Explicit mesh axes"):
+        call()
+    x8, xs = jax.jit(lambda x: pallas_gemm.quantize(x, E4M3))(x)
+    got = jax.jit(lambda a, s: pallas_gemm.scaled_matmul(a, w8, s, ws))(x8, xs)
+  want_x8, want_xs = pallas_gemm.quantize(jnp.asarray(x), E4M3, backend="xla")
+  np.testing.assert_array_equal(np.asarray(xs), np.asarray(want_xs))
+  want = pallas_gemm.scaled_matmul(want_x8, w8, want_xs, ws, backend="xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

@@ -5,6 +5,7 @@ rule of a kernel call indexed like an einsum (the fp8 family's)."""
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import numpy as np
@@ -28,6 +29,21 @@ def spec_axes(sharding, ndim: int) -> list[tuple[str, ...]]:
 def entry(names: tuple[str, ...]):
   """The PartitionSpec entry of a tuple of mesh axes."""
   return None if not names else names[0] if len(names) == 1 else names
+
+
+def explicitly_sharded(x) -> bool:
+  """Whether x's type is sharded over Explicit mesh axes (jax.sharding.AxisType.Explicit)."""
+  return any(axes is not None for axes in jax.typeof(x).sharding.spec)
+
+
+def explicit_reason(*operands) -> str | None:
+  """Why a Pallas kernel cannot take these operands as they are typed, or None: under
+  Explicit mesh axes sharding is part of the type, and a kernel traced on sharded Refs
+  fails (Pallas slices only unsharded axes). The XLA paths type their results there."""
+  if any(explicitly_sharded(x) for x in operands if x is not None):
+    return ("an operand is sharded over Explicit mesh axes (jax.sharding.AxisType.Explicit),"
+            " where the Pallas kernels do not run; under Auto axes they run partitioned")
+  return None
 
 
 def size(mesh, names) -> int:
@@ -117,11 +133,26 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), whole=(), align
     out_specs = tuple(named(mesh, dims, chosen) for dims in result_labels)
     return mesh, local, out_specs, arg_specs
 
-  call = custom_partitioning(lambda *args: fn(
-      *args, partial=False, start=lambda f: jax.numpy.zeros((), jax.numpy.int32)))
+  def whole_call(*args):
+    return fn(*args, partial=False, start=lambda f: jax.numpy.zeros((), jax.numpy.int32))
+
+  call = custom_partitioning(whole_call)
   rule, kinds = _shardy_rule(shapes, labels, result_labels, reduce, whole)
   call.def_partition(partition=partition, sharding_rule=rule, **kinds)
-  return call
+
+  # custom_partitioning has no batching rule: under vmap (also of an inner jit, scan or
+  # checkpoint) the call runs unpartitioned, batched as fn batches.
+  @jax.custom_batching.custom_vmap
+  def batchable(*args):
+    return call(*args)
+
+  @batchable.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    del axis_size
+    outs = jax.vmap(whole_call, in_axes=[0 if b else None for b in in_batched])(*args)
+    return outs, tuple(True for _ in outs)
+
+  return batchable
 
 
 def _shardy_rule(shapes, labels, result_labels, reduce, whole):
@@ -136,8 +167,9 @@ def _shardy_rule(shapes, labels, result_labels, reduce, whole):
     for d in dims:
       if d is not None and d[1] > 1:
         pers.setdefault(d[0], set()).add(d[1])
+  # Shardy refuses a compound factor with a part of size 1: one block of `per` is not.
   compound = {f: next(iter(p)) for f, p in pers.items()
-              if len(p) == 1 and extent[f] % next(iter(p)) == 0}
+              if len(p) == 1 and extent[f] % next(iter(p)) == 0 and extent[f] > next(iter(p))}
   letters = {f: f"f{i}" for i, f in enumerate(extent)}
   alone = []
 
@@ -155,6 +187,11 @@ def _shardy_rule(shapes, labels, result_labels, reduce, whole):
   reduced = [letters[f] for f in reduce if f in letters]
   reduced += [letters[f] + "p" for f in reduce if f in compound]
   alone += [letters[f] for f in whole if f in letters]
+  # Shardy numbers factors as they first appear and wants each kind's list in that order.
+  order = {}
+  for name in re.findall(r"[a-z]\d+p?", rule):
+    order.setdefault(name, len(order))
+  reduced, alone = sorted(reduced, key=order.get), sorted(alone, key=order.get)
   kinds = dict(reduction_factors=tuple(reduced), need_replication_factors=tuple(alone),
                **{letters[f] + "p": p for f, p in compound.items()})
   return rule, kinds

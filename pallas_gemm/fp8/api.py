@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from pallas_gemm.fp8 import checks, partition, scales
-from pallas_gemm.core import primitive
+from pallas_gemm.core import primitive, sharding
 from pallas_gemm.mgpu import hw
 from pallas_gemm.fp8 import xla as _xla
 
@@ -131,7 +131,8 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
   lhs, rhs, lhs_scales, rhs_scales = args
   (b, m, k), n = lhs.shape, rhs.shape[1]
   backend = checks.choose(backend, config, _kernel_reason(lhs_layout, k, "lhs_scales")
-                    or _kernel_reason(rhs_layout, k, "rhs_scales"))
+                         or _kernel_reason(rhs_layout, k, "rhs_scales")
+                         or sharding.explicit_reason(*args))
 
   if min(b, m, n) == 0 or k == 0:  # nothing to compute, or the empty sum
     out = jnp.zeros((b, m, n), out_dtype)

@@ -41,6 +41,8 @@ def _scale_labels(s, rows: int, k: int, rows_factor: str):
   _, r, kk = s.shape
   if r == rows:
     row = (rows_factor, 1)
+  elif r == 1 and kk == 1:  # per tensor (one row block of <= 128 rows looks the same)
+    row = None
   elif r == -(-rows // BLOCK):
     row = (rows_factor, BLOCK)
   else:  # one scale for every row
@@ -94,6 +96,7 @@ def ragged_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype)
   def shard(lhs, rhs, sizes, ls, rs, *, partial, start):
     rows = lhs.shape[0]
     if rows != m:  # this device's rows: the groups cut to them, in its own row numbers
+      # (a negative size, which no valid call has, counts as 0 here)
       ends = jnp.cumsum(jnp.maximum(sizes.astype(jnp.int32), 0))
       local_ends = jnp.clip(ends - start("m"), 0, rows)
       sizes = jnp.diff(local_ends, prepend=jnp.zeros((1,), jnp.int32))

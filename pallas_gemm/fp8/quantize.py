@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.core import primitive
+from pallas_gemm.core import primitive, sharding
 from pallas_gemm.fp8 import checks, mosaic_quantize, partition
 from pallas_gemm.fp8.scales import (FP8_DTYPES, INPUT_DTYPES, ROW_BLOCK, pow2, saturation,
                                      scale_exponent)
@@ -58,14 +58,15 @@ def _kernel_reason(block, rows: int) -> str | None:
   return None
 
 
-def _choose(backend, block, rows: int, k: int) -> str:
+def _choose(backend, block, rows: int, k: int, x) -> str:
   """The quantize backend for a validated call: "xla" or "mosaic" (see `quantize`), as
   scaled_matmul chooses (`checks.choose`); an empty x takes xla under any backend."""
   if backend not in (*checks.BACKENDS, "auto"):
     raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
   if rows == 0 or k == 0:  # nothing to compute
     return "xla"
-  return checks.choose(backend, None, _kernel_reason(block, rows))
+  return checks.choose(backend, None,
+                       _kernel_reason(block, rows) or sharding.explicit_reason(x))
 
 
 def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"):
@@ -119,7 +120,7 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
   x3 = jnp.asarray(x)[None] if squeeze else jnp.asarray(x)
   b, m, k = x3.shape
   block = _block(block_shape, m, k)
-  if _choose(backend, block[:2], b * m, k) == "mosaic":
+  if _choose(backend, block[:2], b * m, k, x3) == "mosaic":
     interpret = not hw.on_gpu()
 
     def kernel(x2):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.fp8 import checks, partition, scales
-from pallas_gemm.core import primitive
+from pallas_gemm.core import primitive, sharding
 from pallas_gemm.mgpu import hw
 
 BLOCK = 128  # the scale block along K, and a weight block's rows
@@ -79,8 +79,9 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
   """
   m, k, n, g = _validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales)
   out_dtype = checks.out_dtype(preferred_element_type)
-  backend = checks.choose(backend, config, None)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  backend = checks.choose(backend, config, sharding.explicit_reason(
+      lhs, rhs, group_sizes, lhs_scales, rhs_scales))
   ls, rs = (jnp.asarray(s).astype(jnp.float32) for s in (lhs_scales, rhs_scales))
   sizes = jnp.asarray(group_sizes).astype(jnp.int32)
   if min(m, n, g) == 0 or k == 0:

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.core import epilogue
+from pallas_gemm.core import epilogue, sharding
 from pallas_gemm.core.checks import SUPPORTED_DTYPES, dtype_of
 from pallas_gemm.matmul import auto, op
 from pallas_gemm.mgpu import hw
@@ -41,9 +41,7 @@ def _static_float(x, name: str) -> float:
     raise ValueError(f"{name} must fit in a float; got {x!r}") from None
 
 
-def explicitly_sharded(x) -> bool:
-  """Whether x's type is sharded over Explicit mesh axes (jax.sharding.AxisType.Explicit)."""
-  return any(axes is not None for axes in jax.typeof(x).sharding.spec)
+explicitly_sharded = sharding.explicitly_sharded
 
 
 def _explicit_mode_gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision,
