@@ -193,12 +193,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     if quantized:
       raise ValueError("expert parallelism runs bf16/f16/f32 experts; fp8 expert pairs run"
                        " on one device (expert_axis=None, weights not sharded on E)")
-    if fp8_training and axis is not None:
-      raise ValueError('precision="fp8" runs data parallel or on one device; expert'
-                       " parallelism exchanges bf16 rows only")
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
                        data_axes=data, exchange=exchange, chunks=int(exchange_chunks),
-                       layer_fn=one_device)
+                       layer_fn=one_device,
+                       experts_fn=fp8.experts_fp8_train if fp8_training else layer.experts)
     return out.reshape((*lead, d))
   d_ = layer.dispatch(ids2, e)
   if quantized:

@@ -95,6 +95,29 @@ def _product(plan: layer.Plan, group_sizes, dtype, transpose: bool):
   return product
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def experts_fp8_train(plan: layer.Plan, xs, w_gate_up, w_down, group_sizes):
+  """`layer.experts` with the training form's fp8 GEMMs: y (R, D) of rows xs (R, D)
+  sorted by group (the expert-parallel layer's received rows)."""
+  return _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes)[0]
+
+
+def _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes):
+  y, h = layer.experts_forward(plan, xs, w_gate_up, w_down, group_sizes,
+                               _product(plan, group_sizes, xs.dtype, transpose=False))
+  return y, (xs, h, w_gate_up, w_down, group_sizes)
+
+
+def _experts_train_bwd(plan, residuals, dy):
+  xs, h, w_gate_up, w_down, group_sizes = residuals
+  return (*layer.experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy,
+                                  _product(plan, group_sizes, xs.dtype, transpose=True)),
+          None)
+
+
+experts_fp8_train.defvjp(_experts_train_fwd, _experts_train_bwd)
+
+
 def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
   y, h = layer.experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes,
                                _product(plan, d.group_sizes, x.dtype, transpose=False))

@@ -230,7 +230,7 @@ def exchange_plan(counts, me, n: int, experts_local: int, exchange: str):
 
 
 def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
-          exchange: str, chunks: int = 1):
+          exchange: str, chunks: int = 1, experts_fn=layer.experts):
   """The expert-parallel layer on one device's shard, inside a manual `axis`: x (T_l, D),
   topk_* (T_l, k) with global expert ids, w_* this device's E_l experts. (T_l, D).
 
@@ -238,14 +238,15 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   at most one, the same on every device, so the exchanges of a chunk pair up), each run
   through steps 1-6 on its own: no chunk's values depend on another's, so XLA may run one
   chunk's exchanges while another's GEMMs run. Each chunk's receive buffer is n * R / chunks
-  rows; the weight gradients are the sum of the chunks'."""
+  rows; the weight gradients are the sum of the chunks'. experts_fn: step 4
+  (`layer.experts`, or the fp8 training form's `fp8.experts_fp8_train`)."""
   t = x.shape[0]
   chunks = max(1, min(chunks, t))
   if chunks > 1:
     bounds = [t * i // chunks for i in range(chunks + 1)]
     return jnp.concatenate([
         local(plan, x[a:b], topk_weights[a:b], topk_ids[a:b], w_gate_up, w_down, axis=axis,
-              exchange=exchange)
+              exchange=exchange, experts_fn=experts_fn)
         for a, b in zip(bounds[:-1], bounds[1:])])
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
@@ -262,7 +263,7 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   buffer = _varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), manual)
   received = exchange_fn(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
                   axis_name=axis)                                       # step 3
-  y = layer.experts(plan, received, w_gate_up, w_down, group_sizes)    # step 4
+  y = experts_fn(plan, received, w_gate_up, w_down, group_sizes)       # step 4
   back = exchange_fn(y, _varying(jnp.zeros_like(xs), manual), recv_off, recv_sizes,
                      return_off, send_sizes, axis_name=axis)            # step 5
   return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)     # step 6
@@ -303,7 +304,7 @@ def _mesh_with(names: tuple[str, ...], arrays):
 
 def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
         axis: str | None, data_axes: tuple[str, ...] = (), exchange: str = "auto",
-        chunks: int = 1, layer_fn=layer.layer):
+        chunks: int = 1, layer_fn=layer.layer, experts_fn=layer.experts):
   """The layer on x (T, D) with its tokens split over data_axes + (axis,) and, with an
   expert axis, the experts over it. Inside a manual `axis`: this device's shard
   (`local`). Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`,
@@ -313,7 +314,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   mesh = _mesh_with(names, (w_down, x))
   if axis is not None and axis in mesh.manual_axes:
     return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
-                 exchange=exchange, chunks=chunks)
+                 exchange=exchange, chunks=chunks, experts_fn=experts_fn)
   if axis is not None and w_down.shape[0] % mesh.shape[axis]:
     raise ValueError(f"expert parallelism over {axis!r} ({mesh.shape[axis]} devices)"
                      f" splits the experts evenly; got E = {w_down.shape[0]}")
@@ -341,7 +342,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
       return layer_fn(plan, x, weights, w_gate_up, w_down,
                       layer.dispatch(ids, w_down.shape[0]))
     return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange,
-                 chunks=chunks)
+                 chunks=chunks, experts_fn=experts_fn)
 
   # Manual over every axis of the mesh (values are replicated over the axes not named):
   # a partly manual shard_map leaves the grouped GEMM's partitioning and lax's sharding
