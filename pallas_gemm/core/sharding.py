@@ -31,6 +31,20 @@ def entry(names: tuple[str, ...]):
   return None if not names else names[0] if len(names) == 1 else names
 
 
+def varying_axes(a) -> frozenset:
+  """The jax.shard_map manual axes a's value varies over (its type's)."""
+  aval = jax.typeof(a)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.11-0.12; `vma` before
+  return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
+def cast_varying(a, axes):
+  """a typed as varying over these manual axes (a name or a tuple of them) too."""
+  missing = tuple(x for x in ((axes,) if isinstance(axes, str) else axes)
+                  if x not in varying_axes(a))
+  return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+
 def explicitly_sharded(x) -> bool:
   """Whether x's type is sharded over Explicit mesh axes (jax.sharding.AxisType.Explicit)."""
   return any(axes is not None for axes in jax.typeof(x).sharding.spec)
@@ -63,14 +77,16 @@ def size(mesh, names) -> int:
 # summed over their axes (one psum).
 
 
+def _extents(labels, shapes) -> dict:
+  """{factor: its extent}, read off the operand dims that hold one entry per unit of it."""
+  return {d[0]: n for dims, shape in zip(labels, shapes) for d, n in zip(dims, shape)
+          if d is not None and d[1] == 1}
+
+
 def _choose_axes(mesh, labels, shapes, result_labels, result_shardings, arg_shardings, align,
                  whole=()):
   """{factor: the mesh axes it splits over} (the comment above); an axis serves one factor."""
-  extent = {}
-  for dims, shape in zip(labels, shapes):
-    for label, n in zip(dims, shape):
-      if label is not None and label[1] == 1:
-        extent[label[0]] = n
+  extent = _extents(labels, shapes)
   sources = {f: [] for f in extent}
   for dims_list, shardings in ((labels, arg_shardings), (result_labels, result_shardings)):
     for dims, s in zip(dims_list, shardings):
@@ -114,8 +130,7 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), whole=(), align
                           [r.sharding for r in results], [a.sharding for a in arg_shapes],
                           align, whole)
     summed = tuple(x for f in reduce for x in chosen.get(f, ()))
-    extent = {d[0]: n for dims, a in zip(labels, arg_shapes) for d, n in zip(dims, a.shape)
-              if d is not None and d[1] == 1}
+    extent = _extents(labels, [a.shape for a in arg_shapes])
 
     def start(factor):
       names = chosen.get(factor, ())
@@ -160,8 +175,7 @@ def _shardy_rule(shapes, labels, result_labels, reduce, whole):
   dimension holds in blocks of `per` (K = K/128 blocks x 128) is the compound (F Fp) where
   it is whole, F where blocked, so both split together; other blocked or None dims are
   factors of their own that propagation leaves whole (the partition decides them)."""
-  extent = {d[0]: n for dims, shape in zip(labels, shapes) for d, n in zip(dims, shape)
-            if d is not None and d[1] == 1}
+  extent = _extents(labels, shapes)
   pers = {}
   for dims in (*labels, *result_labels):
     for d in dims:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.core import primitive
+from pallas_gemm.core import primitive, sharding
 from pallas_gemm.mgpu import hw
 
 
@@ -45,11 +45,6 @@ def warpgroup_kernel(body, *, out_type, num_ctas: int, num_compute_wgs: int,
   )
 
 
-def _varying(a) -> frozenset:
-  manual = getattr(jax.typeof(a), "manual_axis_type", None)
-  return manual.varying if manual is not None else frozenset()
-
-
 # A kernel called on values that vary over jax.shard_map's manual axes (a family that calls
 # its kernels without a primitive of its own, inside a user's or moe_mlp's shard_map):
 # Pallas traces kernels on unvarying Refs only, so the kernel becomes this primitive,
@@ -82,11 +77,10 @@ def call(kernel, *operands, interpret):
   """kernel(*operands); interpret: False, True, or the interpreter's parameters
   (plgpu.InterpretGPUParams, e.g. detect_races=True) to run it in on the CPU."""
   if not interpret:
-    axes = frozenset().union(*(_varying(a) for a in operands))
+    axes = tuple(sorted(frozenset().union(*map(sharding.varying_axes, operands))))
     if not axes:
       return kernel(*operands)
-    operands = [jax.lax.pcast(a, tuple(sorted(axes - _varying(a))), to="varying")
-                if axes - _varying(a) else a for a in operands]
+    operands = [sharding.cast_varying(a, axes) for a in operands]
     plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
       out = jax.eval_shape(kernel, *plain)

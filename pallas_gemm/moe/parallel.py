@@ -179,23 +179,6 @@ def _pieces(offsets, sizes, pieces: int):
           (bounds[:, 1:] - bounds[:, :-1]).reshape(-1))
 
 
-def _vary(a) -> frozenset:
-  """The manual axes a's value varies over (its type's)."""
-  aval = jax.typeof(a)
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.11-0.12; `vma` before
-  return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
-
-
-def _varying(a, axes):
-  """a typed as varying over the manual axes (a name or a tuple of them): a fresh buffer,
-  the same on every device, that rows varying over them fill; or weights whole on every
-  device of a data-parallel axis, whose gradient the transpose of this cast then sums
-  over it."""
-  missing = tuple(x for x in ((axes,) if isinstance(axes, str) else axes)
-                  if x not in _vary(a))
-  return jax.lax.pcast(a, missing, to="varying") if missing else a
-
-
 def move(name: str):
   """The exchange function of that name, with ragged_all_to_all's signature."""
   if name == "ragged":
@@ -259,13 +242,13 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = offsets
   exchange_fn = move(exchange)
   # Fresh buffers vary as the rows that fill them do.
-  manual = tuple(sorted(_vary(xs) | {axis}))
-  buffer = _varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), manual)
+  manual = tuple(sorted(sharding.varying_axes(xs) | {axis}))
+  buffer = sharding.cast_varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), manual)
   received = exchange_fn(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
-                  axis_name=axis)                                       # step 3
+                         axis_name=axis)                                # step 3
   y = experts_fn(plan, received, w_gate_up, w_down, group_sizes)       # step 4
-  back = exchange_fn(y, _varying(jnp.zeros_like(xs), manual), recv_off, recv_sizes,
-                     return_off, send_sizes, axis_name=axis)            # step 5
+  back = exchange_fn(y, sharding.cast_varying(jnp.zeros_like(xs), manual), recv_off,
+                     recv_sizes, return_off, send_sizes, axis_name=axis)  # step 5
   return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)     # step 6
 
 
@@ -337,7 +320,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   def body(x, weights, ids, w_gate_up, w_down):
     # The weights are whole on every device of a data axis; the cast makes their
     # gradients the sum over those devices.
-    w_gate_up, w_down = (_varying(w, data_axes) for w in (w_gate_up, w_down))
+    w_gate_up, w_down = (sharding.cast_varying(w, data_axes) for w in (w_gate_up, w_down))
     if axis is None:
       return layer_fn(plan, x, weights, w_gate_up, w_down,
                       layer.dispatch(ids, w_down.shape[0]))
