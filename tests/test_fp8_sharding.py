@@ -63,7 +63,7 @@ def test_scaled_gemm_shards(rng, layout, split, rhs_blocks, out_dtype):
     split = {key: v for key, v in split.items() if key != "rs"}
   placed = [jax.device_put(a, NamedSharding(mesh, split.get(name, P())))
             for name, a in zip(names, args)]
-  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, out_dtype))
+  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, out_dtype, interpret=False))
   got = f(*placed)
   want = _xla_gemm(*args, out_dtype)
   assert got.dtype == want.dtype and got.shape == want.shape
@@ -83,7 +83,7 @@ def test_splits_that_do_not_divide_are_not_made(rng):
   args = _operands(rng, 1, 16, 192, 256, True)
   placed = [jax.device_put(a, NamedSharding(mesh, P(None, "y") if i == 1 else P()))
             for i, a in enumerate(args)]
-  got = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32))(*placed)
+  got = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32, interpret=False))(*placed)
   np.testing.assert_allclose(np.asarray(got), np.asarray(_xla_gemm(*args, jnp.float32)),
                              rtol=1e-6, atol=1e-6)
 
@@ -96,7 +96,7 @@ def test_one_block_dims(rng, n, k):
   args = _operands(rng, 1, 64, n, k, True)
   placed = [jax.device_put(a, NamedSharding(mesh, P(None, "y") if i in (0, 2) else P()))
             for i, a in enumerate(args)]
-  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32))
+  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32, interpret=False))
   np.testing.assert_allclose(np.asarray(f(*placed)), np.asarray(_xla_gemm(*args, jnp.float32)),
                              rtol=1e-6, atol=1e-6)
   assert not GATHER.search(f.lower(*placed).compile().as_text())
@@ -105,11 +105,12 @@ def test_one_block_dims(rng, n, k):
   rag = [args[0][0], two(args[1]), sizes, args[2][0], two(args[3])]
   placed = [jax.device_put(a, NamedSharding(mesh, P("y") if i in (0, 3) else P()))
             for i, a in enumerate(rag)]
-  g = jax.jit(lambda *a: partition.ragged_gemm(_xla_ragged, *a, jnp.float32))
+  g = jax.jit(lambda *a: partition.ragged_gemm(_xla_ragged, *a, jnp.float32, interpret=False))
   np.testing.assert_allclose(np.asarray(g(*placed)), np.asarray(_xla_ragged(*rag, jnp.float32)),
                              rtol=1e-6, atol=1e-6)
   x = jax.device_put(jnp.asarray(random(rng, (64, k), np.float32)), NamedSharding(mesh, P("y")))
-  values, scales = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize))(x)
+  quantize = functools.partial(partition.quantize_rows, _xla_quantize, interpret=False)
+  values, scales = jax.jit(quantize)(x)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(_xla_quantize(x)[1]))
 
 
@@ -123,7 +124,7 @@ def test_per_tensor_scales_split_with_any_rows(rng):
   args = (lhs8, rhs8, ls, rs)
   placed = [jax.device_put(a, NamedSharding(mesh, P(None, "y") if i == 0 else P()))
             for i, a in enumerate(args)]
-  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32))
+  f = jax.jit(lambda *a: partition.gemm(_xla_gemm, *a, jnp.float32, interpret=False))
   np.testing.assert_allclose(np.asarray(f(*placed)), np.asarray(_xla_gemm(*args, jnp.float32)),
                              rtol=1e-6, atol=1e-6)
   assert not GATHER.search(f.lower(*placed).compile().as_text())
@@ -154,7 +155,7 @@ def test_scaled_ragged_gemm_shards(rng, layout, split):
   args = dict(lhs=lhs8, rhs=rhs8, sizes=sizes, ls=ls, rs=rs)
   placed = [jax.device_put(a, NamedSharding(mesh, split.get(name, P())))
             for name, a in args.items()]
-  f = jax.jit(lambda *a: partition.ragged_gemm(_xla_ragged, *a, jnp.float32))
+  f = jax.jit(lambda *a: partition.ragged_gemm(_xla_ragged, *a, jnp.float32, interpret=False))
   got = f(*placed)
   want = _xla_ragged(*args.values(), jnp.float32)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
@@ -173,7 +174,7 @@ def test_quantize_rows_shards(rng, spec):
   mesh = _mesh()
   x = jnp.asarray(random(rng, (64, 512), np.float32)).astype(jnp.bfloat16)
   placed = jax.device_put(x, NamedSharding(mesh, spec))
-  f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize))
+  f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize, interpret=False))
   values, scales = f(placed)
   want_values, want_scales = _xla_quantize(x)
   np.testing.assert_array_equal(np.asarray(values, np.float32),

@@ -149,8 +149,5 @@ def scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.f
         return checks.mosaic_module().scaled_gemm(lhs, rhs, ls, rs, out_dtype=out_dtype,
                                                   config=config, interpret=interpret)
 
-    if interpret or not partition.available(lhs, rhs, ls, rs):
-      out = kernel(lhs, rhs, ls, rs, out_dtype)
-    else:
-      out = partition.gemm(kernel, lhs, rhs, ls, rs, out_dtype)
+    out = partition.gemm(kernel, lhs, rhs, ls, rs, out_dtype, interpret=interpret)
   return out[0] if squeeze else out

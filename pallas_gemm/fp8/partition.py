@@ -11,29 +11,26 @@ partitioned`), where XLA would otherwise gather every operand of a Mosaic kernel
   and K in multiples of 128, values and scales with it; no communication.
 A split that does not divide so is not made: that factor is whole on every device.
 
-Not used inside jax.shard_map (there the values are already shards: `mgpu/launch.call`),
-under vmap, nor in interpret mode (the Mosaic GPU interpreter's ordered effects cannot be partitioned).
+Each takes the kernel call `local` and `interpret`, and runs `local` as it is in interpret mode
+(the Mosaic GPU interpreter's ordered effects cannot be partitioned) and inside
+jax.shard_map (there the values are already shards: `mgpu/launch.call`); under vmap the
+partitioned call runs it unpartitioned, batched (`sharding.partitioned`).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-# Private but stable since jax 0.4: the public jax.interpreters.batching has no tracer type,
-# and a batched value is told apart by it alone.
-from jax._src.interpreters import batching
 
 from pallas_gemm.core import sharding
 
 BLOCK = 128
 
 
-def available(*operands) -> bool:
-  """Whether a call on these operands may be partitioned: not inside a shard_map's manual
-  axes, and not under vmap (custom_partitioning has no batching rule; a batched call
-  runs the kernel directly, which batches itself)."""
-  return not (jax.sharding.get_abstract_mesh().manual_axes
-              or any(isinstance(x, batching.BatchTracer) for x in operands))
+def _direct(interpret) -> bool:
+  """Whether the kernel runs as called, unpartitioned: in interpret mode, or inside a
+  shard_map's manual axes. (Under vmap, `sharding.partitioned` runs it so itself.)"""
+  return bool(interpret) or bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def _scale_labels(s, rows: int, k: int, rows_factor: str):
@@ -51,8 +48,10 @@ def _scale_labels(s, rows: int, k: int, rows_factor: str):
   return (("b", 1), row, col)
 
 
-def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype):
+def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype, *, interpret):
   """local(lhs, rhs, ls, rs, out_dtype) -> (B, M, N), run per shard (module docstring)."""
+  if _direct(interpret):
+    return local(lhs, rhs, lhs_scales, rhs_scales, out_dtype)
   (_, m, k), n = lhs.shape, rhs.shape[1]
   labels = ((("b", 1), ("m", 1), ("k", 1)), (("b", 1), ("n", 1), ("k", 1)),
             _scale_labels(lhs_scales, m, k, "m"), _scale_labels(rhs_scales, n, k, "n"))
@@ -68,8 +67,10 @@ def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype):
   return call(lhs, rhs, lhs_scales, rhs_scales)[0]
 
 
-def quantize_rows(local, x):
+def quantize_rows(local, x, *, interpret):
   """local(x (R, K)) -> (values, scales (R, K/128)), run per shard (module docstring)."""
+  if _direct(interpret):
+    return tuple(local(x))
   labels = ((("r", 1), ("k", 1)),)
   results = ((("r", 1), ("k", 1)), (("r", 1), ("k", BLOCK)))
 
@@ -82,13 +83,16 @@ def quantize_rows(local, x):
   return tuple(call(x))
 
 
-def ragged_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype):
+def ragged_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype, *,
+                interpret):
   """local(lhs, rhs, group_sizes, ls, rs, out_dtype) -> (M, N) (scaled_ragged_dot's
   kernel), run per shard: lhs (M, K), rhs (G, N, K), group_sizes (G,), ls (M, K/128), rs
   (G, ceil(N/128), K/128). M splits with no communication (each device's rows, the
   groups cut to its row window), N in multiples of 128 (whole weight blocks) likewise,
   K in multiples of 128 with one f32 all-reduce. G (expert parallel) is not split: the
   groups' weights are gathered (`moe_mlp` runs expert parallelism itself)."""
+  if _direct(interpret):
+    return local(lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype)
   m, k = lhs.shape
   labels = ((("m", 1), ("k", 1)), (("g", 1), ("n", 1), ("k", 1)), (("g", 1),),
             (("m", 1), ("k", BLOCK)), (("g", 1), ("n", BLOCK), ("k", BLOCK)))

@@ -127,11 +127,8 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
       with primitive.kernel_x64("mosaic"):
         return mosaic_quantize.quantize_rows(x2, dtype, interpret=interpret)
 
-    x2 = x3.reshape(b * m, k)
-    if interpret or not partition.available(x2):
-      values, scales = kernel(x2)
-    else:
-      values, scales = partition.quantize_rows(kernel, x2)
+    values, scales = partition.quantize_rows(kernel, x3.reshape(b * m, k),
+                                             interpret=interpret)
     values, scales = values.reshape(b, m, k), scales.reshape(b, m, k // 128)
   else:
     values, scales = _quantize(x3, dtype=dtype, block=block)

@@ -102,6 +102,5 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
       return mosaic_ragged.ragged_gemm(lhs, rhs, sizes, ls, rs, out_dtype=out_dtype,
                                        config=config, interpret=interpret)
 
-  if interpret or not partition.available(lhs, rhs, sizes, ls, rs):
-    return kernel(lhs, rhs, sizes, ls, rs, out_dtype)
-  return partition.ragged_gemm(kernel, lhs, rhs, sizes, ls, rs, out_dtype)
+  return partition.ragged_gemm(kernel, lhs, rhs, sizes, ls, rs, out_dtype,
+                               interpret=interpret)

@@ -41,9 +41,6 @@ def _static_float(x, name: str) -> float:
     raise ValueError(f"{name} must fit in a float; got {x!r}") from None
 
 
-explicitly_sharded = sharding.explicitly_sharded
-
-
 def _explicit_mode_gemm(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision,
                         out_dtype, bias, activation, a_activation):
   """The GEMM as jnp ops, for operands sharded over Explicit mesh axes.
@@ -198,7 +195,7 @@ def gemm_call(a, b, c, *, alpha, beta, transpose_a, transpose_b, precision, out_
   elif not isinstance(interpret, (bool, np.bool_)):
     raise TypeError(f"interpret must be None or a bool; got {type(interpret).__name__}")
 
-  if any(explicitly_sharded(x) for x in (a, b, c, bias) if x is not None):
+  if any(sharding.explicitly_sharded(x) for x in (a, b, c, bias) if x is not None):
     if backend not in ("auto", "xla") or config is not None:
       raise ValueError(
           f"backend={backend!r}: an operand is sharded over Explicit mesh axes "

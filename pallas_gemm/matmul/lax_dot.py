@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.matmul import api
-from pallas_gemm.core import precision as _precisions
+from pallas_gemm.core import precision as _precisions, sharding
 
 # Reason -> how many dot_general calls (traces) went to jax.lax.dot_general instead of gemm.
 FALLBACKS: collections.Counter[str] = collections.Counter()
@@ -154,7 +154,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
   ok, gemm_precision = _gemm_precision(precision, jnp.promote_types(lhs.dtype, rhs.dtype))
   if not ok:
     return _fallback("precision", lhs, rhs, *args)
-  if api.explicitly_sharded(lhs) or api.explicitly_sharded(rhs):
+  if sharding.explicitly_sharded(lhs) or sharding.explicitly_sharded(rhs):
     return _fallback("explicit sharding", lhs, rhs, *args)
 
   (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = (

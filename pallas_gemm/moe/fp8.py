@@ -102,25 +102,33 @@ def experts_fp8_train(plan: layer.Plan, xs, w_gate_up, w_down, group_sizes):
   return _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes)[0]
 
 
-def _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes):
-  y, h = layer.experts_forward(plan, xs, w_gate_up, w_down, group_sizes,
+def _forward8(plan, xs, w_gate_up, w_down, group_sizes):
+  """(y, h): the experts' forward on rows xs with the fp8 products."""
+  return layer.experts_forward(plan, xs, w_gate_up, w_down, group_sizes,
                                _product(plan, group_sizes, xs.dtype, transpose=False))
+
+
+def _backward8(plan, xs, h, w_gate_up, w_down, group_sizes, dy):
+  """(dxs, dw_gate_up, dw_down): the experts' backward with the fp8 input-gradient
+  products."""
+  return layer.experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy,
+                                _product(plan, group_sizes, xs.dtype, transpose=True))
+
+
+def _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes):
+  y, h = _forward8(plan, xs, w_gate_up, w_down, group_sizes)
   return y, (xs, h, w_gate_up, w_down, group_sizes)
 
 
 def _experts_train_bwd(plan, residuals, dy):
-  xs, h, w_gate_up, w_down, group_sizes = residuals
-  return (*layer.experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy,
-                                  _product(plan, group_sizes, xs.dtype, transpose=True)),
-          None)
+  return (*_backward8(plan, *residuals, dy), None)  # group_sizes: no cotangent
 
 
 experts_fp8_train.defvjp(_experts_train_fwd, _experts_train_bwd)
 
 
 def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
-  y, h = layer.experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes,
-                               _product(plan, d.group_sizes, x.dtype, transpose=False))
+  y, h = _forward8(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
   return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
@@ -139,9 +147,8 @@ def _train_fwd(plan, x, topk_weights, w_gate_up, w_down, d):
 def _train_bwd(plan, residuals, g):
   x, topk_weights, w_gate_up, w_down, d, h, y = residuals
   dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
-  dxs, dw_gate_up, dw_down = layer.experts_backward(
-      plan, x[d.token], h, w_gate_up, w_down, d.group_sizes, dy,
-      _product(plan, d.group_sizes, x.dtype, transpose=True))
+  dxs, dw_gate_up, dw_down = _backward8(plan, x[d.token], h, w_gate_up, w_down,
+                                        d.group_sizes, dy)
   dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down, None
 
