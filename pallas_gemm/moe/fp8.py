@@ -16,9 +16,11 @@ The training form (`layer_fp8_train`) quantizes with current scaling in every ca
 treats quantization as the identity in its gradients (straight through):
 - forward: both grouped GEMMs in fp8, e4m3, the weights quantized K-major as
   `quantize_experts` makes them;
-- input gradients: both in fp8, the cotangents quantized to e4m3 in 1x128 blocks.
-  w_gate_up (E, D, 2F) and w_down (E, F, D) are already K-major for these products, so
-  their 128x128 blocks are quantized as they lie, with no transpose;
+- input gradients: both in fp8, the cotangents quantized to e4m3 in 1x128 blocks, the
+  weights the forward's fp8 copies transposed: a 128x128 block holds the same values
+  read either way, so its scale is the same too, and each weight is quantized once per
+  step (as `fp8_dot_general` does), its fp8 copy kept for the backward (half the
+  weight's bytes in bf16);
 - weight gradients: in the weights' dtype on the bf16 weight-gradient kernel, as
   `fp8_dot_general(wgrad="input")`, the faster dense step.
 D and F must be multiples of 128, the scale blocks along every contraction.
@@ -85,14 +87,24 @@ def _bwd(plan, residuals, g):
 layer_fp8.defvjp(_fwd, _bwd)
 
 
-def _product(plan: layer.Plan, group_sizes, dtype, transpose: bool):
-  """rows @ w[e] (or @ w[e]^T) per group in fp8: w quantized to e4m3 K-major, in 128x128
-  blocks (w_gate_up (E, D, 2F) and w_down (E, F, D) are K-major as they lie for ^T)."""
-  def product(rows, w):
-    w8, w_scales = _quantize_weight(w if transpose else jnp.swapaxes(w, 1, 2),
-                                    jnp.float8_e4m3fn)
-    return _gemm(plan, rows, w8, w_scales, group_sizes, dtype)
-  return product
+def _quantize_k_major(w):
+  """(values, scales) of a weight w (E, K, N), K the forward's contraction: e4m3 values
+  K-major, (E, N, K), with 128x128 block scales (E, N/128, K/128), as quantize_experts
+  makes them."""
+  return _quantize_weight(jnp.swapaxes(w, 1, 2), jnp.float8_e4m3fn)
+
+
+def _transposed(q):
+  """A quantized weight read along its other axis, for rows @ w[e]^T: the same fp8
+  numbers and block scales, swapped (a 128x128 block's amax does not depend on the
+  direction it is read in)."""
+  values, scales = q
+  return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+
+
+def _product(plan: layer.Plan, group_sizes, dtype):
+  """rows @ w[e] per group in fp8, w a K-major quantized pair (values, scales)."""
+  return lambda rows, q: _gemm(plan, rows, *q, group_sizes, dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -103,21 +115,27 @@ def experts_fp8_train(plan: layer.Plan, xs, w_gate_up, w_down, group_sizes):
 
 
 def _forward8(plan, xs, w_gate_up, w_down, group_sizes):
-  """(y, h): the experts' forward on rows xs with the fp8 products."""
-  return layer.experts_forward(plan, xs, w_gate_up, w_down, group_sizes,
-                               _product(plan, group_sizes, xs.dtype, transpose=False))
+  """(y, h, saved): the experts' forward on rows xs with the fp8 products; saved holds
+  what `_backward8` reads of the weights: their quantized copies and (as empty arrays)
+  their dtypes, those of the weight gradients."""
+  qs = _quantize_k_major(w_gate_up), _quantize_k_major(w_down)
+  y, h = layer.experts_forward(plan, xs, *qs, group_sizes,
+                               _product(plan, group_sizes, xs.dtype))
+  return y, h, (qs, tuple(jnp.zeros((0,), w.dtype) for w in (w_gate_up, w_down)))
 
 
-def _backward8(plan, xs, h, w_gate_up, w_down, group_sizes, dy):
+def _backward8(plan, xs, h, saved, group_sizes, dy):
   """(dxs, dw_gate_up, dw_down): the experts' backward with the fp8 input-gradient
-  products."""
-  return layer.experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy,
-                                _product(plan, group_sizes, xs.dtype, transpose=True))
+  products on the forward's quantized weights."""
+  qs, w_like = saved
+  return layer.experts_backward(plan, xs, h, *(_transposed(q) for q in qs), group_sizes,
+                                dy, _product(plan, group_sizes, xs.dtype),
+                                w_dtypes=tuple(w.dtype for w in w_like))
 
 
 def _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes):
-  y, h = _forward8(plan, xs, w_gate_up, w_down, group_sizes)
-  return y, (xs, h, w_gate_up, w_down, group_sizes)
+  y, h, saved = _forward8(plan, xs, w_gate_up, w_down, group_sizes)
+  return y, (xs, h, saved, group_sizes)
 
 
 def _experts_train_bwd(plan, residuals, dy):
@@ -128,8 +146,8 @@ experts_fp8_train.defvjp(_experts_train_fwd, _experts_train_bwd)
 
 
 def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
-  y, h = _forward8(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
-  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
+  y, h, saved = _forward8(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
+  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y, saved)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -140,15 +158,14 @@ def layer_fp8_train(plan: layer.Plan, x, topk_weights, w_gate_up, w_down,
 
 
 def _train_fwd(plan, x, topk_weights, w_gate_up, w_down, d):
-  out, (h, y) = _train_forward(plan, x, topk_weights, w_gate_up, w_down, d)
-  return out, (x, topk_weights, w_gate_up, w_down, d, h, y)
+  out, (h, y, saved) = _train_forward(plan, x, topk_weights, w_gate_up, w_down, d)
+  return out, (x, topk_weights, d, h, y, saved)
 
 
 def _train_bwd(plan, residuals, g):
-  x, topk_weights, w_gate_up, w_down, d, h, y = residuals
+  x, topk_weights, d, h, y, saved = residuals
   dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
-  dxs, dw_gate_up, dw_down = _backward8(plan, x[d.token], h, w_gate_up, w_down,
-                                        d.group_sizes, dy)
+  dxs, dw_gate_up, dw_down = _backward8(plan, x[d.token], h, saved, d.group_sizes, dy)
   dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down, None
 

@@ -135,17 +135,20 @@ def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None
 
 
 def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
-                     product_t=None):
+                     product_t=None, w_dtypes=None):
   """(dxs, dw_gate_up, dw_down) from dy; a is recomputed from h. product_t(rows, w) is
-  rows @ w[e]^T per group (default: the grouped GEMM, w read transposed); the weight
-  gradients run on the ragged-contraction kernel in the weights' dtype."""
+  rows @ w[e]^T per group (default: the grouped GEMM, w read transposed), w being
+  w_gate_up or w_down as given (the fp8 training form passes its quantized copies); the
+  weight gradients run on the ragged-contraction kernel in w_dtypes (default: the
+  weights' dtypes)."""
   product_t = product_t or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _BACKWARD,
                                                   xs.dtype))
+  gate_up_dtype, down_dtype = w_dtypes or (w_gate_up.dtype, w_down.dtype)
   da = product_t(dy, w_down)
-  dw_down = _gemm(plan, act(plan, h), dy, group_sizes, _WEIGHT_GRAD, w_down.dtype)
+  dw_down = _gemm(plan, act(plan, h), dy, group_sizes, _WEIGHT_GRAD, down_dtype)
   dh = _act_grad(plan, h, da)
   dxs = product_t(dh, w_gate_up)
-  dw_gate_up = _gemm(plan, xs, dh, group_sizes, _WEIGHT_GRAD, w_gate_up.dtype)
+  dw_gate_up = _gemm(plan, xs, dh, group_sizes, _WEIGHT_GRAD, gate_up_dtype)
   return dxs, dw_gate_up, dw_down
 
 
