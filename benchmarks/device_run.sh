@@ -26,7 +26,7 @@
 #   sharded     2+ GPUs: python -m benchmarks --sharded (SHARDED_ARGS; SHARDED_DEVICES: one
 #               run per count listed, e.g. "2 4")
 #   multi_tests 2+ GPUs: the tests that split work over devices (test_moe_parallel.py,
-#               test_ragged_sharding.py,
+#               test_ragged_sharding.py, test_fp8_sharding.py,
 #               test_sharding.py), in one process over every GPU
 #   moe_parallel 2+ GPUs: python -m benchmarks --moe --expert-parallel (MOE_PARALLEL_ARGS)
 #   probes (python -m benchmarks.probe, see its --help):
@@ -209,7 +209,8 @@ fi
 if has multi_tests; then
   log "tests over every GPU: expert-parallel moe_mlp, gemm's partitioning"
   timeout ${MULTI_TEST_TIMEOUT:-300} python3 -m pytest -v -rfEs -p no:cacheprovider --timeout 240 \
-      tests/test_moe_parallel.py tests/test_ragged_sharding.py tests/test_sharding.py 2>&1 | tee "$OUT/multi_tests.log" \
+      tests/test_moe_parallel.py tests/test_ragged_sharding.py tests/test_sharding.py \
+      tests/test_fp8_sharding.py 2>&1 | tee "$OUT/multi_tests.log" \
     | grep -E "(FAILED|ERROR) |passed|failed" | cut -c1-220 | tail -30
   grep -E "(FAILED|ERROR) |passed|failed" "$OUT/multi_tests.log" | tail -8 | summary multi_tests
 fi

@@ -252,3 +252,39 @@ def test_explicit_mesh_axes_take_the_xla_path(rng, monkeypatch):
   np.testing.assert_array_equal(np.asarray(xs), np.asarray(want_xs))
   want = pallas_gemm.scaled_matmul(want_x8, w8, want_xs, ws, backend="xla")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+def test_mosaic_kernels_per_shard_on_gpus(rng):
+  # On 2+ GPUs: quantize, scaled_matmul and scaled_ragged_dot with their rows split over
+  # the GPUs run the Mosaic kernels on each shard; the result equals the unsharded call
+  # (the same kernels on the whole rows) and the program gathers nothing.
+  if jax.default_backend() != "gpu" or len(jax.devices()) < 2:
+    pytest.skip(f"needs 2+ GPUs; this process has {len(jax.devices())}"
+                f" {jax.default_backend()} devices")
+  n = min(4, len(jax.devices()))
+  mesh = jax.make_mesh((n,), ("d",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:n])
+  rows, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())
+  m, k, groups = 256 * n, 512, 4
+  x = jnp.asarray(random(rng, (m, k), np.float32)).astype(jnp.bfloat16)
+  w = jnp.asarray(random(rng, (groups, 384, k), np.float32)).astype(jnp.bfloat16)
+  sizes = jnp.asarray([m // 2, 0, m // 4 - 3, 7], jnp.int32)  # 3m/4 + 4 rows in groups
+
+  def f(x, w, sizes):
+    x8, xs = pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="mosaic")
+    w8, ws = pallas_gemm.quantize(w, E4M3, block_shape=(128, 128), backend="xla")
+    out = pallas_gemm.scaled_matmul(x8, w8[0], xs, ws[0], jnp.float32, backend="mosaic")
+    grouped = pallas_gemm.scaled_ragged_dot(x8, w8, sizes, xs, ws, jnp.float32,
+                                            backend="mosaic")
+    return x8, xs, out, grouped
+
+  placed = (jax.device_put(x, rows), jax.device_put(w, whole), jax.device_put(sizes, whole))
+  sharded = jax.jit(f)
+  got = sharded(*placed)
+  want = jax.jit(f)(*(jax.device_put(a, jax.devices()[0]) for a in (x, w, sizes)))
+  for name, g, h in zip(("values", "scales", "scaled_matmul", "scaled_ragged_dot"), got, want):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(h, np.float32),
+                               rtol=1e-6, atol=0, err_msg=name)
+  assert got[2].sharding.spec[0] == "d" and got[3].sharding.spec[0] == "d"
+  assert not np.asarray(got[3])[3 * m // 4 + 4:].any()  # rows of no group are zeros
+  assert not GATHER.search(sharded.lower(*placed).compile().as_text())
