@@ -49,21 +49,24 @@ def warpgroup_kernel(body, *, out_type, num_ctas: int, num_compute_wgs: int,
 # its kernels without a primitive of its own, inside a user's or moe_mlp's shard_map):
 # Pallas traces kernels on unvarying Refs only, so the kernel becomes this primitive,
 # whose result varies as its operands do and whose lowering traces the kernel on plain
-# avals, as every family primitive's does (`primitive.lower_local`).
+# avals, as every family primitive's does (`primitive.lower_local`). In interpret mode it
+# declares the interpreter's ordered effects, as the family primitives do.
 _local_call_p = primitive.new_primitive("pallas_gemm_mosaic_call", multiple_results=True)
 
 
-@_local_call_p.def_abstract_eval
-def _local_call_abstract_eval(*avals, kernel, out_avals):
-  del kernel
+@_local_call_p.def_effectful_abstract_eval
+def _local_call_abstract_eval(*avals, kernel, out_avals, interpret):
   manual = avals[0].manual_axis_type  # one set: `call` casts the operands to it
-  return [jax.core.ShapedArray(o.shape, o.dtype, sharding=avals[0].sharding.update(
+  outs = [jax.core.ShapedArray(o.shape, o.dtype, sharding=avals[0].sharding.update(
       spec=jax.sharding.PartitionSpec(*([None] * len(o.shape)))), manual_axis_type=manual)
           for o in out_avals]
+  effects = (primitive.interpret_effects(kernel, *primitive.plain(avals)) if interpret
+             else primitive.no_effects)
+  return outs, effects
 
 
-def _local_call_lowering(*operands, kernel, out_avals):
-  del out_avals
+def _local_call_lowering(*operands, kernel, out_avals, interpret):
+  del out_avals, interpret
   with jax.enable_x64(False):
     return jax.tree.leaves(kernel(*operands))
 
@@ -76,19 +79,26 @@ jax.interpreters.mlir.register_lowering(
 def call(kernel, *operands, interpret):
   """kernel(*operands); interpret: False, True, or the interpreter's parameters
   (plgpu.InterpretGPUParams, e.g. detect_races=True) to run it in on the CPU."""
-  if not interpret:
-    axes = tuple(sorted(frozenset().union(*map(sharding.varying_axes, operands))))
-    if not axes:
-      return kernel(*operands)
-    operands = [sharding.cast_varying(a, axes) for a in operands]
-    plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-      out = jax.eval_shape(kernel, *plain)
-    leaves, tree = jax.tree.flatten(out)
-    outs = _local_call_p.bind(*operands, kernel=kernel, out_avals=tuple(
-        jax.core.ShapedArray(o.shape, o.dtype) for o in leaves))
-    return jax.tree.unflatten(tree, outs)
-  params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
-            else plgpu.InterpretGPUParams())
-  with plgpu.force_gpu_interpret_mode(params):
+  if interpret:
+    params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
+              else plgpu.InterpretGPUParams())
+    kernel = _interpreted(kernel, params)
+  axes = tuple(sorted(frozenset().union(*map(sharding.varying_axes, operands))))
+  if not axes:
     return kernel(*operands)
+  operands = [sharding.cast_varying(a, axes) for a in operands]
+  plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    out = jax.eval_shape(kernel, *plain)
+  leaves, tree = jax.tree.flatten(out)
+  outs = _local_call_p.bind(*operands, kernel=kernel, interpret=bool(interpret),
+                            out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype)
+                                            for o in leaves))
+  return jax.tree.unflatten(tree, outs)
+
+
+def _interpreted(kernel, params):
+  def run(*operands):
+    with plgpu.force_gpu_interpret_mode(params):
+      return kernel(*operands)
+  return run
