@@ -19,7 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
 from pallas_gemm.moe import parallel
-from pallas_gemm.testing.reference import moe_reference, moe_tolerance, relative_error
+from pallas_gemm.testing.reference import (E4M3_STEP, moe_fp8_training_tolerance,
+                                          moe_reference, moe_tolerance, relative_error)
 
 from conftest import ON_GPU, jax_config, random
 
@@ -325,40 +326,55 @@ def test_data_and_expert_parallel(rng):
   assert got.sharding.is_equivalent_to(NamedSharding(mesh, tokens), 2)
 
 
+def _check_fp8(args, ct, got, grads):
+  """precision="fp8"'s output and four gradients against the float64 layer, within the
+  table's fp8 training bound, and against the one-device fp8 layer within one e4m3 step:
+  not closer, since a last-bit difference upstream (another kernel config for another
+  row count, another summation order) moves a value across an fp8 rounding boundary."""
+  x, weights, ids, wgu, wd = args
+  one = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend())
+  want = _value_and_grads(one, args, ct)
+  for name, g, w in zip(("out", "x", "topk_weights", "w_gate_up", "w_down"),
+                        (got, *grads), (want[0], *want[1])):
+    assert relative_error(g, w) <= E4M3_STEP, name
+  f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+  with jax_config("jax_enable_x64", True):
+    ref, ref_vjp = jax.vjp(lambda x, w, a, b: moe_reference(x, w, ids, a, b, "swiglu"),
+                           f64(x), f64(weights), f64(wgu), f64(wd))
+    ref_grads = ref_vjp(f64(ct))
+  tol = moe_fp8_training_tolerance(x.dtype, x.shape[-1], wd.shape[1])
+  assert got.dtype == x.dtype and got.shape == x.shape
+  assert relative_error(got, ref) <= tol
+  for name, g, r in zip(("x", "topk_weights", "w_gate_up", "w_down"), grads, ref_grads):
+    assert relative_error(g, r) <= tol, name
+
+
 def test_fp8_training_data_parallel(rng):
   # precision="fp8" per device: rows are quantized in 1x128 blocks of their own, so each
-  # device's tokens get the numbers they get on one device.
+  # device's tokens get the one-device layer's arithmetic.
   mesh = _mesh((2,), ("data",))
   args = _problem(rng, 16, 128, 128, 2, 2, dtype=jnp.bfloat16)
   tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   placed = [jax.device_put(a, tokens if i < 3 else whole) for i, a in enumerate(args)]
-  one = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend())
+  layer = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend())
   ct = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
-  want, want_grads = _value_and_grads(one, args, ct)
-  got, grads = _value_and_grads(one, placed, ct)
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             rtol=1e-2, atol=1e-2)
-  for g, w in zip(grads, want_grads):
-    assert relative_error(g, w) <= 1e-2
+  got, grads = _value_and_grads(layer, placed, ct)
+  assert got.sharding.is_equivalent_to(tokens, 2)
+  _check_fp8(args, ct, got, grads)
 
 
 @pytest.mark.parametrize("exchange", _exchanges())
 def test_fp8_training_expert_parallel(rng, exchange):
   # precision="fp8" with the experts split: the rows travel in bf16 and the experts'
-  # GEMMs run in fp8 where they land; rows are quantized in 1x128 blocks of their own and
-  # each expert's weights in 128x128 blocks, so the numbers are one device's, summed in
-  # another order.
+  # GEMMs run in fp8 where they land (rows quantized in 1x128 blocks of their own, each
+  # expert's weights in 128x128 blocks).
   mesh = _mesh(4)
   args = _problem(rng, 32, 128, 128, 8, 2, dtype=jnp.bfloat16)
-  one = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend())
+  layer = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend(),
+                            exchange=exchange)
   ct = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
-  want, want_grads = _value_and_grads(one, args, ct)
-  got, grads = _value_and_grads(functools.partial(one, exchange=exchange), _put(mesh, args),
-                                ct)
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             rtol=1e-2, atol=1e-2)
-  for g, w in zip(grads, want_grads):
-    assert relative_error(g, w) <= 1e-2
+  got, grads = _value_and_grads(layer, _put(mesh, args), ct)
+  _check_fp8(args, ct, got, grads)
 
 
 def test_mosaic_kernels_inside_shard_map_lower_for_the_gpu(monkeypatch):

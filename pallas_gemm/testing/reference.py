@@ -218,6 +218,12 @@ def moe_reference(x, topk_weights, topk_ids, w_gate_up, w_down, activation="swig
   return jnp.einsum("te,ted->td", coef, y)
 
 
+# e4m3's relative rounding step (3 mantissa bits, to nearest: half a step of 2^-3): also
+# how far two fp8 computations of the same value may differ where a last-bit difference
+# upstream moves a value across a rounding boundary.
+E4M3_STEP = 2.0**-4
+
+
 def moe_tolerance(dtype, d_model: int, d_ff: int) -> float:
   """The relative-error bound of `moe_mlp` and of each of its gradients: the layer chains
   two GEMMs (contractions over D and F, or 2F for a gradient of the gated form) with an
@@ -231,11 +237,11 @@ def moe_fp8_training_tolerance(dtype, d_model: int, d_ff: int) -> float:
   (2^-4) for each quantized operand on the path, to first order: the forward quantizes
   two activations and two weights; an input gradient adds two cotangents and two weights
   to the forward's error in h (the weight gradients, in bf16, see the same)."""
-  return moe_tolerance(dtype, d_model, d_ff) + 8 * 2.0**-4
+  return moe_tolerance(dtype, d_model, d_ff) + 8 * E4M3_STEP
 
 
 def moe_fp8_tolerance(dtype, d_model: int, d_ff: int) -> float:
   """The bound of `moe_mlp`'s fp8 inference form against the float64 layer of its
   dequantized weights: the bf16 layer's, plus e4m3's relative rounding step (2^-4: 3
   mantissa bits, to nearest) for each of the two activations it quantizes in the call."""
-  return moe_tolerance(dtype, d_model, d_ff) + 2 * 2.0**-4
+  return moe_tolerance(dtype, d_model, d_ff) + 2 * E4M3_STEP
