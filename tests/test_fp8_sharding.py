@@ -185,6 +185,40 @@ def test_quantize_rows_shards(rng, spec):
   assert values.sharding.is_equivalent_to(placed.sharding, 2)
 
 
+@pytest.mark.parametrize("rows, split", [(512, True), (256, False)])
+def test_quantize_weight_blocks_shard(rng, rows, split):
+  # 128x128 blocks: R splits 4 ways only in whole blocks (512 rows: 128 each, no
+  # gather); 256 rows would cut them (64 each), so the call takes R whole (x gathered)
+  # and still compiles: two blocks over 4 devices are no compound factor for Shardy.
+  mesh = _mesh()
+  x = jnp.asarray(random(rng, (rows, 512), np.float32)).astype(jnp.bfloat16)
+  placed = jax.device_put(x, NamedSharding(mesh, P("y", "x")))
+  local = lambda x: pallas_gemm.quantize(x, E4M3, block_shape=(128, 128), backend="xla")  # noqa: E731
+  f = jax.jit(functools.partial(partition.quantize_rows, local, block_rows=128,
+                                interpret=False))
+  values, scales = f(placed)
+  want_values, want_scales = local(x)
+  np.testing.assert_array_equal(np.asarray(values, np.float32),
+                                np.asarray(want_values, np.float32))
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  assert scales.shape == (rows // 128, 4)
+  assert bool(GATHER.search(f.lower(placed).compile().as_text())) != split
+
+
+def test_scale_blocks_fewer_than_an_axis(rng):
+  # K = 256 (two 128-column blocks) over a 4-device axis: the blocks cannot split 4 ways;
+  # quantize compiles (no sub-axis sharding) and gives the unsharded numbers.
+  mesh = _mesh()
+  x = jnp.asarray(random(rng, (64, 256), np.float32)).astype(jnp.bfloat16)
+  placed = jax.device_put(x, NamedSharding(mesh, P(None, "y")))
+  f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize, interpret=False))
+  values, scales = f(placed)
+  want_values, want_scales = _xla_quantize(x)
+  np.testing.assert_array_equal(np.asarray(values, np.float32),
+                                np.asarray(want_values, np.float32))
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+
+
 def test_kernels_lower_partitioned_for_the_gpu(monkeypatch):
   # On a GPU, scaled_matmul and quantize run their Mosaic kernels through the partitioned
   # call: lowered here for CUDA as the GPU would, under jit with sharded operands.

@@ -7,6 +7,7 @@ and at real sizes on a GPU (@pytest.mark.gpu).
 """
 
 import functools
+import importlib
 import re
 
 import jax
@@ -341,9 +342,11 @@ def _exact_fp8(x, scales_full, dtype):
   return np.clip(np.asarray(x, np.float64) / scales_full, -fmax, fmax).astype(dtype)
 
 
-# The Hopper kernel takes (1, 128) blocks over B * M rows in multiples of 8; xla all.
+# The Hopper kernel takes (1, 128) blocks over B * M rows in multiples of 8 and (128, 128)
+# blocks with M in multiples of 128; xla all.
 _QUANTIZE_CASES = [("xla", (1, 128), (2, 130, 256)), ("mosaic", (1, 128), (2, 132, 256)),
-                   ("xla", (128, 128), (200, 384)), ("xla", (1, 32), (3, 64)),
+                   ("xla", (128, 128), (200, 384)), ("mosaic", (128, 128), (2, 256, 384)),
+                   ("xla", (1, 32), (3, 64)),
                    ("xla", None, (2, 33, 40)), ("xla", (1, 40), (5, 40))]
 
 
@@ -425,19 +428,44 @@ def test_quantize_near_float32_max_stays_finite(dtype, backend):
 
 
 @pytest.mark.parametrize("x_dtype", [np.float32, jnp.bfloat16, np.float16])
-def test_quantize_kernel_matches_xla_bitwise(rng, x_dtype):
+@pytest.mark.parametrize("block_shape", [(1, 128), (128, 128)])
+def test_quantize_kernel_matches_xla_bitwise(rng, x_dtype, block_shape):
   # The kernel and xla compute the same arithmetic: equal values and scales, bit for bit,
-  # on wide-range rows with zeros, infinities, NaN, and rows that are not whole tiles.
+  # on wide-range rows with zeros, infinities, NaN, tiny and huge values, rows that are
+  # not whole tiles (1x128), a zero 128x128 block and one whose amax is a lone
+  # subnormal.
   _skip_backend("mosaic")
-  shape = (3, 1000, 1024) if ON_GPU else (2, 68, 256)
+  whole_blocks = block_shape[0] == 128  # M in 128s; 1x128 blocks: rows not whole tiles
+  if ON_GPU:
+    shape = (3, 1024 if whole_blocks else 1000, 1024)
+  else:
+    shape = (2, 256 if whole_blocks else 68, 256)
   x = random(rng, shape, np.float32) * np.exp2(rng.integers(-60, 60, shape[:-1] + (1,)))
   x[0, 1], x[0, 2, :5] = 0.0, [np.inf, -np.inf, np.nan, 1e-40, -1e-45]
+  x[1, :128, :128] = 0.0
+  x[1, :128, 128:256] = 0.0
+  x[1, 7, 200] = -1e-45
   x = jnp.asarray(x, x_dtype)
   for dtype in (E4M3, E5M2):
-    v_k, s_k = sm.quantize(x, dtype, backend="mosaic")
-    v_x, s_x = sm.quantize(x, dtype, backend="xla")
+    v_k, s_k = sm.quantize(x, dtype, block_shape, backend="mosaic")
+    v_x, s_x = sm.quantize(x, dtype, block_shape, backend="xla")
     np.testing.assert_array_equal(np.asarray(s_k), np.asarray(s_x))
     np.testing.assert_array_equal(np.asarray(v_k).view(np.uint8), np.asarray(v_x).view(np.uint8))
+
+
+def test_quantize_kernel_choice(monkeypatch):
+  # "auto" takes the kernel for 1x128 blocks on a GPU and keeps 128x128 blocks on XLA;
+  # "mosaic" by name takes 128x128 blocks in whole blocks of rows (test_bad_input: the
+  # rest is refused).
+  quantize_module = importlib.import_module("pallas_gemm.fp8.quantize")
+  monkeypatch.setattr(quantize_module.hw, "on_gpu", lambda: True)
+  x = jnp.zeros((2, 256, 256), jnp.bfloat16)
+  choose = quantize_module._choose
+  assert choose("auto", (1, 128), 2, 256, 256, x) == (
+      "mosaic" if checks.mosaic_unavailable_reason() is None else "xla")
+  assert choose("auto", (128, 128), 2, 256, 256, x) == "xla"
+  if checks.mosaic_unavailable_reason() is None:
+    assert choose("mosaic", (128, 128), 2, 256, 256, x) == "mosaic"
 
 
 def test_quantize_feeds_scaled_matmul(rng):
@@ -596,8 +624,12 @@ def test_bad_input(rng):
   with pytest.raises(ValueError, match="backend must be 'auto', 'xla' or 'mosaic'; got 'triton'"):
     q(jnp.ones((8, 128)), backend="triton")
   if checks.mosaic_unavailable_reason() is None:
-    with pytest.raises(ValueError, match=r"backend='mosaic' cannot run this call.*block_shape"
-                                         r" \(1, 128\).*got \(128, 128\).*backend='xla' can"):
+    with pytest.raises(ValueError, match=r"backend='mosaic' cannot run this call.*blocks of"
+                                         r" \(1, 128\) or \(128, 128\).*got \(1, 64\)"
+                                         r".*backend='xla' can"):
+      q(jnp.ones((8, 128)), block_shape=(1, 64), backend="mosaic")
+    with pytest.raises(ValueError, match="128x128 blocks it takes M in multiples of 128.*"
+                                         "got 8"):
       q(jnp.ones((8, 128)), block_shape=(128, 128), backend="mosaic")
     with pytest.raises(ValueError, match="rows .* in multiples of 8.*got 12"):
       q(jnp.ones((3, 4, 128)), backend="mosaic")

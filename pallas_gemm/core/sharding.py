@@ -74,7 +74,9 @@ def size(mesh, names) -> int:
 # dimension over, when every dimension it labels divides evenly, in units of `align`;
 # otherwise it is whole on every device (always, for the factors in `whole`). Factors in
 # `reduce` (contractions) leave partial sums, computed by the local call in float32 and
-# summed over their axes (one psum).
+# summed over their axes (one psum). Propagation ties a blocked dim to its factor only
+# where every mesh axis divides the number of blocks; elsewhere the blocked dim (a scale's,
+# 1/128 of its factor's entries or less) is replicated, gathered if it came in split.
 
 
 def _extents(labels, shapes) -> dict:
@@ -152,8 +154,8 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), whole=(), align
     return fn(*args, partial=False, start=lambda f: jax.numpy.zeros((), jax.numpy.int32))
 
   call = custom_partitioning(whole_call)
-  rule, kinds = _shardy_rule(shapes, labels, result_labels, reduce, whole)
-  call.def_partition(partition=partition, sharding_rule=rule, **kinds)
+  call.def_partition(partition=partition, sharding_rule=lambda mesh, *types: _shardy_rule(
+      shapes, labels, result_labels, reduce, whole, tuple(mesh.shape.values())))
 
   # custom_partitioning has no batching rule: under vmap (also of an inner jit, scan or
   # checkpoint) the call runs unpartitioned, batched as fn batches.
@@ -170,20 +172,28 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), whole=(), align
   return batchable
 
 
-def _shardy_rule(shapes, labels, result_labels, reduce, whole):
-  """The Shardy rule string and factor kinds for propagation. A factor that a scale's
-  dimension holds in blocks of `per` (K = K/128 blocks x 128) is the compound (F Fp) where
-  it is whole, F where blocked, so both split together; other blocked or None dims are
-  factors of their own that propagation leaves whole (the partition decides them)."""
+def _shardy_rule(shapes, labels, result_labels, reduce, whole, axis_sizes):
+  """(the Shardy rule string, its factor kinds) for propagation over a mesh of these axis
+  sizes. A factor that a scale's dimension holds in blocks of `per` (K = K/128 blocks x
+  128) is the compound (F Fp) where it is whole, F where blocked, so both split together;
+  other blocked or None dims are factors of their own that propagation leaves whole (the
+  partition decides them)."""
   extent = _extents(labels, shapes)
   pers = {}
   for dims in (*labels, *result_labels):
     for d in dims:
       if d is not None and d[1] > 1:
         pers.setdefault(d[0], set()).add(d[1])
-  # Shardy refuses a compound factor with a part of size 1: one block of `per` is not.
+
+  def blocks_split(f, per):
+    # Shardy refuses a compound factor with a part of size 1: one block of `per` is not.
+    # And an axis that does not divide the blocks would be cut into sub-axes between F
+    # and Fp, a sharding jax's partitioner callback cannot read (it fails to compile).
+    blocks, rest = divmod(extent[f], per)
+    return not rest and blocks > 1 and all(blocks % n == 0 for n in axis_sizes)
+
   compound = {f: next(iter(p)) for f, p in pers.items()
-              if len(p) == 1 and extent[f] % next(iter(p)) == 0 and extent[f] > next(iter(p))}
+              if len(p) == 1 and blocks_split(f, next(iter(p)))}
   letters = {f: f"f{i}" for i, f in enumerate(extent)}
   alone = []
 

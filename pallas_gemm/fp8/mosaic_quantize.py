@@ -1,23 +1,29 @@
-"""One-pass 1x128 quantize on Hopper (sm_90) in Pallas Mosaic GPU.
+"""One-pass 1x128 and 128x128 quantize on Hopper (sm_90) in Pallas Mosaic GPU.
 
 ``quantize_rows(x, dtype)`` is `quantize.quantize(x, dtype, block_shape=(1, 128))` for x
-(R, K) with R a multiple of 8 and K of 128: bitwise the same values and scales, from one
-read of x. XLA computes the same thing in two kernels (the blocks' amax, then the scaled
-cast), which read x twice; this kernel reads each block into registers once, takes its
-amax there and writes its fp8 values and scale.
+(R, K) with R a multiple of 8 and K of 128, and ``quantize_rows(x, dtype, block_rows=128)``
+its block_shape=(128, 128) for R a multiple of 128: bitwise the same values and scales,
+from one read of x. XLA computes the same thing in two kernels (the blocks' amax, then the
+scaled cast), which read x twice; this kernel reads each block into registers once, takes
+its amax there and writes its fp8 values and scale.
 
 Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mgpu.ring`):
   * Work: (128, 128) tiles of x, row tile-major, CTA c taking tiles c, c + num_ctas, ...
     One warp of a producer warpgroup loads them by TMA into a ring of 128 KiB;
     several tiles in flight per SM are what keep HBM busy.
-  * Two consumer warpgroups each take 64 rows of a tile into registers (the wgmma
-    layout: a row's 128 values lie in 4 threads of a warp, so its amax is 32 maxes in
-    a thread and two shuffles), compute the row's scale exactly as `quantize._quantize`
-    does (bit operations on float32: no rounding anywhere but the cast to fp8), and
-    write the fp8 values and the (64,) scales into shared memory, which TMA stores to
-    the values (R, K) and to the scales transposed, (K / 128, R): a block's scales are
-    a contiguous run of rows there (the layout the GEMM kernel reads its lhs scales
-    in; `quantize_rows` returns them as (R, K / 128)).
+  * 1x128 blocks: two consumer warpgroups each take 64 rows of a tile into registers
+    (the wgmma layout: a row's 128 values lie in 4 threads of a warp, so its amax is 32
+    maxes in a thread and two shuffles), compute the row's scale exactly as
+    `quantize._quantize` does (bit operations on float32: no rounding anywhere but the
+    cast to fp8), and write the fp8 values and the (64,) scales into shared memory,
+    which TMA stores to the values (R, K) and to the scales transposed, (K / 128, R): a
+    block's scales are a contiguous run of rows there (the layout the GEMM kernel reads
+    its lhs scales in; `quantize_rows` returns them as (R, K / 128)).
+  * 128x128 blocks: a tile is one block, so one consumer warpgroup takes the whole
+    tile (its amax is the max of the 128 rows' maxes, a reduction across the
+    warpgroup's warps) and stores the block's scale on each of its rows, in the same
+    layout; `quantize_rows` keeps one row per block. A warpgroup holds 128 values per
+    thread, within the 256 registers a lone consumer gets.
   * Rows past R: TMA reads zeros and clips the stores.
 """
 
@@ -44,18 +50,22 @@ OUT_SLOTS = 2  # shared-memory output buffers per consumer warpgroup
 INPUT_DTYPES = (np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
-def supports(shape, x_dtype) -> bool:
-  """Whether `quantize_rows` takes an x of this (R, K) shape and dtype."""
+def supports(shape, x_dtype, block_rows: int = 1) -> bool:
+  """Whether `quantize_rows` takes an x of this (R, K) shape and dtype in blocks of
+  block_rows x 128."""
   r, k = shape
-  return (np.dtype(x_dtype) in INPUT_DTYPES and r > 0 and r % 8 == 0 and k > 0
-          and k % BLOCK == 0)
+  return (np.dtype(x_dtype) in INPUT_DTYPES and block_rows in (1, BLOCK_ROWS) and r > 0
+          and r % max(8, block_rows) == 0 and k > 0 and k % BLOCK == 0)
 
 
-def _row_scales(x, dtype):
-  """(scale exponent e, x scaled and clipped) for x (rows, 128) float32: one block per
-  row, with `quantize._quantize`'s arithmetic (its `scale_exponent` and `saturation`)."""
+def _row_scales(x, dtype, whole_tile: bool):
+  """(scale exponent e per row, x scaled and clipped) for x (rows, 128) float32, with
+  `quantize._quantize`'s arithmetic (its `scale_exponent` and `saturation`): one block
+  per row, or with whole_tile one block of all of x (every row gets its exponent)."""
   ax = jnp.abs(x)
   amax = jnp.max(jnp.where(ax < np.float32(np.inf), ax, 0.0), axis=1)  # inf, NaN: 0
+  if whole_tile:  # amax is finite and >= 0, so amax * 0 is 0: the tile's amax on each row
+    amax = amax * np.float32(0) + jnp.max(amax)
   e = scale_exponent(amax, dtype)
   inverse = pow2(-e)
   limit = saturation(e, dtype)
@@ -64,15 +74,22 @@ def _row_scales(x, dtype):
   return e, jnp.minimum(jnp.maximum(scaled, -limit), limit)
 
 
+def _consumers(block_rows: int) -> int:
+  """Consumer warpgroups per CTA: two of 64 rows each for 1x128 blocks, one for 128x128
+  (a block's rows in one warpgroup)."""
+  return NUM_WGS if block_rows == 1 else 1
+
+
 def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int,
-            num_ctas: int):
+            num_ctas: int, block_rows: int):
   """x_gmem (R, K); values_gmem (R, K) fp8; scales_gmem (K / 128, R') f32."""
+  num_wgs = _consumers(block_rows)
   stages = RING_BYTES // (BLOCK_ROWS * BLOCK * x_gmem.dtype.itemsize)
   row_tiles = pl.cdiv(rows, BLOCK_ROWS)
   tiles = row_tiles * k_blocks
   cta = lax.axis_index("sm")
   local_tiles = lax.div(tiles - cta + num_ctas - 1, num_ctas)
-  wg_rows = BLOCK_ROWS // NUM_WGS
+  wg_rows = BLOCK_ROWS // num_wgs
 
   def coords(j):  # the CTA's j-th tile -> (row tile, k block)
     t = cta + j * num_ctas
@@ -81,18 +98,18 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
   scoped = dict(
       x_smem=plgpu.SMEM((stages, BLOCK_ROWS, BLOCK), x_gmem.dtype,
                         transforms=swizzle_transforms(BLOCK, x_gmem.dtype)),
-      values_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_rows, BLOCK), dtype,
+      values_smem=plgpu.SMEM((num_wgs, OUT_SLOTS, wg_rows, BLOCK), dtype,
                              transforms=swizzle_transforms(BLOCK, dtype)),
-      scales_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_rows), jnp.float32),
+      scales_smem=plgpu.SMEM((num_wgs, OUT_SLOTS, wg_rows), jnp.float32),
       produced=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(x_smem, values_smem, scales_smem, produced, consumed):
     wg = lax.axis_index("wg")
 
-    @ring.producer_warp(wg, NUM_WGS)
+    @ring.producer_warp(wg, num_wgs)
     def _loads():
       def load(j, slot):
         ri, kj = coords(j)
@@ -103,7 +120,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
       ring.fill(consumed, 0, local_tiles, step=lambda j: j, stages=stages, load=load)
       ring.drain(consumed, local_tiles, stages=stages)
 
-    @ring.consumer_warpgroups(wg, NUM_WGS)
+    @ring.consumer_warpgroups(wg, num_wgs)
     def _consumers():
       my_rows = pl.ds(wg * wg_rows, wg_rows)
 
@@ -115,7 +132,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
         plgpu.barrier_wait(produced.at[slot])
         x = plgpu.load(x_smem.at[slot, my_rows], layout=plgpu.Layout.WGMMA)
         plgpu.barrier_arrive(consumed.at[slot])
-        e, q = _row_scales(x.astype(jnp.float32), dtype)
+        e, q = _row_scales(x.astype(jnp.float32), dtype, whole_tile=block_rows > 1)
         # The stores from OUT_SLOTS tiles ago must have read this slot.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         values_smem[wg, out] = q.astype(dtype)
@@ -130,23 +147,28 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
   plgpu.wait_smem_to_gmem(0)
 
 
-def quantize_rows(x, dtype, *, num_sms: int | None = None, interpret=False):
-  """(values (R, K) dtype, scales (R, K / 128) f32) of x (R, K), `supports` it: each row
-  of each 128 columns scaled by a power of two, as `quantize.quantize` does."""
+def quantize_rows(x, dtype, *, block_rows: int = 1, num_sms: int | None = None,
+                  interpret=False):
+  """(values (R, K) dtype, scales (R / block_rows, K / 128) f32) of x (R, K), `supports`
+  it: each 1x128 (block_rows=1) or 128x128 (block_rows=128) block scaled by a power of
+  two, as `quantize.quantize` does."""
   r, k = x.shape
-  if not supports(x.shape, x.dtype):
+  if not supports(x.shape, x.dtype, block_rows):
     raise ValueError(f"x: shape {x.shape} / {x.dtype}; quantize_rows takes float32,"
-                     " bfloat16 or float16 (R, K) with R a multiple of 8 and K of 128")
+                     f" bfloat16 or float16 (R, K) with R a multiple of"
+                     f" {max(8, block_rows)} and K of 128, block_rows 1 or 128 (got"
+                     f" {block_rows})")
   dtype = jnp.dtype(dtype)
   k_blocks = k // BLOCK
   num_ctas = launch.grid_sms(num_sms, interpret, need_gpu=True)
   # The scales' rows padded to whole tiles: every tile's (64,) TMA store lies inside.
   r_all = -(-r // BLOCK_ROWS) * BLOCK_ROWS
   body = functools.partial(_kernel, dtype=dtype, rows=r, k_blocks=k_blocks,
-                           num_ctas=num_ctas)
+                           num_ctas=num_ctas, block_rows=block_rows)
   kernel = launch.warpgroup_kernel(
       body, out_type=(jax.ShapeDtypeStruct((r, k), dtype),
                       jax.ShapeDtypeStruct((k_blocks, r_all), jnp.float32)),
-      num_ctas=num_ctas, num_compute_wgs=NUM_WGS, kernel_name="pallas_gemm_quantize_fp8")
+      num_ctas=num_ctas, num_compute_wgs=_consumers(block_rows),
+      kernel_name="pallas_gemm_quantize_fp8")
   values, scales_t = launch.call(kernel, x, interpret=interpret)
-  return values, scales_t[:, :r].T
+  return values, scales_t[:, :r:block_rows].T

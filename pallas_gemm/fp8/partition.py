@@ -7,8 +7,9 @@ partitioned`), where XLA would otherwise gather every operand of a Mosaic kernel
   scale blocks), leaving float32 partial sums that one psum adds before the result's dtype.
 - `ragged_gemm` (scaled_ragged_dot's kernel): M, N and K as for `gemm`, M with the groups
   cut to each device's rows; G whole.
-- `quantize_rows` (quantize's kernel): x (R, K) in 1x128 blocks: R split in multiples of 8
-  and K in multiples of 128, values and scales with it; no communication.
+- `quantize_rows` (quantize's kernel): x (R, K) in 1x128 blocks (128x128): R split in
+  multiples of 8 (128) and K in multiples of 128, values and scales with it; no
+  communication.
 A split that does not divide so is not made: that factor is whole on every device.
 
 Each takes the kernel call `local` and `interpret`, and runs `local` as it is in interpret mode
@@ -67,19 +68,20 @@ def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype, *, interpret):
   return call(lhs, rhs, lhs_scales, rhs_scales)[0]
 
 
-def quantize_rows(local, x, *, interpret):
-  """local(x (R, K)) -> (values, scales (R, K/128)), run per shard (module docstring)."""
+def quantize_rows(local, x, *, block_rows: int = 1, interpret):
+  """local(x (R, K)) -> (values, scales (R/block_rows, K/128)), run per shard (module
+  docstring)."""
   if _direct(interpret):
     return tuple(local(x))
   labels = ((("r", 1), ("k", 1)),)
-  results = ((("r", 1), ("k", 1)), (("r", 1), ("k", BLOCK)))
+  results = ((("r", 1), ("k", 1)), (("r", block_rows), ("k", BLOCK)))
 
   def shard(x, *, partial, start):
     del partial, start  # nothing is contracted; blocks are local to their rows
     return tuple(local(x))
 
   call = sharding.partitioned(shard, [x.shape], labels, results,
-                              align={"r": 8, "k": BLOCK})
+                              align={"r": max(8, block_rows), "k": BLOCK})
   return tuple(call(x))
 
 

@@ -48,25 +48,31 @@ def _block(block_shape, m: int, k: int) -> tuple[int, int, int, int]:
   return rows, block_k, (m if rows == 1 else math.ceil(m / rows)), k // block_k
 
 
-def _kernel_reason(block, rows: int) -> str | None:
-  """Why the Hopper quantize kernel cannot take this call, or None."""
-  if block[0] != 1 or block[1] != 128:
-    return (f"it takes block_shape (1, 128) (one scale per row and 128 columns); got"
+def _kernel_reason(block, b: int, m: int) -> str | None:
+  """Why the Hopper quantize kernel cannot take this call (x (B, M, K)), or None."""
+  if block not in ((1, 128), (128, 128)):
+    return (f"it takes blocks of (1, 128) or (128, 128) (rows, columns); got"
             f" ({block[0]}, {block[1]})")
-  if rows % 8:
-    return f"it takes rows (B * M) in multiples of 8 (a TMA tile); got {rows}"
+  if block[0] == 1 and (b * m) % 8:
+    return f"it takes rows (B * M) in multiples of 8 (a TMA tile); got {b * m}"
+  if block[0] == 128 and m % 128:
+    return f"with 128x128 blocks it takes M in multiples of 128 (whole blocks); got {m}"
   return None
 
 
-def _choose(backend, block, rows: int, k: int, x) -> str:
+def _choose(backend, block, b: int, m: int, k: int, x) -> str:
   """The quantize backend for a validated call: "xla" or "mosaic" (see `quantize`), as
   scaled_matmul chooses (`checks.choose`); an empty x takes xla under any backend."""
   if backend not in (*checks.BACKENDS, "auto"):
     raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
-  if rows == 0 or k == 0:  # nothing to compute
+  if b * m == 0 or k == 0:  # nothing to compute
+    return "xla"
+  if backend == "auto" and block[0] != 1:
+    # 128x128 blocks (weights) run the kernel when asked for by name: "auto" takes it
+    # where it was timed against XLA's two passes (1x128: 2.4-2.6x), which 128x128 is not.
     return "xla"
   return checks.choose(backend, None,
-                       _kernel_reason(block, rows) or sharding.explicit_reason(x))
+                       _kernel_reason(block, b, m) or sharding.explicit_reason(x))
 
 
 def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"):
@@ -85,8 +91,9 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
       batch entry). bk must divide K (jax.nn.scaled_matmul's block size is K // K_s).
     backend: "xla": a reduction and a scaled cast (two passes over x), everywhere.
       "mosaic": the Hopper kernel of mosaic_quantize.py (one pass, the same numbers
-      bit for bit) for block_shape (1, 128) with B * M a multiple of 8; interpret mode
-      on a CPU. "auto": mosaic on a Hopper GPU where it takes the call, else xla.
+      bit for bit) for block_shape (1, 128) with B * M a multiple of 8, and (128, 128)
+      with M a multiple of 128; interpret mode on a CPU. "auto": mosaic on a Hopper GPU
+      for (1, 128) blocks where it takes the call, else xla.
 
   Returns:
     (values, scales): values of x's shape in `dtype`; scales float32 of x's rank:
@@ -120,16 +127,18 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
   x3 = jnp.asarray(x)[None] if squeeze else jnp.asarray(x)
   b, m, k = x3.shape
   block = _block(block_shape, m, k)
-  if _choose(backend, block[:2], b * m, k, x3) == "mosaic":
+  if _choose(backend, block[:2], b, m, k, x3) == "mosaic":
     interpret = not hw.on_gpu()
+    rows = block[0]
 
     def kernel(x2):
       with primitive.kernel_x64("mosaic"):
-        return mosaic_quantize.quantize_rows(x2, dtype, interpret=interpret)
+        return mosaic_quantize.quantize_rows(x2, dtype, block_rows=rows,
+                                             interpret=interpret)
 
     values, scales = partition.quantize_rows(kernel, x3.reshape(b * m, k),
-                                             interpret=interpret)
-    values, scales = values.reshape(b, m, k), scales.reshape(b, m, k // 128)
+                                             block_rows=rows, interpret=interpret)
+    values, scales = values.reshape(b, m, k), scales.reshape(b, m // rows, k // 128)
   else:
     values, scales = _quantize(x3, dtype=dtype, block=block)
   return (values[0], scales[0]) if squeeze else (values, scales)
