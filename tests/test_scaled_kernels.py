@@ -348,6 +348,18 @@ def test_lowers_for_cuda(m, n, k, lhs_shape, rhs_shape, promoted):
   _lower(args, cfg)
 
 
+@pytest.mark.parametrize("block_rows", [1, 128])
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+def test_quantize_kernel_lowers_for_cuda(block_rows, x_dtype):
+  # 128x128 blocks reduce a whole tile to one amax across the warpgroup's warps.
+  from pallas_gemm.fp8 import mosaic_quantize  # noqa: PLC0415
+  f = lambda x: mosaic_quantize.quantize_rows(x, E4M3, block_rows=block_rows,  # noqa: E731
+                                              num_sms=132)
+  text = jax.jit(f).trace(jax.ShapeDtypeStruct((1024, 512), x_dtype)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "pallas_gemm_quantize_fp8" in text
+
+
 def _lower(args, config):
   f = lambda *a: mosaic.scaled_gemm(*a, out_dtype=jnp.bfloat16, config=config)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
