@@ -33,13 +33,14 @@ HIGHEST = jax.lax.Precision.HIGHEST
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
                          r"(?:-start)?\(")
 CALLS, REPS = 10, 5
-# (label, dtype, precision, (m, n, k), backends besides jnp.dot). 16386: the misaligned case
-# (row strides of 16386 bf16 are not 16-byte multiples, as 16385's) made even so that two
-# devices divide every dimension (jax places no uneven shardings on jit inputs).
+# (label, dtype, precision, (m, n, k), backends besides jnp.dot). 16388 = 4 x 4097: the
+# misaligned case (row strides of 16388 bf16, and of each device's 4097 or 8194 rows or
+# columns, are not 16-byte multiples) that 2 and 4 devices divide (jax places no uneven
+# shardings on jit inputs).
 CASES = [
     ("bf16 16384^3", jnp.bfloat16, None, (16384, 16384, 16384), ("auto", "mosaic")),
     ("f32-highest 8192^3", jnp.float32, HIGHEST, (8192, 8192, 8192), ("auto", "cuda")),
-    ("bf16 16386^3 (misaligned)", jnp.bfloat16, None, (16386, 16386, 16386), ("auto",)),
+    ("bf16 16388^3 (misaligned)", jnp.bfloat16, None, (16388, 16388, 16388), ("auto",)),
 ]
 QUICK = [("f32-highest 256^3", jnp.float32, HIGHEST, (256, 256, 256), ("auto",))]
 LAYOUTS = ("M", "N", "batch", "K")
