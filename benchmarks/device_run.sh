@@ -208,7 +208,7 @@ fi
 
 if has multi_tests; then
   log "tests over every GPU: expert-parallel moe_mlp, gemm's partitioning"
-  timeout ${MULTI_TEST_TIMEOUT:-300} python3 -m pytest -v -rfEs -p no:cacheprovider --timeout 240 \
+  timeout ${MULTI_TEST_TIMEOUT:-560} python3 -m pytest -v -rfEs -p no:cacheprovider --timeout 240 \
       tests/test_moe_parallel.py tests/test_ragged_sharding.py tests/test_sharding.py \
       tests/test_fp8_sharding.py 2>&1 | tee "$OUT/multi_tests.log" \
     | grep -E "(FAILED|ERROR) |passed|failed" | cut -c1-220 | tail -30

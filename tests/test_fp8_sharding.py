@@ -171,8 +171,9 @@ def _xla_quantize(x):
 
 @pytest.mark.parametrize("spec", [P("y"), P(None, "x"), P("y", "x")])
 def test_quantize_rows_shards(rng, spec):
+  # K = 1024: 8 column blocks, which the 2 x 4 mesh's axes divide in either order.
   mesh = _mesh()
-  x = jnp.asarray(random(rng, (64, 512), np.float32)).astype(jnp.bfloat16)
+  x = jnp.asarray(random(rng, (64, 1024), np.float32)).astype(jnp.bfloat16)
   placed = jax.device_put(x, NamedSharding(mesh, spec))
   f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize, interpret=False))
   values, scales = f(placed)
@@ -185,13 +186,13 @@ def test_quantize_rows_shards(rng, spec):
   assert values.sharding.is_equivalent_to(placed.sharding, 2)
 
 
-@pytest.mark.parametrize("rows, split", [(512, True), (256, False)])
+@pytest.mark.parametrize("rows, split", [(1024, True), (256, False)])
 def test_quantize_weight_blocks_shard(rng, rows, split):
-  # 128x128 blocks: R splits 4 ways only in whole blocks (512 rows: 128 each, no
-  # gather); 256 rows would cut them (64 each), so the call takes R whole (x gathered)
-  # and still compiles: two blocks over 4 devices are no compound factor for Shardy.
+  # 128x128 blocks: R splits 4 ways only in whole blocks (1024 rows: 8 blocks, which the
+  # mesh's axes divide in either order; no gather); 256 rows would cut them (64 each),
+  # so the call takes R whole (x gathered) and still compiles.
   mesh = _mesh()
-  x = jnp.asarray(random(rng, (rows, 512), np.float32)).astype(jnp.bfloat16)
+  x = jnp.asarray(random(rng, (rows, 1024), np.float32)).astype(jnp.bfloat16)
   placed = jax.device_put(x, NamedSharding(mesh, P("y", "x")))
   local = lambda x: pallas_gemm.quantize(x, E4M3, block_shape=(128, 128), backend="xla")  # noqa: E731
   f = jax.jit(functools.partial(partition.quantize_rows, local, block_rows=128,
@@ -201,16 +202,19 @@ def test_quantize_weight_blocks_shard(rng, rows, split):
   np.testing.assert_array_equal(np.asarray(values, np.float32),
                                 np.asarray(want_values, np.float32))
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
-  assert scales.shape == (rows // 128, 4)
+  assert scales.shape == (rows // 128, 8)
   assert bool(GATHER.search(f.lower(placed).compile().as_text())) != split
 
 
-def test_scale_blocks_fewer_than_an_axis(rng):
-  # K = 256 (two 128-column blocks) over a 4-device axis: the blocks cannot split 4 ways;
-  # quantize compiles (no sub-axis sharding) and gives the unsharded numbers.
+@pytest.mark.parametrize("k, spec", [(256, P(None, "y")), (512, P(None, ("x", "y"))),
+                                     (512, P(None, ("y", "x")))])
+def test_scale_blocks_an_axis_would_cut(rng, k, spec):
+  # Column blocks that the axes splitting K do not divide in turn: 2 blocks over 4
+  # devices, or 4 blocks over 2 then 4. The call compiles (no axis cut into sub-axes)
+  # and gives the unsharded numbers.
   mesh = _mesh()
-  x = jnp.asarray(random(rng, (64, 256), np.float32)).astype(jnp.bfloat16)
-  placed = jax.device_put(x, NamedSharding(mesh, P(None, "y")))
+  x = jnp.asarray(random(rng, (64, k), np.float32)).astype(jnp.bfloat16)
+  placed = jax.device_put(x, NamedSharding(mesh, spec))
   f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize, interpret=False))
   values, scales = f(placed)
   want_values, want_scales = _xla_quantize(x)
@@ -289,9 +293,10 @@ def test_explicit_mesh_axes_take_the_xla_path(rng, monkeypatch):
 
 
 def test_mosaic_kernels_per_shard_on_gpus(rng):
-  # On 2+ GPUs: quantize, scaled_matmul and scaled_ragged_dot with their rows split over
-  # the GPUs run the Mosaic kernels on each shard; the result equals the unsharded call
-  # (the same kernels on the whole rows) and the program gathers nothing.
+  # On 2+ GPUs: quantize (1x128 and 128x128 blocks), scaled_matmul and scaled_ragged_dot
+  # with their rows split over the GPUs (256 each: whole 128-row blocks) run the Mosaic
+  # kernels on each shard; the result equals the unsharded call (the same kernels on the
+  # whole rows) and the program gathers nothing.
   if jax.default_backend() != "gpu" or len(jax.devices()) < 2:
     pytest.skip(f"needs 2+ GPUs; this process has {len(jax.devices())}"
                 f" {jax.default_backend()} devices")
@@ -310,13 +315,17 @@ def test_mosaic_kernels_per_shard_on_gpus(rng):
     out = pallas_gemm.scaled_matmul(x8, w8[0], xs, ws[0], jnp.float32, backend="mosaic")
     grouped = pallas_gemm.scaled_ragged_dot(x8, w8, sizes, xs, ws, jnp.float32,
                                             backend="mosaic")
-    return x8, xs, out, grouped
+    blocks8, block_scales = pallas_gemm.quantize(x, E4M3, block_shape=(128, 128),
+                                                 backend="mosaic")
+    return x8, xs, out, grouped, blocks8, block_scales
 
   placed = (jax.device_put(x, rows), jax.device_put(w, whole), jax.device_put(sizes, whole))
   sharded = jax.jit(f)
   got = sharded(*placed)
   want = jax.jit(f)(*(jax.device_put(a, jax.devices()[0]) for a in (x, w, sizes)))
-  for name, g, h in zip(("values", "scales", "scaled_matmul", "scaled_ragged_dot"), got, want):
+  names = ("values", "scales", "scaled_matmul", "scaled_ragged_dot", "128x128 values",
+           "128x128 scales")
+  for name, g, h in zip(names, got, want, strict=True):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(h, np.float32),
                                rtol=1e-6, atol=0, err_msg=name)
   assert got[2].sharding.spec[0] == "d" and got[3].sharding.spec[0] == "d"

@@ -67,8 +67,8 @@ def test_f16x3_rows_and_columns_near_the_float32_limits(backend, rng):
   # Each row of A and column of B is scaled on its own, exactly: rows of 2^100 and 2^-100
   # times columns of 2^-100 and 2^20 stay accurate (a float16 holds neither). With only 4
   # rows and 3 columns, one output carries the norm, and cancellation there makes any
-  # float32 sum's error relative to ||C|| as large as it likes (IEEE float32's own went
-  # past the table's bound in draws of this test). The error is measured against
+  # float32 sum's error relative to ||C|| as large as it likes (IEEE float32's own
+  # included). The error is measured against
   # || |A| |B| ||, the scale of a dot product's forward error bound (|c' - c| <=
   # gamma_k sum |a||b|), which cancellation does not shrink: dropping the low float16
   # pieces (2^-11) or a row's scaling would still show, by orders of magnitude.
@@ -78,6 +78,37 @@ def test_f16x3_rows_and_columns_near_the_float32_limits(backend, rng):
   scale = np.abs(np.float64(a)) @ np.abs(np.float64(b))
   err = np.linalg.norm(np.float64(out) - reference(a, b)) / np.linalg.norm(scale)
   assert err <= tolerance(np.float32, P.FLOAT32_F16X3, a.shape[1]), err
+
+
+def test_f16x3_keeps_inf_and_nan(backend, rng):
+  a, b = input_family("normal", rng, (3, 32)), input_family("normal", rng, (32, 5), "b")
+  a[0, 3], a[1, 7] = np.inf, np.nan
+  out = _check_given(backend, P.FLOAT32_F16X3, a, b, compare=False)
+  ref = reference(a, b)
+  assert np.array_equal(np.isinf(out[0]), np.isinf(ref[0]))
+  assert np.all(np.sign(out[0]) == np.sign(ref[0])) and np.all(np.isnan(out[1]))
+  assert np.all(np.isfinite(out[2]))
+
+
+@pytest.mark.parametrize("precision", OWN_PRECISIONS)
+def test_one_hot_rows_gather_the_table(backend, precision, rng):
+  # one_hot(ids) @ table, as embedding lookups are written: IEEE SGEMM returns the table's
+  # rows exactly, and so must float32_accurate (bf16 X6 holds all 24 bits of each
+  # element). float32_f16x3's pieces hold 23 bits, or 2^-38 of the column's largest (its
+  # error model): on the mosaic kernel a quarter of the elements differ (up to 2^-23 of
+  # themselves on N(0,1) tables), which is why it is not float32_accurate.
+  reason = skip_reason(backend, np.float32, P.effective(precision, np.float32))
+  if reason:
+    pytest.skip(reason)
+  ids = rng.integers(0, 300, 70)
+  table = input_family("wide", rng, (300, 40), "b")
+  out = np.asarray(gemm(jnp.asarray(np.eye(300, dtype=np.float32)[ids]), jnp.asarray(table),
+                        precision=precision, backend=backend))
+  if precision == P.FLOAT32_ACCURATE:
+    np.testing.assert_array_equal(out, table[ids])
+  else:
+    bound = np.maximum(2.0**-22 * np.abs(table), 2.0**-38 * np.abs(table).max(axis=0))
+    assert np.all(np.abs(out - table[ids]) <= bound[ids])
 
 
 def _check_given(backend, precision, a, b, compare=True):

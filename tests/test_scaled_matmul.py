@@ -444,7 +444,7 @@ def test_quantize_kernel_matches_xla_bitwise(rng, x_dtype, block_shape):
   x[0, 1], x[0, 2, :5] = 0.0, [np.inf, -np.inf, np.nan, 1e-40, -1e-45]
   x[1, :128, :128] = 0.0
   x[1, :128, 128:256] = 0.0
-  x[1, 7, 200] = -1e-45
+  x[1, 7, 200] = -float(jnp.finfo(x_dtype).smallest_subnormal)  # exact in float32 too
   x = jnp.asarray(x, x_dtype)
   for dtype in (E4M3, E5M2):
     v_k, s_k = sm.quantize(x, dtype, block_shape, backend="mosaic")

@@ -4,6 +4,7 @@ rule of a kernel call indexed like an einsum (the fp8 family's)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -75,8 +76,9 @@ def size(mesh, names) -> int:
 # otherwise it is whole on every device (always, for the factors in `whole`). Factors in
 # `reduce` (contractions) leave partial sums, computed by the local call in float32 and
 # summed over their axes (one psum). Propagation ties a blocked dim to its factor only
-# where every mesh axis divides the number of blocks; elsewhere the blocked dim (a scale's,
-# 1/128 of its factor's entries or less) is replicated, gathered if it came in split.
+# where the mesh's axes, in any order, divide its blocks in turn; elsewhere the blocked
+# dim (a scale's, 1/128 of its factor's entries or less) is replicated, gathered if it
+# came in split.
 
 
 def _extents(labels, shapes) -> dict:
@@ -172,6 +174,20 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), whole=(), align
   return batchable
 
 
+def _divides_in_turn(sizes, parts) -> bool:
+  """Whether axes of these sizes, taken in order, split a compound factor (major part
+  first) without cutting an axis: each divides the part it lands on, the next part once
+  one is used up."""
+  parts = list(parts)
+  for n in sizes:
+    while parts and parts[0] == 1:
+      parts.pop(0)
+    if not parts or parts[0] % n:
+      return False
+    parts[0] //= n
+  return True
+
+
 def _shardy_rule(shapes, labels, result_labels, reduce, whole, axis_sizes):
   """(the Shardy rule string, its factor kinds) for propagation over a mesh of these axis
   sizes. A factor that a scale's dimension holds in blocks of `per` (K = K/128 blocks x
@@ -187,10 +203,16 @@ def _shardy_rule(shapes, labels, result_labels, reduce, whole, axis_sizes):
 
   def blocks_split(f, per):
     # Shardy refuses a compound factor with a part of size 1: one block of `per` is not.
-    # And an axis that does not divide the blocks would be cut into sub-axes between F
-    # and Fp, a sharding jax's partitioner callback cannot read (it fails to compile).
+    # And an axis that does not divide what is left of the blocks would be cut into
+    # sub-axes between F and Fp, a sharding jax's partitioner callback cannot read (it
+    # fails to compile): so every sequence of axes a dim may be split over must divide
+    # the blocks axis by axis until they are used up, and then `per`. With no mesh known
+    # (no axis sizes), nothing is tied.
     blocks, rest = divmod(extent[f], per)
-    return not rest and blocks > 1 and all(blocks % n == 0 for n in axis_sizes)
+    return (not rest and blocks > 1 and bool(axis_sizes)
+            and all(_divides_in_turn(order, (blocks, per))
+                    for n in range(1, len(axis_sizes) + 1)
+                    for order in itertools.permutations(axis_sizes, n)))
 
   compound = {f: next(iter(p)) for f, p in pers.items()
               if len(p) == 1 and blocks_split(f, next(iter(p)))}

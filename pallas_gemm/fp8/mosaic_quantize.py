@@ -43,7 +43,7 @@ from pallas_gemm.mgpu import launch, ring
 from pallas_gemm.mgpu.layout import swizzle_transforms
 
 BLOCK = 128  # the scale block along K, and a tile's K extent
-BLOCK_ROWS = 128  # rows of a tile: 64 per consumer warpgroup
+BLOCK_ROWS = 128  # rows of a tile: 64 per consumer warpgroup (1x128), or all of them
 NUM_WGS = 2
 RING_BYTES = 128 * 1024  # x tiles in flight per SM: 4 of bf16 / f16, 2 of f32
 OUT_SLOTS = 2  # shared-memory output buffers per consumer warpgroup
@@ -74,7 +74,7 @@ def _row_scales(x, dtype, whole_tile: bool):
   return e, jnp.minimum(jnp.maximum(scaled, -limit), limit)
 
 
-def _consumers(block_rows: int) -> int:
+def _num_consumers(block_rows: int) -> int:
   """Consumer warpgroups per CTA: two of 64 rows each for 1x128 blocks, one for 128x128
   (a block's rows in one warpgroup)."""
   return NUM_WGS if block_rows == 1 else 1
@@ -83,7 +83,7 @@ def _consumers(block_rows: int) -> int:
 def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int,
             num_ctas: int, block_rows: int):
   """x_gmem (R, K); values_gmem (R, K) fp8; scales_gmem (K / 128, R') f32."""
-  num_wgs = _consumers(block_rows)
+  num_wgs = _num_consumers(block_rows)
   stages = RING_BYTES // (BLOCK_ROWS * BLOCK * x_gmem.dtype.itemsize)
   row_tiles = pl.cdiv(rows, BLOCK_ROWS)
   tiles = row_tiles * k_blocks
@@ -161,14 +161,16 @@ def quantize_rows(x, dtype, *, block_rows: int = 1, num_sms: int | None = None,
   dtype = jnp.dtype(dtype)
   k_blocks = k // BLOCK
   num_ctas = launch.grid_sms(num_sms, interpret, need_gpu=True)
-  # The scales' rows padded to whole tiles: every tile's (64,) TMA store lies inside.
+  # The scales' rows padded to whole tiles: every warpgroup's (64,) or (128,) TMA store
+  # lies inside. With 128x128 blocks each row holds its block's scale, and one row in
+  # 128 is kept (a strided copy of R/32 bytes per 128 columns: 3% of the values').
   r_all = -(-r // BLOCK_ROWS) * BLOCK_ROWS
   body = functools.partial(_kernel, dtype=dtype, rows=r, k_blocks=k_blocks,
                            num_ctas=num_ctas, block_rows=block_rows)
   kernel = launch.warpgroup_kernel(
       body, out_type=(jax.ShapeDtypeStruct((r, k), dtype),
                       jax.ShapeDtypeStruct((k_blocks, r_all), jnp.float32)),
-      num_ctas=num_ctas, num_compute_wgs=_consumers(block_rows),
+      num_ctas=num_ctas, num_compute_wgs=_num_consumers(block_rows),
       kernel_name="pallas_gemm_quantize_fp8")
   values, scales_t = launch.call(kernel, x, interpret=interpret)
   return values, scales_t[:, :r:block_rows].T

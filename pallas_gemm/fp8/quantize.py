@@ -155,10 +155,10 @@ def _quantize(x3, *, dtype, block):
   if padded_m != m:  # a partial last block of rows: zeros do not change its amax
     x3 = jnp.pad(x3, ((0, 0), (0, padded_m - m), (0, 0)))
   blocks = x3.reshape(b, scale_rows, rows, scale_cols, block_k)
-  # The amax in x's own dtype (abs, max and isfinite are exact in any float type): with
-  # a float32 x read by both the reduction and the scaled cast, XLA wrote that float32
-  # copy of x (twice a bf16 x's bytes) to memory, 28 GiB for a DeepSeek-V3 layer's
-  # w_gate_up; converted inside each pass, no copy is made.
+  # The amax in x's own dtype (abs, max and isfinite are exact in any float type), so
+  # that both passes read x as it is and convert inside their fusions: a float32 x read
+  # by the reduction and by the scaled cast is one XLA materializes, twice a bf16 x's
+  # bytes (28 GiB for a DeepSeek-V3-like layer's w_gate_up).
   zero = jnp.zeros((), blocks.dtype)
   amax = jnp.max(jnp.where(jnp.isfinite(blocks), jnp.abs(blocks), zero), axis=(2, 4))
   e = scale_exponent(amax.astype(jnp.float32), dtype)
