@@ -169,18 +169,25 @@ def _xla_quantize(x):
   return pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="xla")
 
 
-@pytest.mark.parametrize("spec", [P("y"), P(None, "x"), P("y", "x")])
-def test_quantize_rows_shards(rng, spec):
-  # K = 1024: 8 column blocks, which the 2 x 4 mesh's axes divide in either order.
-  mesh = _mesh()
-  x = jnp.asarray(random(rng, (64, 1024), np.float32)).astype(jnp.bfloat16)
-  placed = jax.device_put(x, NamedSharding(mesh, spec))
-  f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize, interpret=False))
+def _quantize_sharded(x, spec, local=_xla_quantize, block_rows=1):
+  """(the jitted partitioned call, x placed by spec, its values and scales), checked equal
+  to the unsharded call's, bit for bit."""
+  placed = jax.device_put(x, NamedSharding(_mesh(), spec))
+  f = jax.jit(functools.partial(partition.quantize_rows, local, block_rows=block_rows,
+                                interpret=False))
   values, scales = f(placed)
-  want_values, want_scales = _xla_quantize(x)
+  want_values, want_scales = local(x)
   np.testing.assert_array_equal(np.asarray(values, np.float32),
                                 np.asarray(want_values, np.float32))
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  return f, placed, values, scales
+
+
+@pytest.mark.parametrize("spec", [P("y"), P(None, "x"), P("y", "x")])
+def test_quantize_rows_shards(rng, spec):
+  # K = 1024: 8 column blocks, which the 2 x 4 mesh's axes divide in either order.
+  x = jnp.asarray(random(rng, (64, 1024), np.float32)).astype(jnp.bfloat16)
+  f, placed, values, _ = _quantize_sharded(x, spec)
   hlo = f.lower(placed).compile().as_text()
   assert not GATHER.search(hlo) and not REDUCE.search(hlo)
   assert values.sharding.is_equivalent_to(placed.sharding, 2)
@@ -191,17 +198,9 @@ def test_quantize_weight_blocks_shard(rng, rows, split):
   # 128x128 blocks: R splits 4 ways only in whole blocks (1024 rows: 8 blocks, which the
   # mesh's axes divide in either order; no gather); 256 rows would cut them (64 each),
   # so the call takes R whole (x gathered) and still compiles.
-  mesh = _mesh()
   x = jnp.asarray(random(rng, (rows, 1024), np.float32)).astype(jnp.bfloat16)
-  placed = jax.device_put(x, NamedSharding(mesh, P("y", "x")))
   local = lambda x: pallas_gemm.quantize(x, E4M3, block_shape=(128, 128), backend="xla")  # noqa: E731
-  f = jax.jit(functools.partial(partition.quantize_rows, local, block_rows=128,
-                                interpret=False))
-  values, scales = f(placed)
-  want_values, want_scales = local(x)
-  np.testing.assert_array_equal(np.asarray(values, np.float32),
-                                np.asarray(want_values, np.float32))
-  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  f, placed, _, scales = _quantize_sharded(x, P("y", "x"), local, block_rows=128)
   assert scales.shape == (rows // 128, 8)
   assert bool(GATHER.search(f.lower(placed).compile().as_text())) != split
 
@@ -212,15 +211,7 @@ def test_scale_blocks_an_axis_would_cut(rng, k, spec):
   # Column blocks that the axes splitting K do not divide in turn: 2 blocks over 4
   # devices, or 4 blocks over 2 then 4. The call compiles (no axis cut into sub-axes)
   # and gives the unsharded numbers.
-  mesh = _mesh()
-  x = jnp.asarray(random(rng, (64, k), np.float32)).astype(jnp.bfloat16)
-  placed = jax.device_put(x, NamedSharding(mesh, spec))
-  f = jax.jit(functools.partial(partition.quantize_rows, _xla_quantize, interpret=False))
-  values, scales = f(placed)
-  want_values, want_scales = _xla_quantize(x)
-  np.testing.assert_array_equal(np.asarray(values, np.float32),
-                                np.asarray(want_values, np.float32))
-  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  _quantize_sharded(jnp.asarray(random(rng, (64, k), np.float32)).astype(jnp.bfloat16), spec)
 
 
 def test_kernels_lower_partitioned_for_the_gpu(monkeypatch):
