@@ -55,18 +55,17 @@ _local_call_p = primitive.new_primitive("pallas_gemm_mosaic_call", multiple_resu
 
 
 @_local_call_p.def_effectful_abstract_eval
-def _local_call_abstract_eval(*avals, kernel, out_avals, interpret):
+def _local_call_abstract_eval(*avals, kernel, out_avals, kernel_effects):
+  del kernel
   manual = avals[0].manual_axis_type  # one set: `call` casts the operands to it
   outs = [jax.core.ShapedArray(o.shape, o.dtype, sharding=avals[0].sharding.update(
       spec=jax.sharding.PartitionSpec(*([None] * len(o.shape)))), manual_axis_type=manual)
           for o in out_avals]
-  effects = (primitive.interpret_effects(kernel, *primitive.plain(avals)) if interpret
-             else primitive.no_effects)
-  return outs, effects
+  return outs, kernel_effects
 
 
-def _local_call_lowering(*operands, kernel, out_avals, interpret):
-  del out_avals, interpret
+def _local_call_lowering(*operands, kernel, out_avals, kernel_effects):
+  del out_avals, kernel_effects
   with jax.enable_x64(False):
     return jax.tree.leaves(kernel(*operands))
 
@@ -88,12 +87,15 @@ def call(kernel, *operands, interpret):
     return kernel(*operands)
   operands = [sharding.cast_varying(a, axes) for a in operands]
   plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
+  # One trace on plain avals gives the results' types and, in interpret mode, the
+  # interpreter's effects (a GPU kernel has none to declare).
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    out = jax.eval_shape(kernel, *plain)
+    jaxpr, out = jax.make_jaxpr(kernel, return_shape=True)(*plain)
   leaves, tree = jax.tree.flatten(out)
-  outs = _local_call_p.bind(*operands, kernel=kernel, interpret=bool(interpret),
-                            out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype)
-                                            for o in leaves))
+  outs = _local_call_p.bind(
+      *operands, kernel=kernel,
+      kernel_effects=frozenset(jaxpr.effects) if interpret else primitive.no_effects,
+      out_avals=tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in leaves))
   return jax.tree.unflatten(tree, outs)
 
 
