@@ -7,6 +7,9 @@ on a grouped GEMM, and against a dense MLP of the same FLOPs (its ceiling).
 
 Variants, each given the same routing (topk weights and ids: the router is not timed):
   moe_mlp           pallas_gemm.moe_mlp (sort, gathers, grouped GEMMs; its own gradients)
+  moe_mlp/two-pass  the same layer with its first grouped GEMM and SwiGLU as two passes
+                    (grouped GEMM writing h, then an elementwise pass) instead of the gated
+                    kernel, where that runs
   moe_mlp/fp8       moe_mlp's fp8 inference form (fwd only): expert weights quantized once
                     outside the timed call (`moe.quantize_experts`), activations in the call
   moe_mlp/fp8-train moe_mlp(precision="fp8"): bf16 master weights quantized in the call,
@@ -41,7 +44,7 @@ import jax.numpy as jnp
 from benchmarks.ragged import import_tokamax
 from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
 from pallas_gemm import moe_mlp, ragged_dot
-from pallas_gemm.moe import quantize_experts, softmax_topk
+from pallas_gemm.moe import layer as moe_layer, quantize_experts, softmax_topk
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE = jnp.bfloat16
@@ -85,7 +88,8 @@ def parse_args(argv):
                  help=f"comma-separated names from {list(CONFIGS)}")
   p.add_argument("--modes", default=",".join(MODES), help="fwd, fwd+bwd")
   p.add_argument("--variants", default=None,
-                 help="comma-separated subset of moe_mlp, moe_mlp/fp8, moe_mlp/fp8-train,"
+                 help="comma-separated subset of moe_mlp, moe_mlp/two-pass, moe_mlp/fp8,"
+                      " moe_mlp/fp8-train,"
                       " unfused/pallas_gemm, unfused/tokamax, unfused/lax, dense (default: all"
                       " that can run)")
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
@@ -123,6 +127,14 @@ def unfused(ragged, x, topk_weights, topk_ids, w_gate_up, w_down):
                     topk_weights).astype(x.dtype)
 
 
+def two_pass(backend, x, topk_weights, topk_ids, w_gate_up, w_down):
+  """moe_mlp's layer (SwiGLU) with its first grouped GEMM and activation as two passes."""
+  plan = moe_layer.Plan(activation="swiglu", precision=None, out_dtype=x.dtype,
+                        backend=backend, fuse_gate=False)
+  return moe_layer.layer(plan, x, topk_weights, w_gate_up, w_down,
+                         moe_layer.dispatch(topk_ids, w_down.shape[0]))
+
+
 def dense(x, topk_weights, topk_ids, w_gate_up, w_down):
   """x (T * k, D) through one expert's weights: the layer's FLOPs with no routing."""
   del topk_weights, topk_ids
@@ -149,6 +161,7 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
       "unfused/lax": functools.partial(unfused, jax.lax.ragged_dot),
       "dense": dense,
   }
+  fns["moe_mlp/two-pass"] = functools.partial(two_pass, backend)
   fns["moe_mlp/fp8-train"] = functools.partial(moe_mlp, backend=backend, precision="fp8")
   fns["moe_mlp/fp8"] = functools.partial(moe_mlp, backend=backend)  # on PREPARE's operands
   missing = {}

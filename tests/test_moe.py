@@ -69,6 +69,23 @@ def test_layer_and_gradients(rng, backend, activation):
   _check(args, backend=backend, activation=activation)
 
 
+@pytest.mark.parametrize("activation, ids", [
+    ("swiglu", None), ("geglu", None),
+    ("swiglu", "one_expert"),  # every pair in one group: all other experts empty
+])
+def test_fused_gate(rng, activation, ids):
+  # F a multiple of 64: the first GEMM and the activation run as the gated kernel (its
+  # a from f32 products, h written for the backward), T and D still ragged.
+  t, e, k = 37, 6, 3
+  if ids == "one_expert":
+    ids = np.full((t, k), 4)
+  args = _problem(rng, t, 40, 64, e, k, ids=ids)
+  plan = moe.layer.Plan(activation=activation, precision=None, out_dtype=BF16,
+                        backend="mosaic")
+  assert moe.layer.fused_gate(plan, args[0], args[3])
+  _check(args, backend="mosaic", activation=activation)
+
+
 @pytest.mark.parametrize("activation", ["geglu", "silu"])
 def test_other_activations(rng, activation):
   _check(_problem(rng, 19, 16, 8, 4, 2, gated=activation == "geglu"), backend="xla",

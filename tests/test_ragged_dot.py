@@ -472,6 +472,6 @@ def test_gpu_group_offset_and_grad_poisoned(rng):
 
 @pytest.mark.gpu
 def test_gpu_auto_picks_mosaic():
-  assert api._choose_backend("auto", BF16, BF16, None, BF16) == "mosaic"
-  assert api._choose_backend("auto", F32, F32, None, F32) == "xla"
+  assert api.choose_backend("auto", BF16, BF16, None, BF16) == "mosaic"
+  assert api.choose_backend("auto", F32, F32, None, F32) == "xla"
   assert ON_GPU

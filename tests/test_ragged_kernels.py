@@ -17,10 +17,11 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conftest import jax_config, random
-from pallas_gemm.grouped import mosaic_forward, mosaic_weight_grad
+from pallas_gemm.grouped import gated, mosaic_forward, mosaic_weight_grad
 from pallas_gemm.mgpu import rows as mgpu_rows
 from pallas_gemm.grouped.config import Config, default_config, smem_bytes
-from pallas_gemm.testing.reference import reference, relative_error, tolerance
+from pallas_gemm.testing.reference import (ACTIVATIONS, gated_tolerance, reference,
+                                           relative_error, tolerance)
 
 # Small tiles for the interpreter: 64-row tiles straddle the groups of a few hundred rows.
 SMALL = Config(block_m=64, block_n=128, block_k=64, stages=2, num_compute_wgs=2,
@@ -240,6 +241,84 @@ def test_forward_rejects_bad_operands():
 
 
 # ----------------------------------------------------------------------------
+# Gated forward (SwiGLU / GeGLU epilogue), interpret mode
+# ----------------------------------------------------------------------------
+
+
+def gated_reference(lhs, rhs, group_sizes, activation):
+  """float64 (a, h): h per group as `forward_reference`, a = act(h[:, :F]) * h[:, F:]."""
+  h = forward_reference(lhs, rhs, group_sizes)
+  f = h.shape[1] // 2
+  with jax.enable_x64(True):
+    gate = np.asarray(ACTIVATIONS[activation](jnp.asarray(h[:, :f])))
+  return gate * h[:, f:], h
+
+
+def _check_gated(lhs, rhs, sizes, a, h, activation):
+  """a (and h unless None) against the float64 reference: every row written, rows of
+  no group zeros, within the table's bounds."""
+  m, k = lhs.shape
+  a_ref, h_ref = gated_reference(lhs, rhs, sizes, activation)
+  zero_rows = ~np.any(h_ref != 0, axis=1)
+  for out, ref, tol in ((a, a_ref, gated_tolerance(jnp.bfloat16, k)),
+                        (h, h_ref, tolerance(jnp.bfloat16, None, k, jnp.bfloat16))):
+    if out is None:
+      continue
+    assert out.shape == ref.shape and out.dtype == lhs.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert not np.isnan(out).any(), "elements left unwritten"
+    assert (out[zero_rows] == 0).all(), "rows outside the groups must be zeros"
+    assert relative_error(out, ref) <= tol
+
+
+@pytest.mark.parametrize("f, sizes, config", [
+    (192, [50, 0, 120, 20], SPLIT_M.replace(block_n=128, num_sms=3)),  # F: 1.5 tiles
+    (64, [0, 130, 1, 33], SMALL),     # F narrower than the tile (64-row tiles, split n)
+    (128, [200], None),               # the default gated tiles, one group
+], ids=["f_1.5_tiles", "f_narrow", "default"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("write_h", [False, True])
+def test_gated_forward(rng, f, sizes, config, activation, write_h):
+  m, k = 200, 70
+  sizes = np.asarray(sizes, np.int32)
+  lhs = random(rng, (m, k), jnp.bfloat16)
+  rhs = random(rng, (len(sizes), k, 2 * f), jnp.bfloat16)
+  a, h = mosaic_forward.gated_forward(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes),
+                                      activation=activation, write_h=write_h, config=config,
+                                      interpret=True)
+  assert (h is not None) == write_h
+  _check_gated(lhs, rhs, sizes, a, h, activation)
+
+
+def test_gated_front_door_backends_agree(rng):
+  # xla computes a from h rounded to bf16, the kernel from its f32 products: both within
+  # the bound; h itself is the same GEMM.
+  lhs = jnp.asarray(random(rng, (150, 64), jnp.bfloat16))
+  rhs = jnp.asarray(random(rng, (3, 64, 256), jnp.bfloat16))
+  sizes = jnp.asarray([60, 0, 70], jnp.int32)
+  for backend in ("xla", "mosaic"):
+    a, h = gated.gated_ragged_dot(lhs, rhs, sizes, write_h=True, backend=backend)
+    _check_gated(np.asarray(lhs), np.asarray(rhs), np.asarray(sizes), a, h, "silu")
+
+
+def test_gated_rejects_bad_operands():
+  lhs = jnp.zeros((8, 16), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    mosaic_forward.gated_forward(lhs, jnp.zeros((2, 16, 96), jnp.bfloat16),
+                                 jnp.zeros(2, jnp.int32), activation="silu", interpret=True)
+  with pytest.raises(ValueError, match="backend='mosaic'.*multiple of 64"):
+    gated.gated_ragged_dot(lhs, jnp.zeros((2, 16, 96), jnp.bfloat16),
+                           jnp.zeros(2, jnp.int32), backend="mosaic")
+  with pytest.raises(ValueError, match="activation"):
+    gated.gated_ragged_dot(lhs, jnp.zeros((2, 16, 128), jnp.bfloat16),
+                           jnp.zeros(2, jnp.int32), activation="relu")
+  with pytest.raises(ValueError, match="rhs"):
+    gated.gated_ragged_dot(lhs, jnp.zeros((2, 8, 128), jnp.bfloat16), jnp.zeros(2, jnp.int32))
+  with pytest.raises(TypeError, match="rhs.dtype"):
+    gated.gated_ragged_dot(lhs, jnp.zeros((2, 16, 128), jnp.float16), jnp.zeros(2, jnp.int32))
+
+
+# ----------------------------------------------------------------------------
 # Weight grad, interpret mode
 # ----------------------------------------------------------------------------
 
@@ -362,6 +441,10 @@ def test_no_races(rng, cpu_device):
   jax.block_until_ready(mosaic_weight_grad.weight_grad(
       lhs, lhs, sizes, None, config=WG_SMALL.replace(num_sms=2), interpret=params))
   assert not _races_found()
+  jax.block_until_ready(mosaic_forward.gated_forward(
+      lhs, put(random(rng, (3, 136, 256), jnp.bfloat16)), sizes, activation="silu",
+      write_h=True, config=SPLIT_M.replace(block_n=128, num_sms=2), interpret=params))
+  assert not _races_found()
 
 
 # ----------------------------------------------------------------------------
@@ -393,6 +476,30 @@ def test_forward_lowers_for_sm90(shape, transpose_rhs, out_dtype):
   text = _lower(lambda a, b, s: mosaic_forward.forward(
       a, b, s, None, transpose_rhs=transpose_rhs, out_dtype=out_dtype, config=cfg,
       interpret=False), lhs, rhs, sizes)
+  assert "mosaic_gpu" in text
+
+
+# The gated form's first GEMMs (G, M, D, F) of the MoE layers in benchmarks --moe.
+GATED_SHAPES = {
+    "qwen3": (128, 65536, 2048, 768),
+    "deepseek": (256, 65536, 7168, 2048),
+    "gpt-oss": (128, 32768, 2880, 2880),
+    "mixtral": (8, 16384, 4096, 14336),
+    "decode": (128, 1024, 2048, 768),  # 8 rows per expert: 64-row tiles
+}
+
+
+@pytest.mark.parametrize("shape", list(GATED_SHAPES))
+@pytest.mark.parametrize("write_h", [False, True])
+def test_gated_forward_lowers_for_sm90(shape, write_h):
+  g, m, k, f = GATED_SHAPES[shape]
+  lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+  rhs = jax.ShapeDtypeStruct((g, k, 2 * f), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((g,), jnp.int32)
+  cfg = default_config(m, f, k, g, gated=True).replace(num_sms=132)
+  text = _lower(lambda a, b, s: mosaic_forward.gated_forward(
+      a, b, s, activation="silu", write_h=write_h, config=cfg, interpret=False),
+      lhs, rhs, sizes)
   assert "mosaic_gpu" in text
 
 
@@ -467,6 +574,22 @@ def test_forward_gpu(rng, shape, transpose_rhs):
   assert not np.isnan(out).any()
   assert (out[m - 77:] == 0).all()
   assert relative_error(out, ref) <= tolerance(jnp.bfloat16, None, k, jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GATED_SHAPES))
+@pytest.mark.parametrize("write_h", [False, True])
+def test_gated_forward_gpu(rng, shape, write_h):
+  g, m, k, f = GATED_SHAPES[shape]
+  m = min(m, 4096)  # the float64 reference of (M, 2F) per group runs on the host
+  sizes = _group_sizes(rng, g, m, total=m - 77)
+  sizes[1] = 0
+  lhs = random(rng, (m, k), jnp.bfloat16)
+  rhs = random(rng, (g, k, 2 * f), jnp.bfloat16)
+  _poison(m * 3 * f * 2)
+  a, h = mosaic_forward.gated_forward(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes),
+                                      activation="silu", write_h=write_h, interpret=False)
+  _check_gated(lhs, rhs, sizes, a, h, "silu")
 
 
 @pytest.mark.gpu

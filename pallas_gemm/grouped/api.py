@@ -114,7 +114,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   offset = None if group_offset is None else _group_offset(group_offset, group_sizes, num_groups)
   _check_concrete_sizes(group_sizes)
   out_dtype = _out_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
-  chosen = _choose_backend(backend, lhs_dtype, rhs_dtype, precision, out_dtype)
+  chosen = choose_backend(backend, lhs_dtype, rhs_dtype, precision, out_dtype)
   plan = ops.Plan(form="weight_grad" if form == "weight_grad" else "forward",
                   num_groups=num_groups, backend=chosen, out_dtype=out_dtype,
                   transpose_rhs=form == "forward_t", precision=precision,
@@ -269,7 +269,9 @@ def mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype) -> str | None:
   return hw.unavailable_reason()
 
 
-def _choose_backend(backend: str, lhs_dtype, rhs_dtype, precision, out_dtype) -> str:
+def choose_backend(backend: str, lhs_dtype, rhs_dtype, precision, out_dtype) -> str:
+  """"xla" or "mosaic" for a call asking for `backend` (ValueError: "mosaic" asked where
+  the kernels cannot compute the call)."""
   if backend == "xla":
     return "xla"
   reason = mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype)

@@ -151,7 +151,7 @@ def check_smem(config: Config, **kwargs) -> None:
 
 
 def default_config(m: int, n: int, k: int, g: int, dtype=jnp.bfloat16, *,
-                   out_dtype=None, weight_grad: bool = False) -> Config:
+                   out_dtype=None, weight_grad: bool = False, gated: bool = False) -> Config:
   """Tiles for a grouped GEMM of M rows in g groups, K, N (the forward's names: the
   weight grad's output is (g, K, N), reduced over M).
 
@@ -162,10 +162,19 @@ def default_config(m: int, n: int, k: int, g: int, dtype=jnp.bfloat16, *,
   rows a straddling tile wastes scale with block_m.
   Weight grad: 128 x 256 output tiles, 64-row reduction steps (a group's first and last
   steps are partly outside it; shorter steps waste less there).
+  Gated forward (n = F, two accumulators per warpgroup, the gate's and the up's): tiles of
+  block_m x 128 (h's 128 x 256 per CTA, as the plain forward's), the warpgroups splitting
+  the rows (64 x 128 twice each: 128 f32 registers per thread) or, for 64-row tiles, the
+  columns; a ring step holds two rhs tiles.
   """
   del k
   out_dtype = jnp.dtype(dtype if out_dtype is None else out_dtype)
-  if weight_grad:
+  if gated:
+    block_m = 64 if (m / max(g, 1) < 64 or m <= 64) else 128
+    cfg = Config(block_m=block_m, block_n=128, block_k=64, stages=4, num_compute_wgs=2,
+                 wg_split="m" if block_m == 128 else "n")
+    a_tile, b_tile = (cfg.block_m, cfg.block_k), (cfg.block_k, 2 * cfg.block_n)
+  elif weight_grad:
     cfg = Config(block_m=64, block_n=256 if n > 128 else 128, block_k=128, stages=4,
                  num_compute_wgs=2, wg_split="n")
     a_tile, b_tile = (cfg.block_m, cfg.block_k), (cfg.block_m, cfg.block_n)

@@ -46,6 +46,7 @@ swizzle is computed wider and sliced.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -54,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.core.epilogue import activate
 from pallas_gemm.mgpu import launch, ring
 from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, local_rows, out_transforms,
                                    row_items, store_rows, store_subtiles)
@@ -66,10 +68,23 @@ def num_ctas(config: Config, interpret: bool) -> int:
   return launch.grid_sms(config.num_sms, interpret)
 
 
-def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Config,
-            k: int, n: int, transpose_rhs: bool, num_ctas: int):
+@dataclasses.dataclass(frozen=True)
+class Gate:
+  """The gated epilogue of `gated_forward`: rhs (G, K, 2F) holds [gate | up]; the kernel
+  writes a = act(lhs @ gate) * (lhs @ up) and, with write_h, h = lhs @ rhs."""
+  activation: str  # `core.epilogue.ACTIVATIONS` name of the gate's function
+  f: int           # F: a multiple of 64 (the TMA tile), so up's columns start on a tile
+  write_h: bool
+
+
+def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, h_gmem=None, *,
+            config: Config, k: int, n: int, transpose_rhs: bool, num_ctas: int,
+            gate: Gate | None = None):
   """One persistent CTA. lhs_gmem (M', K'); rhs_gmem (G, K', N') or (G, N', K');
-  out_gmem (M, N''); items_gmem (4, T) and count_gmem (1,) from `row_items`."""
+  out_gmem (M, N''); items_gmem (4, T) and count_gmem (1,) from `row_items`.
+  With gate, n is F, rhs_gmem (G, K', 2F), and each CTA tile multiplies lhs by two rhs
+  tiles, the gate's columns and the up's F further on (two accumulators), into
+  out_gmem = a (M, F'') and h_gmem = h (M, 2F'') (with gate.write_h)."""
   cfg = config
   dtype = lhs_gmem.dtype
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -80,6 +95,8 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
   stages = min(cfg.stages, k_iters)
   epi_slots = cfg.epi_slots_for(bm)
   b_block = (bn, bk) if transpose_rhs else (bk, bn)
+  # Gated: two rhs tiles per step, the gate's (columns c) and the up's (columns F + c).
+  b_tiles = () if gate is None else (2,)
 
   count = count_gmem[0]
   cta = lax.axis_index("sm")
@@ -105,11 +122,11 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
 
   scoped = dict(
       a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=swizzle_transforms(bk, dtype)),
-      b_smem=plgpu.SMEM((stages, *b_block), dtype,
+      b_smem=plgpu.SMEM((stages, *b_tiles, *b_block), dtype,
                         transforms=swizzle_transforms(b_block[1], dtype)),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
                           transforms=out_transforms(epi_n, out_gmem.dtype)),
-      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      produced=plgpu.Barrier(num_arrivals=2 + len(b_tiles), num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
 
@@ -126,10 +143,16 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
           ks = pl.ds(kk * bk, bk)
           plgpu.copy_gmem_to_smem(lhs_gmem.at[pl.ds(row0, bm), ks],  # (bm, bk)
                                   a_smem.at[slot], produced.at[slot])
-          ns = pl.ds(ni * bn, bn)
-          rhs_tile = (rhs_gmem.at[group, ns, ks] if transpose_rhs  # (bn, bk)
-                      else rhs_gmem.at[group, ks, ns])  # (bk, bn)
-          plgpu.copy_gmem_to_smem(rhs_tile, b_smem.at[slot], produced.at[slot])
+          if gate is None:
+            ns = pl.ds(ni * bn, bn)
+            rhs_tile = (rhs_gmem.at[group, ns, ks] if transpose_rhs  # (bn, bk)
+                        else rhs_gmem.at[group, ks, ns])  # (bk, bn)
+            plgpu.copy_gmem_to_smem(rhs_tile, b_smem.at[slot], produced.at[slot])
+          else:
+            for half in range(2):  # gate, then up; starts in whole 64-column TMA tiles
+              col = (half * (gate.f // 64) + ni * (bn // 64)) * 64
+              plgpu.copy_gmem_to_smem(rhs_gmem.at[group, ks, pl.ds(col, bn)],
+                                      b_smem.at[slot, half], produced.at[slot])
 
         @pl.when(group >= 0)  # a zero item loads nothing
         def _():
@@ -148,21 +171,46 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, *, config: Con
       def mma_item(j, step):
         group, row0, lo, hi, ni = item(j)
 
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
-        def _acc_scope(acc_ref):
+        accs = dict(acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+        if gate is not None:
+          accs["up_ref"] = plgpu.ACC((wg_m, wg_n), jnp.float32)
+
+        @functools.partial(pl.run_scoped, **accs)
+        def _acc_scope(acc_ref, up_ref=None):
           @pl.when(group >= 0)  # a zero item keeps the zero accumulator
           def _():
             @pl.loop(0, k_iters)
             def _k(kk):
               slot = lax.rem(step + kk, stages)
               plgpu.barrier_wait(produced.at[slot])
-              wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
+              if gate is None:
+                wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot], wg)
+              else:
+                wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot, 0], wg)
+                wgmma(up_ref, a_smem.at[slot], b_smem.at[slot, 1], wg)
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
 
-          store_subtiles(acc_ref[...], out_smem, wg, lambda slot_smem, i, jj: store_rows(
-              slot_smem, out_gmem, row0=row0 + m0 + i * epi_m,
-              col0=ni * bn + n0 + jj * epi_n, lo=lo, hi=hi))
+          def store(dst_gmem, col_offset=0):
+            def one(slot_smem, i, jj):
+              sub_row0 = row0 + m0 + i * epi_m
+              col0 = ni * bn + n0 + jj * epi_n
+              # Gated: a sub-tile at column F or past it (of the gate's tile) holds no
+              # output column; it stores no row (every sub-tile still commits its group).
+              top = hi if gate is None else jnp.where(col0 < n, hi, lo)
+              store_rows(slot_smem, dst_gmem, row0=sub_row0,
+                         col0=col_offset + col0 if col_offset else col0, lo=lo, hi=top)
+            return one
+
+          if gate is None:
+            store_subtiles(acc_ref[...], out_smem, wg, store(out_gmem))
+          else:
+            gate_acc, up_acc = acc_ref[...], up_ref[...]
+            store_subtiles(activate(gate_acc, gate.activation) * up_acc, out_smem, wg,
+                           store(out_gmem))
+            if gate.write_h:
+              store_subtiles(gate_acc, out_smem, wg, store(h_gmem))
+              store_subtiles(up_acc, out_smem, wg, store(h_gmem, gate.f))
 
         return step + jnp.where(group >= 0, k_iters, 0)
 
@@ -211,16 +259,49 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
   if config is None:
     config = default_config(m, n, k, g, dtype, out_dtype=out_dtype)
-  if m == 0 or n == 0:
+  if m == 0 or n == 0 or k == 0 or g == 0:
     return jnp.zeros((m, n), out_dtype)
-  if k == 0 or g == 0:
-    return jnp.zeros((m, n), out_dtype)
+  return _launch(lhs, rhs, group_sizes, group_offset, m=m, k=k, n=n, out_dtype=out_dtype,
+                 config=config, interpret=interpret, transpose_rhs=transpose_rhs)
+
+
+def gated_forward(lhs, rhs, group_sizes, group_offset=None, *, activation: str,
+                  write_h: bool = False, config: Config | None = None,
+                  interpret: bool | plgpu.InterpretGPUParams = False):
+  """(a, h) per group g: h = lhs[rows of g] @ rhs[g] (M, 2F), rhs[g] = [gate | up]
+  (K, 2F), and a = act(h[:, :F]) * h[:, F:] (M, F), act from the f32 accumulators
+  (`core.epilogue.ACTIVATIONS[activation]`); both in lhs's dtype, rows of no group zeros.
+  h is None unless write_h (then the kernel stores it beside a). F must be a multiple of
+  64 (ValueError otherwise: up's columns must start on a TMA tile). group_sizes and
+  group_offset as `forward`'s."""
+  m, k, two_f, g = check_operands(lhs, rhs, group_sizes, transpose_rhs=False)
+  f = two_f // 2
+  if two_f % 128:
+    raise ValueError(f"gated_forward: rhs must be (G, K, 2F) with F a multiple of 64; got"
+                     f" rhs.shape={rhs.shape}")
+  dtype = jnp.dtype(lhs.dtype)
+  if config is None:
+    config = default_config(m, f, k, g, dtype, gated=True)
+  if m == 0 or k == 0 or g == 0:
+    zeros = jnp.zeros((m, two_f), dtype)
+    return zeros[:, :f], (zeros if write_h else None)
+  gate = Gate(activation=activation, f=f, write_h=write_h)
+  outs = _launch(lhs, rhs, group_sizes, group_offset, m=m, k=k, n=f, out_dtype=dtype,
+                 config=config, interpret=interpret, transpose_rhs=False, gate=gate)
+  return (outs[0], outs[1]) if write_h else (outs, None)
+
+
+def _launch(lhs, rhs, group_sizes, group_offset, *, m, k, n, out_dtype, config, interpret,
+            transpose_rhs, gate: Gate | None = None):
+  """The kernel call of `forward` / `gated_forward` (checked operands, m, n, k, g > 0)."""
+  dtype = jnp.dtype(lhs.dtype)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   config.check_tiles(bm)
-  check_smem(config, a_tile=(bm, bk), b_tile=(bk, bn), dtype=dtype, out_dtype=out_dtype,
+  b_cols = bn if gate is None else 2 * bn  # gated: two rhs tiles per step
+  check_smem(config, a_tile=(bm, bk), b_tile=(bk, b_cols), dtype=dtype, out_dtype=out_dtype,
              k_steps=-(-k // bk))
 
-  starts, ends = local_rows(group_sizes, group_offset, g, m)
+  starts, ends = local_rows(group_sizes, group_offset, rhs.shape[0], m)
   items, count = row_items(starts, ends, m, bm)
   lhs = pad_for_tma(lhs, tma_tile(bk, dtype), bk)
   rhs_minor = bk if transpose_rhs else bn
@@ -229,12 +310,21 @@ def forward(lhs, rhs, group_sizes, group_offset=None, *, transpose_rhs: bool = F
   # least one block: as for the gemm kernel
   # (`layout.pad_for_tma`), an output narrower than the block computes wrong results
   # on the GPU (N = 40 with 128-column blocks) though the interpreter gets them right.
-  n_out = max(round_up(n, tma_tile(config.epi_block_n, out_dtype)[1]), bn)
+  def width(cols):
+    return max(round_up(cols, tma_tile(config.epi_block_n, out_dtype)[1]), bn)
+
+  n_out = width(n)
+  out_type = jax.ShapeDtypeStruct((m, n_out), out_dtype)
+  if gate is not None and gate.write_h:
+    out_type = (out_type, jax.ShapeDtypeStruct((m, width(2 * n)), out_dtype))
   ctas = num_ctas(config, bool(interpret))
   body = functools.partial(_kernel, config=config, k=k, n=n, transpose_rhs=transpose_rhs,
-                           num_ctas=ctas)
+                           num_ctas=ctas, **({} if gate is None else dict(gate=gate)))
   kernel = launch.warpgroup_kernel(
-      body, out_type=jax.ShapeDtypeStruct((m, n_out), out_dtype), num_ctas=ctas,
-      num_compute_wgs=config.num_compute_wgs, kernel_name="pallas_gemm_ragged_forward")
-  out = launch.call(kernel, items, count, lhs, rhs, interpret=interpret)
-  return out if n_out == n else out[:, :n]
+      body, out_type=out_type, num_ctas=ctas, num_compute_wgs=config.num_compute_wgs,
+      kernel_name="pallas_gemm_ragged_forward" if gate is None
+      else "pallas_gemm_ragged_gated_forward")
+  outs = launch.call(kernel, items, count, lhs, rhs, interpret=interpret)
+  if isinstance(outs, (tuple, list)):
+    return tuple(o if o.shape[1] == w else o[:, :w] for o, w in zip(outs, (n, 2 * n)))
+  return outs if n_out == n else outs[:, :n]

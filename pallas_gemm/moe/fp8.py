@@ -119,8 +119,8 @@ def _forward8(plan, xs, w_gate_up, w_down, group_sizes):
   what `_backward8` reads of the weights: their quantized copies and (as empty arrays)
   their dtypes, those of the weight gradients."""
   qs = _quantize_k_major(w_gate_up), _quantize_k_major(w_down)
-  y, h = layer.experts_forward(plan, xs, *qs, group_sizes,
-                               _product(plan, group_sizes, xs.dtype))
+  y, h, _ = layer.experts_forward(plan, xs, *qs, group_sizes,
+                                  _product(plan, group_sizes, xs.dtype))
   return y, h, (qs, tuple(jnp.zeros((0,), w.dtype) for w in (w_gate_up, w_down)))
 
 

@@ -6,7 +6,10 @@ Forward, for T tokens with k experts each (R = T * k rows, one per (token, slot)
      sorted row of each pair, `group_sizes` (E,). Ids outside [0, E) sort last, past
      sum(group_sizes): the grouped GEMMs write zeros there and read nothing there.
   2. xs = x[token] (R, D): a gather.
-  3. h = ragged_dot(xs, w_gate_up) (R, 2F), a = act(gate) * up (R, F) (one fusion).
+  3. h = ragged_dot(xs, w_gate_up) (R, 2F), a = act(gate) * up (R, F): for the gated
+     activations on the Mosaic backend one kernel (`grouped.gated`), whose epilogue
+     computes a from the f32 products and writes h only for a backward pass; elsewhere
+     the grouped GEMM and one elementwise fusion.
   4. y = ragged_dot(a, w_down) (R, D).
   5. out[t] = sum_j topk_weights[t, j] * y[inverse[t, j]]: a gather and a k-term sum in
      f32 (one fusion), never a scatter-add into out.
@@ -17,8 +20,8 @@ Backward, from g = d out (T, D), as gathers too:
   the weight gradients on the ragged-contraction kernel: a^T dy and xs^T dh per expert;
   dx[t] = sum_j dxs[inverse[t, j]] (a gather and a k-term sum; autodiff of step 2 would
   scatter-add R rows into T).
-The residuals are h and y (bf16, R x 2F and R x D) and the dispatch's int32 vectors; xs
-and a are recomputed (a gather, an elementwise pass), never stored.
+The residuals are h, a and y (bf16, R x 2F, R x F and R x D) and the dispatch's int32
+vectors; xs is recomputed (a gather), never stored.
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_gemm.core import epilogue
-from pallas_gemm.grouped import ragged_dot_general
+from pallas_gemm.grouped import gated, ragged_dot_general
+from pallas_gemm.mgpu import hw
 
 F32 = jnp.float32
 
@@ -60,6 +64,9 @@ class Plan:
   out_dtype: Any
   backend: str
   config: Any = None
+  # False: step 3 as the grouped GEMM and an elementwise pass even where the gated
+  # kernel could run (the two-pass form, to measure one against the other).
+  fuse_gate: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,19 +131,38 @@ def combine(rows, inverse, weights, out_dtype):
   return jnp.einsum("tk,tkd->td", weights.astype(F32), picked).astype(out_dtype)
 
 
-def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None):
-  """(y, h): y = FFN(xs) row by row, each row through its group's expert (steps 3 and 4).
+def fused_gate(plan: Plan, xs, w_gate_up) -> bool:
+  """Whether step 3 runs as one gated kernel: a gated activation, and the Mosaic backend
+  (asked for, or "auto" on a GPU) able to run it on these operands."""
+  _, is_gated = ACTIVATIONS[plan.activation]
+  if not (is_gated and plan.fuse_gate) or plan.backend == "xla" or (
+      gated.mosaic_reason(jnp.dtype(xs.dtype), w_gate_up.shape, plan.precision) is not None):
+    return False
+  return plan.backend == "mosaic" or hw.on_gpu()
+
+
+def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None,
+                    write_h: bool = True):
+  """(y, h, a): y = FFN(xs) row by row, each row through its group's expert (steps 3 and
+  4), h and a its intermediates (h None unless write_h, on the gated kernel's path).
   product(rows, w) is rows @ w[e] per group (default: the grouped GEMM in xs's dtype;
   the fp8 training form passes its own)."""
+  if product is None and fused_gate(plan, xs, w_gate_up):
+    a, h = gated.gated_ragged_dot(xs, w_gate_up, group_sizes,
+                                  activation=ACTIVATIONS[plan.activation][0],
+                                  write_h=write_h, precision=plan.precision, backend="mosaic")
+    return _gemm(plan, a, w_down, group_sizes, _FORWARD, xs.dtype), h, a
   product = product or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _FORWARD,
                                               xs.dtype))
   h = product(xs, w_gate_up)
-  return product(act(plan, h), w_down), h
+  a = act(plan, h)
+  return product(a, w_down), h, a
 
 
 def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
-                     product_t=None, w_dtypes=None):
-  """(dxs, dw_gate_up, dw_down) from dy; a is recomputed from h. product_t(rows, w) is
+                     product_t=None, w_dtypes=None, a=None):
+  """(dxs, dw_gate_up, dw_down) from dy; a, the forward's, or else recomputed from h.
+  product_t(rows, w) is
   rows @ w[e]^T per group (default: the grouped GEMM, w read transposed), w being
   w_gate_up or w_down as given (the fp8 training form passes its quantized copies); the
   weight gradients run on the ragged-contraction kernel in w_dtypes (default: the
@@ -145,7 +171,8 @@ def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
                                                   xs.dtype))
   gate_up_dtype, down_dtype = w_dtypes or (w_gate_up.dtype, w_down.dtype)
   da = product_t(dy, w_down)
-  dw_down = _gemm(plan, act(plan, h), dy, group_sizes, _WEIGHT_GRAD, down_dtype)
+  a = act(plan, h) if a is None else a
+  dw_down = _gemm(plan, a, dy, group_sizes, _WEIGHT_GRAD, down_dtype)
   dh = _act_grad(plan, h, da)
   dxs = product_t(dh, w_gate_up)
   dw_gate_up = _gemm(plan, xs, dh, group_sizes, _WEIGHT_GRAD, gate_up_dtype)
@@ -170,28 +197,29 @@ def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
   return drows.astype(rows_dtype), dweights
 
 
-def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
-  y, h = experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
-  return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
+def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, write_h=True):
+  y, h, a = experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes,
+                            write_h=write_h)
+  return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, a, y)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def layer(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
   """out (T, D) of x (T, D): module docstring. Differentiable in x, topk_weights,
   w_gate_up and w_down (reverse mode)."""
-  return _forward(plan, x, topk_weights, w_gate_up, w_down, d)[0]
+  return _forward(plan, x, topk_weights, w_gate_up, w_down, d, write_h=False)[0]
 
 
 def _layer_fwd(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
-  out, (h, y) = _forward(plan, x, topk_weights, w_gate_up, w_down, d)
-  return out, (x, topk_weights, w_gate_up, w_down, d, h, y)
+  out, (h, a, y) = _forward(plan, x, topk_weights, w_gate_up, w_down, d)
+  return out, (x, topk_weights, w_gate_up, w_down, d, h, a, y)
 
 
 def _layer_bwd(plan: Plan, residuals, g):
-  x, topk_weights, w_gate_up, w_down, d, h, y = residuals
+  x, topk_weights, w_gate_up, w_down, d, h, a, y = residuals
   dy, dweights = combine_backward(y, topk_weights, d, g, x.dtype)
   dxs, dw_gate_up, dw_down = experts_backward(plan, x[d.token], h, w_gate_up, w_down,
-                                               d.group_sizes, dy)
+                                               d.group_sizes, dy, a=a)
   dx = sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down, None  # the dispatch is integer: no cotangent
 
@@ -209,17 +237,17 @@ layer.defvjp(_layer_fwd, _layer_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def experts(plan: Plan, xs, w_gate_up, w_down, group_sizes):
   """y (R, D) = FFN(xs) with xs (R, D) sorted by group; rows past sum(group_sizes) are 0."""
-  return experts_forward(plan, xs, w_gate_up, w_down, group_sizes)[0]
+  return experts_forward(plan, xs, w_gate_up, w_down, group_sizes, write_h=False)[0]
 
 
 def _experts_fwd(plan: Plan, xs, w_gate_up, w_down, group_sizes):
-  y, h = experts_forward(plan, xs, w_gate_up, w_down, group_sizes)
-  return y, (xs, h, w_gate_up, w_down, group_sizes)
+  y, h, a = experts_forward(plan, xs, w_gate_up, w_down, group_sizes)
+  return y, (xs, h, a, w_gate_up, w_down, group_sizes)
 
 
 def _experts_bwd(plan: Plan, residuals, dy):
-  xs, h, w_gate_up, w_down, group_sizes = residuals
-  return (*experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy), None)
+  xs, h, a, w_gate_up, w_down, group_sizes = residuals
+  return (*experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy, a=a), None)
 
 
 experts.defvjp(_experts_fwd, _experts_bwd)

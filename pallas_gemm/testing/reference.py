@@ -192,6 +192,12 @@ def relative_error(out, ref) -> float:
   return err / denom if denom > 0 else err
 
 
+def gated_tolerance(dtype, k: int) -> float:
+  """The bound of a gated product a = act(x @ gate) * (x @ up) written in dtype (the gated
+  grouped GEMM): the two GEMMs' compute errors add to first order, plus a's rounding."""
+  return 2 * tolerance(dtype, None, k, np.float32) + _OUTPUT_TOL[np.dtype(dtype).name]
+
+
 def moe_reference(x, topk_weights, topk_ids, w_gate_up, w_down, activation="swiglu"):
   """`pallas_gemm.moe_mlp` in float64, written densely: every token through every expert,
   then weighted by how often (and how much) its row of topk_ids picks that expert. No

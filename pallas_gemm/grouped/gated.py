@@ -1,0 +1,97 @@
+"""The first grouped GEMM of a gated MLP (SwiGLU / GeGLU experts) with its activation.
+
+    a, h = gated_ragged_dot(lhs, rhs, group_sizes, activation="silu", write_h=True)
+
+rhs (G, K, 2F) holds each group's [gate | up]; per group g, h = lhs[rows of g] @ rhs[g]
+(M, 2F) and a = act(h[:, :F]) * h[:, F:] (M, F), both in lhs's dtype; rows in no group are
+zeros (as `ragged_dot`'s). h is returned only with write_h (a backward pass needs it).
+
+- "mosaic" (Hopper): one kernel (`mosaic_forward.gated_forward`). Each tile multiplies its
+  lhs rows by the gate's and the up's columns into two accumulators and computes a from
+  them in the epilogue: a never takes a separate pass over h, and h is written only when
+  asked. a is computed from the f32 products, so it is more accurate than the XLA path's
+  rounding of h first. F must be a multiple of 64.
+- "xla": `ragged_dot` and one elementwise pass over h (a from h rounded to lhs's dtype).
+- "auto": mosaic where `ragged_dot` would run its kernels and F allows, else xla.
+
+A building block of `moe_mlp`, which differentiates around it (its own `custom_vjp`): it
+has no differentiation rules of its own, and no partitioning rule (under jit with sharded
+operands, call it inside `jax.shard_map`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_gemm.core import epilogue, primitive
+from pallas_gemm.core.checks import dtype_of
+from pallas_gemm.grouped import api
+from pallas_gemm.mgpu import hw
+
+# The gate's function, by the names `core.epilogue.ACTIVATIONS` knows.
+GATES = ("silu", "gelu")
+_FORWARD = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+
+
+def mosaic_reason(lhs_dtype, rhs_shape, precision) -> str | None:
+  """None when the gated kernel can compute this call here, else why not."""
+  reason = api.mosaic_reason(lhs_dtype, lhs_dtype, precision, np.dtype(lhs_dtype))
+  if reason is None and rhs_shape[-1] % 128:
+    reason = (f"the gated kernel takes F a multiple of 64 (up's columns start on a TMA"
+              f" tile); got rhs.shape={tuple(rhs_shape)}")
+  return reason
+
+
+def choose_backend(backend: str, lhs_dtype, rhs_dtype, rhs_shape, precision) -> str:
+  if backend not in api.BACKENDS:
+    raise ValueError(f"backend must be one of {api.BACKENDS}; got {backend!r}")
+  if backend == "xla" or lhs_dtype != rhs_dtype:
+    return api.choose_backend(backend, lhs_dtype, rhs_dtype, precision, lhs_dtype)
+  reason = mosaic_reason(lhs_dtype, rhs_shape, precision)
+  if backend == "mosaic":
+    if reason is not None:
+      raise ValueError(f"backend='mosaic' cannot compute this gated call: {reason}")
+    return "mosaic"
+  return "mosaic" if reason is None and hw.on_gpu() else "xla"
+
+
+def activate(h, activation: str):
+  """a = act(gate) * up of h (M, 2F), computed in f32, rounded to h's dtype (the XLA
+  path's second step, and the reference of the kernel's epilogue)."""
+  f = h.shape[-1] // 2
+  hf = h.astype(jnp.float32)
+  return (epilogue.activate(hf[:, :f], activation) * hf[:, f:]).astype(h.dtype)
+
+
+def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
+                     write_h: bool = False, precision=None, backend: str = "auto",
+                     config=None):
+  """(a, h) of the module docstring; h is None unless write_h.
+
+  lhs (M, K); rhs (G, K, 2F) of lhs's dtype; group_sizes (G,) integers (traced).
+  precision: as `ragged_dot` takes it (the kernel: 16-bit products, f32 accumulation).
+  config: the gated kernel's `grouped.config.Config` (two accumulators per warpgroup:
+  None picks `default_config(..., gated=True)`); the xla path ignores it.
+  """
+  lhs_dtype, rhs_dtype = dtype_of(lhs, "lhs"), dtype_of(rhs, "rhs")
+  if activation not in GATES:
+    raise ValueError(f"activation must be one of {GATES}; got {activation!r}")
+  if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or rhs.shape[2] % 2:
+    raise ValueError(f"lhs must be (M, K) and rhs (G, K, 2F); got lhs.shape={lhs.shape},"
+                     f" rhs.shape={rhs.shape}")
+  if rhs_dtype != lhs_dtype:
+    raise TypeError(f"rhs.dtype must be lhs's {lhs_dtype}; got {rhs_dtype}")
+  chosen = choose_backend(backend, lhs_dtype, rhs_dtype, rhs.shape, precision)
+  if chosen == "xla":
+    h = api.ragged_dot_general(lhs, rhs, group_sizes, _FORWARD, precision, lhs_dtype,
+                               backend="xla")
+    return activate(h, activation), (h if write_h else None)
+  from pallas_gemm.grouped import mosaic_forward  # noqa: PLC0415 (a GPU-only import chain)
+  with primitive.kernel_x64(chosen):
+    return mosaic_forward.gated_forward(
+        lhs, rhs, jnp.asarray(group_sizes).astype(jnp.int32), activation=activation,
+        write_h=write_h, config=config, interpret=not hw.on_gpu())
