@@ -325,7 +325,9 @@ def markdown(results: list[dict], header: bool = True) -> str:
         lines.append(f"| {label} | {row['mode']} | {name} | - | - | {v['reason']} | - |")
         continue
       s = v.get("moe_mlp_speedup")
-      speed = "1" if name == "moe_mlp" else f"{s['median']:.2f}x ±{s['spread']:.2f}"
+      # no ratio where moe_mlp itself did not run (out of memory, say)
+      speed = ("1" if name == "moe_mlp" else "-" if s is None
+               else f"{s['median']:.2f}x ±{s['spread']:.2f}")
       temp = "-" if v["temp_bytes"] is None else f"{v['temp_bytes'] / 2**20:.0f}"
       lines.append(f"| {label} | {row['mode']} | {name} | {v['ms']:.3f} | {v['tflops']:.0f} |"
                    f" {speed} | {temp} |")
