@@ -421,3 +421,27 @@ def test_ragged_exchange_refused_off_gpu(rng):
   args = _put(mesh, _problem(rng, 16, 16, 8, 8, 2))
   with pytest.raises(ValueError, match="exchange='ragged' runs on GPUs"):
     pallas_gemm.moe_mlp(*args, backend="xla", exchange="ragged")
+
+
+def test_gated_kernel_only_where_no_partitioner_is_needed():
+  # The gated kernel has no partitioning rule: under Auto mesh axes, where XLA partitions
+  # the layer itself, the layer takes the two passes (the grouped GEMM's rule applies);
+  # inside a shard_map over those axes (expert parallelism, data parallelism) and with
+  # no mesh it runs the kernel.
+  from pallas_gemm.moe import layer  # noqa: PLC0415
+  plan = layer.Plan(activation="swiglu", precision=None, out_dtype=jnp.bfloat16,
+                    backend="mosaic")
+  xs, w = jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((2, 64, 128), jnp.bfloat16)
+  assert layer.fused_gate(plan, xs, w)
+  mesh = _mesh(4, kind=jax.sharding.AxisType.Auto)
+  with jax.set_mesh(mesh):
+    assert not layer.fused_gate(plan, xs, w)
+    seen = []
+
+    @functools.partial(jax.shard_map, in_specs=P(AXIS), out_specs=P(AXIS))
+    def local(x):
+      seen.append(layer.fused_gate(plan, x, w))
+      return x
+
+    jax.eval_shape(local, jnp.zeros((64, 64), jnp.bfloat16))
+    assert seen == [True]

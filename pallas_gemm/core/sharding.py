@@ -46,6 +46,15 @@ def cast_varying(a, axes):
   return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
+def auto_axes() -> tuple[str, ...]:
+  """The context mesh's Auto axes of more than one device (`jax.set_mesh`, outside
+  `jax.shard_map` over them): where XLA partitions a computation itself, and a kernel
+  called without a partitioning rule would have its operands gathered."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+               if kind == jax.sharding.AxisType.Auto and mesh.shape[name] > 1)
+
+
 def explicitly_sharded(x) -> bool:
   """Whether x's type is sharded over Explicit mesh axes (jax.sharding.AxisType.Explicit)."""
   return any(axes is not None for axes in jax.typeof(x).sharding.spec)

@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_gemm.core import epilogue
+from pallas_gemm.core import epilogue, sharding
 from pallas_gemm.grouped import gated, ragged_dot_general
 from pallas_gemm.mgpu import hw
 
@@ -133,10 +133,15 @@ def combine(rows, inverse, weights, out_dtype):
 
 def fused_gate(plan: Plan, xs, w_gate_up) -> bool:
   """Whether step 3 runs as one gated kernel: a gated activation, and the Mosaic backend
-  (asked for, or "auto" on a GPU) able to run it on these operands."""
+  (asked for, or "auto" on a GPU) able to run it on these operands. Not under Auto mesh
+  axes (XLA partitions the layer there, by the grouped GEMM's partitioning rule, which the
+  gated kernel does not have) nor on Explicitly sharded operands (a Pallas kernel takes
+  none): there the two passes run."""
   _, is_gated = ACTIVATIONS[plan.activation]
   if not (is_gated and plan.fuse_gate) or plan.backend == "xla" or (
       gated.mosaic_reason(jnp.dtype(xs.dtype), w_gate_up.shape, plan.precision) is not None):
+    return False
+  if sharding.auto_axes() or sharding.explicit_reason(xs, w_gate_up) is not None:
     return False
   return plan.backend == "mosaic" or hw.on_gpu()
 
