@@ -182,6 +182,14 @@ def _family_lowerings():
       "grouped_forward_offset": lambda: _lower_fn(
           lambda a, b, g, o: fwd(a, b, g, o), _sds((1000, 512), BF16),
           _sds((4, 512, 384), BF16), _sds((8,), i32), _sds((1,), i32)),
+      "grouped_gated": lambda: _lower_fn(
+          lambda a, b, g: _attr("pallas_gemm.grouped.mosaic_forward:gated_forward")(
+              a, b, g, activation="silu"),
+          _sds((1000, 512), BF16), _sds((8, 512, 384), BF16), _sds((8,), i32)),
+      "grouped_gated_h": lambda: _lower_fn(
+          lambda a, b, g: _attr("pallas_gemm.grouped.mosaic_forward:gated_forward")(
+              a, b, g, activation="gelu", write_h=True),
+          _sds((1000, 512), BF16), _sds((8, 512, 384), BF16), _sds((8,), i32)),
       "grouped_weight_grad": lambda: _lower_fn(
           wgrad, _sds((1000, 512), BF16), _sds((1000, 384), BF16), _sds((8,), i32)),
       "fp8_blocks": lambda: _lower_fn(
