@@ -316,6 +316,66 @@ def test_data_parallel(rng):
   assert not re.search(r"\b(all-gather|all-to-all)(-start)?\(", backward)
 
 
+def test_data_axes_on_an_auto_mesh(rng):
+  # An Auto mesh's types carry no sharding: data_axes names the token axis. Each device
+  # runs the layer on its tokens: the forward moves nothing, the backward only sums the
+  # weights' gradients; without data_axes XLA partitions the one-device layer and moves
+  # rows (all-gathers) to do it.
+  mesh = _mesh((4,), ("data",), kind=jax.sharding.AxisType.Auto)
+  highest = jax.lax.Precision.HIGHEST
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=highest, backend=_backend(),
+                            data_axes="data")
+  with jax.set_mesh(mesh):
+    _, placed = _compare(rng, _problem(rng, 32, 16, 8, 6, 2), mesh, exchange="auto",
+                         layer=layer, tokens=P("data"), experts=P())
+    x, weights, ids, wgu, wd = placed
+    forward = jax.jit(layer).lower(x, weights, ids, wgu, wd).compile().as_text()
+    assert not re.search(r"\b(all-gather|all-reduce|all-to-all)(-start)?\(", forward)
+    loss = lambda x, w, a, b: jnp.sum(layer(x, w, ids, a, b))  # noqa: E731
+    backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(
+        x, weights, wgu, wd).compile().as_text()
+    assert not re.search(r"\b(all-gather|all-to-all)(-start)?\(", backward)
+    plain = functools.partial(pallas_gemm.moe_mlp, precision=highest, backend=_backend())
+    moved = jax.jit(plain).lower(x, weights, ids, wgu, wd).compile().as_text()
+    assert re.search(r"\b(all-gather|all-reduce|all-to-all)(-start)?\(", moved)
+
+
+def test_data_axes_with_an_expert_axis(rng):
+  # (data, expert) on an Auto mesh: both named.
+  mesh = _mesh((2, 2), ("data", AXIS), kind=jax.sharding.AxisType.Auto)
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend(), data_axes=("data",), expert_axis=AXIS)
+  with jax.set_mesh(mesh):
+    _compare(rng, _problem(rng, 16, 16, 8, 4, 2), mesh, exchange="auto", layer=layer,
+             tokens=P(("data", AXIS)))
+
+
+@pytest.mark.parametrize("data_axes, error, match", [
+    ("model", ValueError, "'model' is not an axis of the mesh"),
+    (("data", AXIS), ValueError, "names the expert axis"),
+    (("data", "data"), ValueError, "names an axis twice"),
+    (3, TypeError, "data_axes must be a mesh axis name"),
+])
+def test_data_axes_bad_input(rng, data_axes, error, match):
+  mesh = _mesh((2, 2), ("data", AXIS), kind=jax.sharding.AxisType.Auto)
+  x, weights, ids, wgu, wd = _problem(rng, 16, 16, 8, 4, 2)
+  with jax.set_mesh(mesh), pytest.raises(error, match=match):
+    pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, backend="xla", expert_axis=AXIS,
+                        data_axes=data_axes)
+
+
+def test_data_axes_inside_shard_map_is_refused(rng):
+  mesh = _mesh((4,), ("data",), kind=jax.sharding.AxisType.Auto)
+  x, weights, ids, wgu, wd = _problem(rng, 16, 16, 8, 4, 2)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+  def local(x, weights, ids):
+    return pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, backend="xla", data_axes="data")
+
+  with pytest.raises(ValueError, match="already the device's tokens"):
+    jax.eval_shape(local, x, weights, ids)
+
+
 def test_data_and_expert_parallel(rng):
   # A (data, expert) mesh: tokens over both axes, experts over "expert"; each data row of
   # devices exchanges its own tokens among its experts.

@@ -26,9 +26,10 @@ Semantics a user can rely on:
   the weights its experts; outside, x's tokens and the weights' experts are split over
   it, and the result comes back sharded on its tokens over it.
 - Data parallel: when x's type splits its tokens over Explicit mesh axes (and
-  the experts are not split over them), each device runs the layer on its own tokens
-  with every expert: no communication. With an expert axis too, the tokens split over
-  both and the experts over the expert axis.
+  the experts are not split over them), or over the axes named by `data_axes` (an Auto
+  mesh's, whose types carry no sharding), each device runs the layer on its own tokens
+  with every expert: no communication but the weight gradients' sum. With an expert axis
+  too, the tokens split over both and the experts over the expert axis.
 - fp8 training: precision="fp8" quantizes x's rows, the activations, the cotangents and
   the (bf16 master) weights in every call and runs the forward and input-gradient GEMMs
   in fp8; quantization is the identity to its gradients (`fp8.py`).
@@ -76,7 +77,7 @@ def _pair(w, name: str):
 def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "swiglu",
             precision=None, preferred_element_type=None, backend: str = "auto",
             config=None, expert_axis: str | None = None, exchange: str = "auto",
-            exchange_chunks: int = 1):
+            exchange_chunks: int = 1, data_axes=None):
   """The MoE layer of the module docstring.
 
   Args:
@@ -105,6 +106,12 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     exchange_chunks: when expert-parallel, each device's tokens run in this many chunks,
       each exchanged and computed on its own, so that XLA can overlap one chunk's
       exchanges with another's GEMMs (`parallel.local`). 1: one chunk.
+    data_axes: mesh axis names (a str or a tuple) of the mesh in context to split the
+      tokens over, each device running the layer on its own with every expert (module
+      docstring): for Auto meshes (`jax.set_mesh`), where XLA would otherwise partition
+      the one-device layer itself and move rows. None: the Explicit axes x's type splits
+      its tokens over, if any. Not inside a `jax.shard_map` over them (x is already the
+      device's tokens there).
 
   Returns:
     (..., D) in preferred_element_type.
@@ -118,6 +125,13 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if expert_axis is not None and not isinstance(expert_axis, str):
     raise TypeError(f"expert_axis must be a mesh axis name (str) or None; got"
                     f" {expert_axis!r}")
+  if data_axes is not None:
+    data_axes = (data_axes,) if isinstance(data_axes, str) else data_axes
+    if (not isinstance(data_axes, (tuple, list))
+        or not all(isinstance(a, str) for a in data_axes)):
+      raise TypeError(f"data_axes must be a mesh axis name, a tuple of them, or None; got"
+                      f" {data_axes!r}")
+    data_axes = tuple(data_axes)
   if quantized:
     w_gate_up, gate_up_scales = _pair(w_gate_up, "w_gate_up")
     w_down, down_scales = _pair(w_down, "w_down")
@@ -188,7 +202,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if tokens == 0 or k == 0:
     return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
   axis = expert_axis if expert_axis is not None else parallel.sharded_expert_axis(w_down)
-  data = () if quantized else parallel.token_axes(x2, axis)
+  if data_axes is not None:
+    data = parallel.check_data_axes(data_axes, axis)
+  else:
+    data = () if quantized else parallel.token_axes(x2, axis)
   if axis is not None or data:
     if quantized:
       raise ValueError("expert parallelism runs bf16/f16/f32 experts; fp8 expert pairs run"

@@ -273,6 +273,24 @@ def token_axes(x, expert_axis) -> tuple[str, ...]:
   return tuple(a for a in first if a in explicit and a != expert_axis)
 
 
+def check_data_axes(names: tuple[str, ...], expert_axis) -> tuple[str, ...]:
+  """`moe_mlp`'s data_axes, checked against the mesh in context (ValueError)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  for name in names:
+    if name == expert_axis:
+      raise ValueError(f"data_axes={names} names the expert axis {expert_axis!r}: the tokens"
+                       " split over it already (expert parallelism)")
+    if name not in getattr(mesh, "axis_names", ()):
+      raise ValueError(f"data_axes={names}: {name!r} is not an axis of the mesh in context"
+                       f" (jax.set_mesh); its axes are {tuple(mesh.axis_names)}")
+    if name in mesh.manual_axes:
+      raise ValueError(f"data_axes={names}: inside jax.shard_map over {name!r}, x is already"
+                       " the device's tokens; leave data_axes out")
+  if len(set(names)) != len(names):
+    raise ValueError(f"data_axes={names} names an axis twice")
+  return names
+
+
 def _mesh_with(names: tuple[str, ...], arrays):
   """The mesh that holds these axes: the context's (jax.set_mesh, shard_map) or one of
   the arrays' types'."""
