@@ -327,6 +327,17 @@ def test_gated_rejects_bad_operands():
     gated.gated_ragged_dot(lhs, jnp.zeros((2, 8, 128), jnp.bfloat16), jnp.zeros(2, jnp.int32))
   with pytest.raises(TypeError, match="rhs.dtype"):
     gated.gated_ragged_dot(lhs, jnp.zeros((2, 16, 128), jnp.float16), jnp.zeros(2, jnp.int32))
+  w = jnp.zeros((2, 16, 128), jnp.bfloat16)
+  with pytest.raises(TypeError, match="group_sizes must be integers"):
+    gated.gated_ragged_dot(lhs, w, jnp.zeros(2, jnp.float32), backend="mosaic")
+  with pytest.raises(ValueError, match=r"group_sizes must be \(G,\) = \(2,\)"):
+    gated.gated_ragged_dot(lhs, w, jnp.zeros(3, jnp.int32), backend="mosaic")
+  with pytest.raises(ValueError, match="activation must be one of"):
+    mosaic_forward.gated_forward(lhs, w, jnp.zeros(2, jnp.int32), activation="relu",
+                                 interpret=True)
+  with pytest.raises(ValueError, match="epi_block_n=128 must divide F=64"):
+    mosaic_forward.gated_forward(lhs, w, jnp.zeros(2, jnp.int32), activation="silu",
+                                 config=SMALL.replace(epi_block_n=128), interpret=True)
 
 
 # ----------------------------------------------------------------------------

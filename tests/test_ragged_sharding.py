@@ -180,3 +180,59 @@ def test_forward_with_rhs_transposed(rng):
     _close(got, want, dtype)
     assert got.sharding.is_equivalent_to(NamedSharding(mesh, so), 2), got.sharding
     assert _collectives(f, a, b, sizes) == allowed
+
+
+# The gated form's rule (`grouped.gated.partitioned`): layout -> (lhs spec, rhs spec, the
+# results' spec, the collectives the program may have). K, 2F and group_sizes stay whole.
+GATED = {
+    "rows": (P("x"), P(), P("x"), []),
+    "experts": (P(), P("x"), P(), ["all-reduce"]),
+    "rows and experts": (P("x"), P("y"), P("x"), ["all-reduce"]),
+    "columns asked": (P(), P(None, None, "y"), P(), ["all-gather"]),  # 2F: gathered
+}
+
+
+@pytest.mark.parametrize("layout", GATED)
+@pytest.mark.parametrize("write_h", [False, True])
+def test_gated_forward(rng, layout, write_h):
+  # The kernel runs interpreted on a CPU, which is not partitioned: the shards here run
+  # the gated op's XLA form with the same local signature (group_offset included).
+  from pallas_gemm.grouped import gated  # noqa: PLC0415
+  mesh = _mesh()
+  lhs, rhs, sizes = _operands(rng, jnp.float32, n=32)
+
+  def local(a, b, s, offset):
+    h = ragged_dot(a, b, s, precision=HIGHEST, backend="xla", group_offset=offset)
+    return (gated.activate(h, "silu"), h) if write_h else (gated.activate(h, "silu"),)
+
+  def f(a, b, s):
+    return gated.partitioned(local, a, b, s, outputs=2 if write_h else 1)
+
+  want = local(lhs, rhs, sizes, None)
+  sl, sr, so, allowed = GATED[layout]
+  a, b = _put(mesh, lhs, sl), _put(mesh, rhs, sr)
+  got = jax.jit(f)(a, b, sizes)
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    _close(g, w, jnp.float32)
+    assert g.sharding.is_equivalent_to(NamedSharding(mesh, so), 2), g.sharding
+  # (with h too, XLA sends both results' partial rows in one all-reduce)
+  assert _collectives(f, a, b, sizes) == allowed
+
+
+def test_gated_kernel_lowers_partitioned_for_the_gpu(monkeypatch):
+  # On a GPU the gated kernel runs through the partitioned call: lowered here for CUDA as
+  # the GPU would, under jit with sharded operands (one partitioned custom call).
+  from pallas_gemm.grouped import gated  # noqa: PLC0415
+  from pallas_gemm.mgpu import hw, launch  # noqa: PLC0415
+  grid = launch.grid_sms
+  monkeypatch.setattr(hw, "on_gpu", lambda: True)
+  monkeypatch.setattr(launch, "grid_sms", lambda num_sms, interpret, need_gpu=False: grid(
+      num_sms or 132, interpret))
+  mesh = _mesh()
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
+  w = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("y")))
+  sizes = jax.ShapeDtypeStruct((4,), jnp.int32, sharding=NamedSharding(mesh, P()))
+  f = lambda x, w, s: gated.gated_ragged_dot(x, w, s, write_h=True, backend="mosaic")  # noqa: E731
+  text = jax.jit(f).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("CustomSPMDPartitioning") == 1

@@ -54,6 +54,10 @@ ACTIVATIONS = {
 }
 
 
+# The functions of a gate (SwiGLU's silu, GeGLU's gelu) in the gated grouped GEMM.
+GATES = ("silu", "gelu")
+
+
 def activate(x, activation: str | None):
   return x if activation is None else ACTIVATIONS[activation][0](x)
 

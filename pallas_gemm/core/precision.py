@@ -7,9 +7,10 @@ A gemm precision is one of
     must match the operands');
   * "float32_accurate": float32 inputs on tensor cores with IEEE SGEMM's error: below it
     where many terms of a size are summed, within 2x of it where a few terms dominate (the
-    dropped cross terms, up to 2^-23 of a product, beside SGEMM's 2^-24). The name follows jax's own precision names ("float32", "tensorfloat32",
-    "bfloat16" say what accuracy one gets, not how); the suffix says that this is
-    float32's accuracy, not its algorithm.
+    dropped cross terms, up to 2^-23 of a product, beside SGEMM's 2^-24). The name
+    follows jax's own precision names ("float32", "tensorfloat32", "bfloat16" say what
+    accuracy one gets, not how); the suffix says that this is float32's accuracy, not its
+    algorithm.
   * "float32_f16x3": float32 inputs on tensor cores, each element kept to 2^-22 of
     itself (23 bits, float32 has 24) or to 2^-38 of its row's (A) or column's (B) largest
     magnitude; see "float16 pieces" below. Opt-in, named by its

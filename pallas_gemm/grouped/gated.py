@@ -15,8 +15,10 @@ zeros (as `ragged_dot`'s). h is returned only with write_h (a backward pass need
 - "auto": mosaic where `ragged_dot` would run its kernels and F allows, else xla.
 
 A building block of `moe_mlp`, which differentiates around it (its own `custom_vjp`): it
-has no differentiation rules of its own, and no partitioning rule (under jit with sharded
-operands, call it inside `jax.shard_map`).
+has no differentiation rules of its own. Under jit with sharded operands the kernel runs
+per shard (`partitioned`): rows split with no communication, the groups (experts) with
+one all-reduce of the results' disjoint rows; K and 2F stay whole (a is not linear in
+partial sums of h, and a gate column needs its up column on the same device).
 """
 
 from __future__ import annotations
@@ -25,13 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.core import epilogue, primitive
+from pallas_gemm.core import epilogue, primitive, sharding
 from pallas_gemm.core.checks import dtype_of
 from pallas_gemm.grouped import api
 from pallas_gemm.mgpu import hw
 
-# The gate's function, by the names `core.epilogue.ACTIVATIONS` knows.
-GATES = ("silu", "gelu")
+GATES = epilogue.GATES
 _FORWARD = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[0])
@@ -46,11 +47,13 @@ def mosaic_reason(lhs_dtype, rhs_shape, precision) -> str | None:
   return reason
 
 
-def choose_backend(backend: str, lhs_dtype, rhs_dtype, rhs_shape, precision) -> str:
+def choose_backend(backend: str, lhs_dtype, rhs_shape, precision) -> str:
+  """"xla" or "mosaic" for a call asking for `backend` (ValueError: "mosaic" asked where
+  the kernel cannot compute the call)."""
   if backend not in api.BACKENDS:
     raise ValueError(f"backend must be one of {api.BACKENDS}; got {backend!r}")
-  if backend == "xla" or lhs_dtype != rhs_dtype:
-    return api.choose_backend(backend, lhs_dtype, rhs_dtype, precision, lhs_dtype)
+  if backend == "xla":
+    return "xla"
   reason = mosaic_reason(lhs_dtype, rhs_shape, precision)
   if backend == "mosaic":
     if reason is not None:
@@ -85,13 +88,57 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
                      f" rhs.shape={rhs.shape}")
   if rhs_dtype != lhs_dtype:
     raise TypeError(f"rhs.dtype must be lhs's {lhs_dtype}; got {rhs_dtype}")
-  chosen = choose_backend(backend, lhs_dtype, rhs_dtype, rhs.shape, precision)
+  group_sizes = jnp.asarray(group_sizes)
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"group_sizes must be integers; got group_sizes.dtype={group_sizes.dtype}")
+  if group_sizes.shape != (rhs.shape[0],):
+    raise ValueError(f"group_sizes must be (G,) = ({rhs.shape[0]},) for rhs.shape={rhs.shape};"
+                     f" got group_sizes.shape={group_sizes.shape}")
+  chosen = choose_backend(backend, lhs_dtype, rhs.shape, precision)
   if chosen == "xla":
     h = api.ragged_dot_general(lhs, rhs, group_sizes, _FORWARD, precision, lhs_dtype,
                                backend="xla")
     return activate(h, activation), (h if write_h else None)
   from pallas_gemm.grouped import mosaic_forward  # noqa: PLC0415 (a GPU-only import chain)
-  with primitive.kernel_x64(chosen):
-    return mosaic_forward.gated_forward(
-        lhs, rhs, jnp.asarray(group_sizes).astype(jnp.int32), activation=activation,
-        write_h=write_h, config=config, interpret=not hw.on_gpu())
+  interpret = not hw.on_gpu()
+
+  def local(lhs, rhs, sizes, offset):
+    with primitive.kernel_x64(chosen):
+      a, h = mosaic_forward.gated_forward(lhs, rhs, sizes, offset, activation=activation,
+                                          write_h=write_h, config=config,
+                                          interpret=interpret)
+    return (a, h) if write_h else (a,)
+
+  sizes = group_sizes.astype(jnp.int32)
+  if interpret or jax.sharding.get_abstract_mesh().manual_axes:
+    outs = local(lhs, rhs, sizes, None)  # the interpreter's effects are not partitioned
+  else:
+    outs = partitioned(local, lhs, rhs, sizes, outputs=2 if write_h else 1)
+  return outs[0], (outs[1] if write_h else None)
+
+
+def partitioned(local, lhs, rhs, group_sizes, *, outputs: int):
+  """local(lhs, rhs, group_sizes, group_offset) -> `outputs` arrays of lhs's rows, run
+  per shard under jit shardings (`core.sharding.partitioned`): M splits with no
+  communication (each device's rows, the groups cut to its row window); G, rhs's groups,
+  splits with group_offset (each device its groups' rows, zeros elsewhere) and one
+  all-reduce that adds those disjoint rows; K, rhs's columns and group_sizes stay whole."""
+  m, g = lhs.shape[0], rhs.shape[0]
+  labels = ((("m", 1), None), (("g", 1), None, None), (None,))
+
+  def shard(lhs, rhs, sizes, *, partial, start):
+    rows = lhs.shape[0]
+    if rows != m:  # this device's rows: the groups cut to them, in its own row numbers
+      ends = jnp.cumsum(jnp.maximum(sizes, 0))
+      sizes = jnp.diff(jnp.clip(ends - start("m"), 0, rows),
+                       prepend=jnp.zeros((1,), jnp.int32))
+    offset = start("g") if rhs.shape[0] != g else None
+    outs = local(lhs, rhs, sizes, offset)
+    # partial: the groups are split; each device's rows of other groups are zeros, so
+    # the sum (in f32: exact) is every row's value.
+    return tuple(o.astype(jnp.float32) for o in outs) if partial else outs
+
+  call = sharding.partitioned(
+      shard, [lhs.shape, rhs.shape, group_sizes.shape], labels,
+      ((("m", 1), None),) * outputs, reduce=("g",), out_dtypes=(lhs.dtype,) * outputs)
+  return call(lhs, rhs, group_sizes)

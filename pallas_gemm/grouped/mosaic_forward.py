@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_gemm.core import epilogue
 from pallas_gemm.core.epilogue import activate
 from pallas_gemm.mgpu import launch, ring
 from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, local_rows, out_transforms,
@@ -63,6 +64,7 @@ from pallas_gemm.mgpu.layout import pad_for_tma, round_up, swizzle_transforms, t
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+GATES = epilogue.GATES
 
 def num_ctas(config: Config, interpret: bool) -> int:
   return launch.grid_sms(config.num_sms, interpret)
@@ -84,7 +86,8 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, h_gmem=None, *
   out_gmem (M, N''); items_gmem (4, T) and count_gmem (1,) from `row_items`.
   With gate, n is F, rhs_gmem (G, K', 2F), and each CTA tile multiplies lhs by two rhs
   tiles, the gate's columns and the up's F further on (two accumulators), into
-  out_gmem = a (M, F'') and h_gmem = h (M, 2F'') (with gate.write_h)."""
+  out_gmem = a (M, F'') and h_gmem = h (M, 2F) (with gate.write_h; both at least a block
+  wide)."""
   cfg = config
   dtype = lhs_gmem.dtype
   bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
@@ -196,7 +199,8 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, h_gmem=None, *
               sub_row0 = row0 + m0 + i * epi_m
               col0 = ni * bn + n0 + jj * epi_n
               # Gated: a sub-tile at column F or past it (of the gate's tile) holds no
-              # output column; it stores no row (every sub-tile still commits its group).
+              # output column (epi_block_n divides F: it holds none or all of its columns
+              # below F); it stores no row (every sub-tile still commits its group).
               top = hi if gate is None else jnp.where(col0 < n, hi, lo)
               store_rows(slot_smem, dst_gmem, row0=sub_row0,
                          col0=col_offset + col0 if col_offset else col0, lo=lo, hi=top)
@@ -273,16 +277,21 @@ def gated_forward(lhs, rhs, group_sizes, group_offset=None, *, activation: str,
   (`core.epilogue.ACTIVATIONS[activation]`); both in lhs's dtype, rows of no group zeros.
   h is None unless write_h (then the kernel stores it beside a). F must be a multiple of
   64 (ValueError otherwise: up's columns must start on a TMA tile). group_sizes and
-  group_offset as `forward`'s."""
+  group_offset as `forward`'s. activation: a name of `GATES`."""
   m, k, two_f, g = check_operands(lhs, rhs, group_sizes, transpose_rhs=False)
   f = two_f // 2
+  if activation not in GATES:
+    raise ValueError(f"gated_forward: activation must be one of {GATES}; got {activation!r}")
   if two_f % 128:
     raise ValueError(f"gated_forward: rhs must be (G, K, 2F) with F a multiple of 64; got"
                      f" rhs.shape={rhs.shape}")
   dtype = jnp.dtype(lhs.dtype)
   if config is None:
     config = default_config(m, f, k, g, dtype, gated=True)
-  if m == 0 or k == 0 or g == 0:
+  if f and f % config.epi_block_n:
+    raise ValueError(f"gated_forward: config.epi_block_n={config.epi_block_n} must divide"
+                     f" F={f} (a sub-tile holds columns of one half, gate or up)")
+  if m == 0 or k == 0 or g == 0 or f == 0:
     zeros = jnp.zeros((m, two_f), dtype)
     return zeros[:, :f], (zeros if write_h else None)
   gate = Gate(activation=activation, f=f, write_h=write_h)

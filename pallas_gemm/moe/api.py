@@ -96,7 +96,8 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       and write their intermediates in x's dtype; the weighted sum over k is f32.
     backend: "auto", "xla" or "mosaic": the grouped GEMMs' (`ragged_dot`'s).
     config: the Mosaic grouped kernels' Config (`pallas_gemm.grouped.config.Config`),
-      for every grouped GEMM of the call; None picks per shape.
+      for every grouped GEMM of the call (the first GEMM and the gate then run as two
+      passes: the gated kernel picks its own tiles); None picks per shape.
     expert_axis: a mesh axis name to run expert-parallel over (module docstring): the
       axis of an enclosing `jax.shard_map`, or of the context mesh (`jax.set_mesh`) or
       the weights' sharding. None: the axis w_down's type shards E over, if any.

@@ -20,8 +20,9 @@ Backward, from g = d out (T, D), as gathers too:
   the weight gradients on the ragged-contraction kernel: a^T dy and xs^T dh per expert;
   dx[t] = sum_j dxs[inverse[t, j]] (a gather and a k-term sum; autodiff of step 2 would
   scatter-add R rows into T).
-The residuals are h, a and y (bf16, R x 2F, R x F and R x D) and the dispatch's int32
-vectors; xs is recomputed (a gather), never stored.
+The residuals are h and y (bf16, R x 2F and R x D), a (R x F) where the gated kernel made
+it, and the dispatch's int32 vectors; xs is recomputed (a gather), and a elsewhere (an
+elementwise pass), never stored.
 """
 
 from __future__ import annotations
@@ -133,13 +134,15 @@ def combine(rows, inverse, weights, out_dtype):
 
 def fused_gate(plan: Plan, xs, w_gate_up) -> bool:
   """Whether step 3 runs as one gated kernel: a gated activation, and the Mosaic backend
-  (asked for, or "auto" on a GPU) able to run it on these operands. Not under Auto mesh
-  axes (XLA partitions the layer there, by the grouped GEMM's partitioning rule, which the
-  gated kernel does not have) nor on Explicitly sharded operands (a Pallas kernel takes
-  none): there the two passes run."""
+  (asked for, or "auto" on a GPU) able to run it on these operands, and no config given
+  (a Config is the plain grouped kernels'; the gated kernel holds two accumulators and
+  picks its own). Not under Auto mesh axes (XLA partitions the one-device layer there:
+  the grouped GEMM's rule splits more ways than the gated kernel's) nor on Explicitly
+  sharded operands (a Pallas kernel takes none): there the two passes run."""
   _, is_gated = ACTIVATIONS[plan.activation]
-  if not (is_gated and plan.fuse_gate) or plan.backend == "xla" or (
-      gated.mosaic_reason(jnp.dtype(xs.dtype), w_gate_up.shape, plan.precision) is not None):
+  if not (is_gated and plan.fuse_gate) or plan.backend == "xla" or plan.config is not None:
+    return False
+  if gated.mosaic_reason(jnp.dtype(xs.dtype), w_gate_up.shape, plan.precision) is not None:
     return False
   if sharding.auto_axes() or sharding.explicit_reason(xs, w_gate_up) is not None:
     return False
@@ -149,7 +152,9 @@ def fused_gate(plan: Plan, xs, w_gate_up) -> bool:
 def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None,
                     write_h: bool = True):
   """(y, h, a): y = FFN(xs) row by row, each row through its group's expert (steps 3 and
-  4), h and a its intermediates (h None unless write_h, on the gated kernel's path).
+  4), h and a its intermediates: on the gated kernel's path h is None unless write_h, and
+  a is kept (from f32 products: a recomputation from h would differ); on the two passes'
+  a is None (the backward recomputes it from h, bit for bit).
   product(rows, w) is rows @ w[e] per group (default: the grouped GEMM in xs's dtype;
   the fp8 training form passes its own)."""
   if product is None and fused_gate(plan, xs, w_gate_up):
@@ -160,15 +165,14 @@ def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None
   product = product or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _FORWARD,
                                               xs.dtype))
   h = product(xs, w_gate_up)
-  a = act(plan, h)
-  return product(a, w_down), h, a
+  return product(act(plan, h), w_down), h, None
 
 
 def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
                      product_t=None, w_dtypes=None, a=None):
   """(dxs, dw_gate_up, dw_down) from dy; a, the forward's, or else recomputed from h.
-  product_t(rows, w) is
-  rows @ w[e]^T per group (default: the grouped GEMM, w read transposed), w being
+  product_t(rows, w) is rows @ w[e]^T per group (default: the grouped GEMM, w read
+  transposed), w being
   w_gate_up or w_down as given (the fp8 training form passes its quantized copies); the
   weight gradients run on the ragged-contraction kernel in w_dtypes (default: the
   weights' dtypes)."""
