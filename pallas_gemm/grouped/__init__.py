@@ -4,10 +4,13 @@
 
 `api.py` is the front door (validation, backend choice, group_offset), `ops.py` the
 primitive and its AD/vmap rules, `xla.py` the lax reference path, `mosaic_*.py` the
-Hopper kernels; the named problem sizes shared by tests and benchmarks are
+Hopper kernels, `gated.py` a gated MLP's first GEMM with its activation
+(`gated_ragged_dot`); the named problem sizes shared by tests and benchmarks are
 `pallas_gemm.testing.grouped_shapes`.
 """
 
 from pallas_gemm.grouped.api import BACKENDS, ragged_dot, ragged_dot_general
+from pallas_gemm.grouped.gated import gated_mosaic_reason, gated_ragged_dot
 
-__all__ = ["BACKENDS", "ragged_dot", "ragged_dot_general"]
+__all__ = ["BACKENDS", "gated_mosaic_reason", "gated_ragged_dot", "ragged_dot",
+           "ragged_dot_general"]

@@ -38,7 +38,7 @@ _FORWARD = jax.lax.RaggedDotDimensionNumbers(
     rhs_group_dimensions=[0])
 
 
-def mosaic_reason(lhs_dtype, rhs_shape, precision) -> str | None:
+def gated_mosaic_reason(lhs_dtype, rhs_shape, precision) -> str | None:
   """None when the gated kernel can compute this call here, else why not."""
   reason = api.mosaic_reason(lhs_dtype, lhs_dtype, precision, np.dtype(lhs_dtype))
   if reason is None and rhs_shape[-1] % 128:
@@ -54,7 +54,7 @@ def choose_backend(backend: str, lhs_dtype, rhs_shape, precision) -> str:
     raise ValueError(f"backend must be one of {api.BACKENDS}; got {backend!r}")
   if backend == "xla":
     return "xla"
-  reason = mosaic_reason(lhs_dtype, rhs_shape, precision)
+  reason = gated_mosaic_reason(lhs_dtype, rhs_shape, precision)
   if backend == "mosaic":
     if reason is not None:
       raise ValueError(f"backend='mosaic' cannot compute this gated call: {reason}")

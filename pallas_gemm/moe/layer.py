@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_gemm.core import epilogue, sharding
-from pallas_gemm.grouped import gated, ragged_dot_general
+from pallas_gemm.grouped import gated_mosaic_reason, gated_ragged_dot, ragged_dot_general
 from pallas_gemm.mgpu import hw
 
 F32 = jnp.float32
@@ -142,7 +142,7 @@ def fused_gate(plan: Plan, xs, w_gate_up) -> bool:
   _, is_gated = ACTIVATIONS[plan.activation]
   if not (is_gated and plan.fuse_gate) or plan.backend == "xla" or plan.config is not None:
     return False
-  if gated.mosaic_reason(jnp.dtype(xs.dtype), w_gate_up.shape, plan.precision) is not None:
+  if gated_mosaic_reason(jnp.dtype(xs.dtype), w_gate_up.shape, plan.precision) is not None:
     return False
   if sharding.auto_axes() or sharding.explicit_reason(xs, w_gate_up) is not None:
     return False
@@ -158,7 +158,7 @@ def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None
   product(rows, w) is rows @ w[e] per group (default: the grouped GEMM in xs's dtype;
   the fp8 training form passes its own)."""
   if product is None and fused_gate(plan, xs, w_gate_up):
-    a, h = gated.gated_ragged_dot(xs, w_gate_up, group_sizes,
+    a, h = gated_ragged_dot(xs, w_gate_up, group_sizes,
                                   activation=ACTIVATIONS[plan.activation][0],
                                   write_h=write_h, precision=plan.precision, backend="mosaic")
     return _gemm(plan, a, w_down, group_sizes, _FORWARD, xs.dtype), h, a
