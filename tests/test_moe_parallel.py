@@ -355,6 +355,7 @@ def test_data_axes_with_an_expert_axis(rng):
     (("data", AXIS), ValueError, "names the expert axis"),
     (("data", "data"), ValueError, "names an axis twice"),
     (3, TypeError, "data_axes must be a mesh axis name"),
+    ((), ValueError, "data_axes must name at least one mesh axis"),
 ])
 def test_data_axes_bad_input(rng, data_axes, error, match):
   mesh = _mesh((2, 2), ("data", AXIS), kind=jax.sharding.AxisType.Auto)
@@ -362,6 +363,14 @@ def test_data_axes_bad_input(rng, data_axes, error, match):
   with jax.set_mesh(mesh), pytest.raises(error, match=match):
     pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, backend="xla", expert_axis=AXIS,
                         data_axes=data_axes)
+
+
+def test_data_axes_with_fp8_experts_is_refused(rng):
+  mesh = _mesh((4,), ("data",), kind=jax.sharding.AxisType.Auto)
+  x, weights, ids, wgu, wd = _problem(rng, 16, 128, 128, 8, 2, dtype=jnp.bfloat16)
+  gu8, dn8 = pallas_gemm.moe.quantize_experts(wgu, wd)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"data_axes=\('data',\) is not"):
+    pallas_gemm.moe_mlp(x, weights, ids, gu8, dn8, backend="xla", data_axes="data")
 
 
 def test_data_axes_inside_shard_map_is_refused(rng):

@@ -301,6 +301,28 @@ def test_gated_forward(rng, f, sizes, config, activation, write_h):
   _check_gated(lhs, rhs, sizes, a, h, activation)
 
 
+def test_gated_forward_in_shards_of_rows_and_groups(rng):
+  # What the partitioning rule (`gated.partitioned`) runs per device with rows and groups
+  # both split 2 ways: each shard's rows with the groups cut to its row window, and its
+  # groups by group_offset (more sizes than groups); the shards' results, each zero on
+  # the others' rows, add up to the whole call's.
+  m, k, f, g = 200, 64, 64, 4
+  sizes = np.asarray([50, 0, 90, 40], np.int32)
+  lhs = random(rng, (m, k), jnp.bfloat16)
+  rhs = random(rng, (g, k, 2 * f), jnp.bfloat16)
+  call = functools.partial(mosaic_forward.gated_forward, activation="silu", write_h=True,
+                           config=SMALL, interpret=True)
+  whole = call(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(sizes))
+  ends = np.cumsum(sizes)
+  for rows in (slice(0, 100), slice(100, 200)):
+    cut = np.diff(np.clip(ends - rows.start, 0, 100), prepend=0).astype(np.int32)
+    parts = [call(jnp.asarray(lhs[rows]), jnp.asarray(rhs[first:first + 2]), jnp.asarray(cut),
+                  jnp.int32(first)) for first in (0, 2)]
+    for i in range(2):  # a, h
+      got = sum(np.asarray(p[i], np.float32) for p in parts)
+      np.testing.assert_array_equal(got, np.asarray(whole[i], np.float32)[rows])
+
+
 def test_gated_front_door_backends_agree(rng):
   # xla computes a from h rounded to bf16, the kernel from its f32 products: both within
   # the bound; h itself is the same GEMM.
@@ -332,6 +354,8 @@ def test_gated_rejects_bad_operands():
     gated.gated_ragged_dot(lhs, w, jnp.zeros(2, jnp.float32), backend="mosaic")
   with pytest.raises(ValueError, match=r"group_sizes must be \(G,\) = \(2,\)"):
     gated.gated_ragged_dot(lhs, w, jnp.zeros(3, jnp.int32), backend="mosaic")
+  with pytest.raises(ValueError, match="group_sizes must be >= 0"):
+    gated.gated_ragged_dot(lhs, w, jnp.asarray([-4, 8], jnp.int32), backend="mosaic")
   with pytest.raises(ValueError, match="activation must be one of"):
     mosaic_forward.gated_forward(lhs, w, jnp.zeros(2, jnp.int32), activation="relu",
                                  interpret=True)

@@ -236,3 +236,15 @@ def test_gated_kernel_lowers_partitioned_for_the_gpu(monkeypatch):
   f = lambda x, w, s: gated.gated_ragged_dot(x, w, s, write_h=True, backend="mosaic")  # noqa: E731
   text = jax.jit(f).trace(x, w, sizes).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("CustomSPMDPartitioning") == 1
+
+
+def test_gated_kernel_refuses_explicitly_sharded_operands(rng):
+  # A Pallas kernel takes no operand sharded over Explicit mesh axes: named, not a
+  # failure inside Pallas.
+  from pallas_gemm.grouped import gated  # noqa: PLC0415
+  mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:4])
+  lhs, rhs, sizes = _operands(rng, jnp.bfloat16, n=128)
+  lhs = _put(mesh, lhs, P("x"))
+  with pytest.raises(ValueError, match="backend='mosaic'.*Explicit mesh axes"):
+    gated.gated_ragged_dot(lhs, rhs, sizes, backend="mosaic")

@@ -1,6 +1,6 @@
 """PartitionSpecs as the partitioning rules read them: each dimension's mesh axes as a
 tuple, and back. Shared by the dense and grouped primitives' rules; and `partitioned`, the
-rule of a kernel call indexed like an einsum (the fp8 family's)."""
+rule of a kernel call indexed like an einsum (the fp8 kernels', the gated grouped GEMM's)."""
 
 from __future__ import annotations
 
@@ -129,7 +129,8 @@ def partitioned(fn, shapes, labels, result_labels, *, reduce=(), whole=(), align
   shapes: the operands' shapes. labels / result_labels: per operand / result, a tuple of
   (factor, per) or None per dim. fn(*local operands, partial=bool, start=fn) computes
   one shard: partial is True where a factor of `reduce` is split, and then fn returns
-  float32 partial sums, summed here and cast to out_dtypes; start(factor) is the shard's
+  partial sums (float32, or any dtype whose sum is exact, as for disjoint rows), summed
+  here and cast to out_dtypes; start(factor) is the shard's
   first index along that factor (traced; 0 where it is whole)."""
   align = dict(align or {})
 

@@ -112,7 +112,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
                                       preferred_element_type=preferred_element_type)
   num_groups = _check_shapes(form, lhs, rhs, group_sizes, group_offset is not None)
   offset = None if group_offset is None else _group_offset(group_offset, group_sizes, num_groups)
-  _check_concrete_sizes(group_sizes)
+  check_concrete_sizes(group_sizes)
   out_dtype = _out_dtype(lhs_dtype, rhs_dtype, preferred_element_type)
   chosen = choose_backend(backend, lhs_dtype, rhs_dtype, precision, out_dtype)
   plan = ops.Plan(form="weight_grad" if form == "weight_grad" else "forward",
@@ -191,7 +191,7 @@ def _is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-def _check_concrete_sizes(group_sizes):
+def check_concrete_sizes(group_sizes):
   """Negative sizes are caught where group_sizes is concrete. Traced, they cannot be
   checked without a host sync: xla then computes what lax does (a negative size moves
   the next group's start back), the kernels count them as 0. A sum over M is not an

@@ -47,14 +47,17 @@ def gated_mosaic_reason(lhs_dtype, rhs_shape, precision) -> str | None:
   return reason
 
 
-def choose_backend(backend: str, lhs_dtype, rhs_shape, precision) -> str:
+def choose_backend(backend: str, lhs_dtype, rhs_shape, precision,
+                   explicit_reason: str | None = None) -> str:
   """"xla" or "mosaic" for a call asking for `backend` (ValueError: "mosaic" asked where
-  the kernel cannot compute the call)."""
+  the kernel cannot compute the call). explicit_reason: `core.sharding.explicit_reason`
+  of the operands (under Explicit mesh axes neither path runs: lax has no sharding rule
+  for ragged_dot_general there, and a Pallas kernel takes no sharded operand)."""
   if backend not in api.BACKENDS:
     raise ValueError(f"backend must be one of {api.BACKENDS}; got {backend!r}")
   if backend == "xla":
     return "xla"
-  reason = gated_mosaic_reason(lhs_dtype, rhs_shape, precision)
+  reason = gated_mosaic_reason(lhs_dtype, rhs_shape, precision) or explicit_reason
   if backend == "mosaic":
     if reason is not None:
       raise ValueError(f"backend='mosaic' cannot compute this gated call: {reason}")
@@ -94,7 +97,9 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
   if group_sizes.shape != (rhs.shape[0],):
     raise ValueError(f"group_sizes must be (G,) = ({rhs.shape[0]},) for rhs.shape={rhs.shape};"
                      f" got group_sizes.shape={group_sizes.shape}")
-  chosen = choose_backend(backend, lhs_dtype, rhs.shape, precision)
+  api.check_concrete_sizes(group_sizes)
+  chosen = choose_backend(backend, lhs_dtype, rhs.shape, precision,
+                          sharding.explicit_reason(lhs, rhs))
   if chosen == "xla":
     h = api.ragged_dot_general(lhs, rhs, group_sizes, _FORWARD, precision, lhs_dtype,
                                backend="xla")
@@ -109,7 +114,9 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
                                           interpret=interpret)
     return (a, h) if write_h else (a,)
 
-  sizes = group_sizes.astype(jnp.int32)
+  # A negative size (only possible traced) counts as 0, as in `ragged_dot`'s kernels: in
+  # every layout, since the row windows of `partitioned` clamp them so too.
+  sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
   if interpret or jax.sharding.get_abstract_mesh().manual_axes:
     outs = local(lhs, rhs, sizes, None)  # the interpreter's effects are not partitioned
   else:
@@ -118,7 +125,7 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
 
 
 def partitioned(local, lhs, rhs, group_sizes, *, outputs: int):
-  """local(lhs, rhs, group_sizes, group_offset) -> `outputs` arrays of lhs's rows, run
+  """local(lhs, rhs, group_sizes >= 0, group_offset) -> `outputs` arrays of lhs's rows, run
   per shard under jit shardings (`core.sharding.partitioned`): M splits with no
   communication (each device's rows, the groups cut to its row window); G, rhs's groups,
   splits with group_offset (each device its groups' rows, zeros elsewhere) and one
@@ -129,14 +136,14 @@ def partitioned(local, lhs, rhs, group_sizes, *, outputs: int):
   def shard(lhs, rhs, sizes, *, partial, start):
     rows = lhs.shape[0]
     if rows != m:  # this device's rows: the groups cut to them, in its own row numbers
-      ends = jnp.cumsum(jnp.maximum(sizes, 0))
+      ends = jnp.cumsum(sizes)
       sizes = jnp.diff(jnp.clip(ends - start("m"), 0, rows),
                        prepend=jnp.zeros((1,), jnp.int32))
     offset = start("g") if rhs.shape[0] != g else None
-    outs = local(lhs, rhs, sizes, offset)
-    # partial: the groups are split; each device's rows of other groups are zeros, so
-    # the sum (in f32: exact) is every row's value.
-    return tuple(o.astype(jnp.float32) for o in outs) if partial else outs
+    # With the groups split, each device's rows of other groups are zeros: the sum of
+    # the devices' results, in their own dtype, is exact.
+    del partial
+    return local(lhs, rhs, sizes, offset)
 
   call = sharding.partitioned(
       shard, [lhs.shape, rhs.shape, group_sizes.shape], labels,

@@ -133,6 +133,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       raise TypeError(f"data_axes must be a mesh axis name, a tuple of them, or None; got"
                       f" {data_axes!r}")
     data_axes = tuple(data_axes)
+    if not data_axes:
+      raise ValueError("data_axes must name at least one mesh axis, or be None (the"
+                       " Explicit axes x's type splits its tokens over); got ()")
   if quantized:
     w_gate_up, gate_up_scales = _pair(w_gate_up, "w_gate_up")
     w_down, down_scales = _pair(w_down, "w_down")
@@ -209,8 +212,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     data = () if quantized else parallel.token_axes(x2, axis)
   if axis is not None or data:
     if quantized:
-      raise ValueError("expert parallelism runs bf16/f16/f32 experts; fp8 expert pairs run"
-                       " on one device (expert_axis=None, weights not sharded on E)")
+      what = (f"data_axes={data}" if axis is None
+              else "expert parallelism (expert_axis=None, weights not sharded on E)")
+      raise ValueError(f"fp8 expert pairs (quantize_experts) run on one device: {what} is"
+                       " not available with them")
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
                        data_axes=data, exchange=exchange, chunks=int(exchange_chunks),
                        layer_fn=one_device,

@@ -154,13 +154,13 @@ def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None
   """(y, h, a): y = FFN(xs) row by row, each row through its group's expert (steps 3 and
   4), h and a its intermediates: on the gated kernel's path h is None unless write_h, and
   a is kept (from f32 products: a recomputation from h would differ); on the two passes'
-  a is None (the backward recomputes it from h, bit for bit).
+  a is None (the backward recomputes it, the same function of h).
   product(rows, w) is rows @ w[e] per group (default: the grouped GEMM in xs's dtype;
   the fp8 training form passes its own)."""
   if product is None and fused_gate(plan, xs, w_gate_up):
     a, h = gated_ragged_dot(xs, w_gate_up, group_sizes,
-                                  activation=ACTIVATIONS[plan.activation][0],
-                                  write_h=write_h, precision=plan.precision, backend="mosaic")
+                            activation=ACTIVATIONS[plan.activation][0], write_h=write_h,
+                            precision=plan.precision, backend="mosaic")
     return _gemm(plan, a, w_down, group_sizes, _FORWARD, xs.dtype), h, a
   product = product or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _FORWARD,
                                               xs.dtype))
@@ -172,10 +172,9 @@ def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
                      product_t=None, w_dtypes=None, a=None):
   """(dxs, dw_gate_up, dw_down) from dy; a, the forward's, or else recomputed from h.
   product_t(rows, w) is rows @ w[e]^T per group (default: the grouped GEMM, w read
-  transposed), w being
-  w_gate_up or w_down as given (the fp8 training form passes its quantized copies); the
-  weight gradients run on the ragged-contraction kernel in w_dtypes (default: the
-  weights' dtypes)."""
+  transposed), w being w_gate_up or w_down as given (the fp8 training form passes its
+  quantized copies); the weight gradients run on the ragged-contraction kernel in
+  w_dtypes (default: the weights' dtypes)."""
   product_t = product_t or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _BACKWARD,
                                                   xs.dtype))
   gate_up_dtype, down_dtype = w_dtypes or (w_gate_up.dtype, w_down.dtype)

@@ -280,7 +280,7 @@ def check_data_axes(names: tuple[str, ...], expert_axis) -> tuple[str, ...]:
     if name == expert_axis:
       raise ValueError(f"data_axes={names} names the expert axis {expert_axis!r}: the tokens"
                        " split over it already (expert parallelism)")
-    if name not in getattr(mesh, "axis_names", ()):
+    if name not in mesh.axis_names:
       raise ValueError(f"data_axes={names}: {name!r} is not an axis of the mesh in context"
                        f" (jax.set_mesh); its axes are {tuple(mesh.axis_names)}")
     if name in mesh.manual_axes:
@@ -314,6 +314,9 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   names = (*data_axes, *(() if axis is None else (axis,)))
   mesh = _mesh_with(names, (w_down, x))
   if axis is not None and axis in mesh.manual_axes:
+    if data_axes:  # this device's tokens already: a split of them here would be another's
+      raise ValueError(f"data_axes={data_axes} inside jax.shard_map over the expert axis"
+                       f" {axis!r}: x is already the device's tokens; leave data_axes out")
     return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
                  exchange=exchange, chunks=chunks, experts_fn=experts_fn)
   if axis is not None and w_down.shape[0] % mesh.shape[axis]:
