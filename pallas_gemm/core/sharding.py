@@ -9,6 +9,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
@@ -53,6 +54,18 @@ def auto_axes() -> tuple[str, ...]:
   mesh = jax.sharding.get_abstract_mesh()
   return tuple(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                if kind == jax.sharding.AxisType.Auto and mesh.shape[name] > 1)
+
+
+def group_window(sizes, row_start, first, rows: int):
+  """(sizes, row_start) of groups whose rows start at row_start (None: row 0) cut to rows
+  [first, first + rows), in that window's own row numbers: one device's part of a grouped
+  call whose rows are split (the grouped partitioning rules'). A negative size counts as
+  0."""
+  start = jnp.zeros((), jnp.int32) if row_start is None else row_start.astype(jnp.int32)
+  ends = start + jnp.cumsum(jnp.maximum(sizes.astype(jnp.int32), 0))
+  local_start = jnp.clip(start - first, 0, rows)
+  local_ends = jnp.clip(ends - first, 0, rows)
+  return jnp.diff(local_ends, prepend=local_start[None]), local_start
 
 
 def explicitly_sharded(x) -> bool:

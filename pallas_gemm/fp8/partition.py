@@ -100,12 +100,9 @@ def ragged_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype,
             (("m", 1), ("k", BLOCK)), (("g", 1), ("n", BLOCK), ("k", BLOCK)))
 
   def shard(lhs, rhs, sizes, ls, rs, *, partial, start):
-    rows = lhs.shape[0]
-    if rows != m:  # this device's rows: the groups cut to them, in its own row numbers
-      # (a negative size, which no valid call has, counts as 0 here)
-      ends = jnp.cumsum(jnp.maximum(sizes.astype(jnp.int32), 0))
-      local_ends = jnp.clip(ends - start("m"), 0, rows)
-      sizes = jnp.diff(local_ends, prepend=jnp.zeros((1,), jnp.int32))
+    if lhs.shape[0] != m:  # this device's rows: the groups cut to them (a negative size,
+      # which no valid call has, counts as 0 here)
+      sizes, _ = sharding.group_window(sizes, None, start("m"), lhs.shape[0])
     return (local(lhs, rhs, sizes, ls, rs, jnp.float32 if partial else out_dtype),)
 
   call = sharding.partitioned(

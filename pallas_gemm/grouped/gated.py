@@ -134,11 +134,8 @@ def partitioned(local, lhs, rhs, group_sizes, *, outputs: int):
   labels = ((("m", 1), None), (("g", 1), None, None), (None,))
 
   def shard(lhs, rhs, sizes, *, partial, start):
-    rows = lhs.shape[0]
-    if rows != m:  # this device's rows: the groups cut to them, in its own row numbers
-      ends = jnp.cumsum(sizes)
-      sizes = jnp.diff(jnp.clip(ends - start("m"), 0, rows),
-                       prepend=jnp.zeros((1,), jnp.int32))
+    if lhs.shape[0] != m:  # this device's rows: the groups cut to them
+      sizes, _ = sharding.group_window(sizes, None, start("m"), lhs.shape[0])
     offset = start("g") if rhs.shape[0] != g else None
     # With the groups split, each device's rows of other groups are zeros: the sum of
     # the devices' results, in their own dtype, is exact.

@@ -321,16 +321,6 @@ def _factors(plan: Plan, mesh, arg_shapes, result_shape) -> dict:
   return chosen
 
 
-def _window(sizes, row_start, first, rows: int):
-  """(sizes, row_start) of groups (starting at row_start) cut to rows [first, first +
-  rows), in that window's own row numbers."""
-  start = jnp.zeros((), jnp.int32) if row_start is None else row_start.astype(jnp.int32)
-  ends = start + jnp.cumsum(jnp.maximum(sizes.astype(jnp.int32), 0))
-  local_start = jnp.clip(start - first, 0, rows)
-  local_ends = jnp.clip(ends - first, 0, rows)
-  return jnp.diff(local_ends, prepend=local_start[None]), local_start
-
-
 def _partition(plan: Plan, mesh, arg_shapes, result_shape):
   f = _factors(plan, mesh, arg_shapes, result_shape)
   m, k, n, g = f["m"], f["k"], f["n"], f["g"]
@@ -363,8 +353,8 @@ def _partition(plan: Plan, mesh, arg_shapes, result_shape):
       row_start = before if row_start is None else row_start + before
       sizes = jax.lax.dynamic_slice_in_dim(sizes, first, local_groups_count)
     if m:
-      sizes, row_start = _window(sizes, row_start, jax.lax.axis_index(m) * local_rows,
-                                 local_rows)
+      sizes, row_start = sharding.group_window(
+          sizes, row_start, jax.lax.axis_index(m) * local_rows, local_rows)
     out = run(local_plan, lhs, rhs, sizes, row_start)
     if reduce:
       out = jax.lax.psum(out, reduce).astype(plan.out_dtype)
