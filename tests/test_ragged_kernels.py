@@ -355,7 +355,7 @@ def test_gated_rejects_bad_operands():
   with pytest.raises(TypeError, match="rhs.dtype"):
     gated.gated_ragged_dot(lhs, jnp.zeros((2, 16, 128), jnp.float16), jnp.zeros(2, jnp.int32))
   w = jnp.zeros((2, 16, 128), jnp.bfloat16)
-  with pytest.raises(TypeError, match="group_sizes must be integers"):
+  with pytest.raises(TypeError, match="group_sizes.dtype must be an integer type"):
     gated.gated_ragged_dot(lhs, w, jnp.zeros(2, jnp.float32), backend="mosaic")
   with pytest.raises(ValueError, match=r"group_sizes must be \(G,\) = \(2,\)"):
     gated.gated_ragged_dot(lhs, w, jnp.zeros(3, jnp.int32), backend="mosaic")

@@ -56,6 +56,13 @@ def auto_axes() -> tuple[str, ...]:
                if kind == jax.sharding.AxisType.Auto and mesh.shape[name] > 1)
 
 
+def unpartitioned(interpret) -> bool:
+  """Whether a Mosaic kernel runs as called rather than through a partitioning rule: in
+  interpret mode (the interpreter's ordered effects cannot be partitioned), or inside a
+  shard_map's manual axes (the values are shards already: `mgpu/launch.call`)."""
+  return bool(interpret) or bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+
 def group_window(sizes, row_start, first, rows: int):
   """(sizes, row_start) of groups whose rows start at row_start (None: row 0) cut to rows
   [first, first + rows), in that window's own row numbers: one device's part of a grouped

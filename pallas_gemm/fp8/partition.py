@@ -20,18 +20,11 @@ partitioned call runs it unpartitioned, batched (`sharding.partitioned`).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from pallas_gemm.core import sharding
 
 BLOCK = 128
-
-
-def _direct(interpret) -> bool:
-  """Whether the kernel runs as called, unpartitioned: in interpret mode, or inside a
-  shard_map's manual axes. (Under vmap, `sharding.partitioned` runs it so itself.)"""
-  return bool(interpret) or bool(jax.sharding.get_abstract_mesh().manual_axes)
 
 
 def _scale_labels(s, rows: int, k: int, rows_factor: str):
@@ -51,7 +44,7 @@ def _scale_labels(s, rows: int, k: int, rows_factor: str):
 
 def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype, *, interpret):
   """local(lhs, rhs, ls, rs, out_dtype) -> (B, M, N), run per shard (module docstring)."""
-  if _direct(interpret):
+  if sharding.unpartitioned(interpret):
     return local(lhs, rhs, lhs_scales, rhs_scales, out_dtype)
   (_, m, k), n = lhs.shape, rhs.shape[1]
   labels = ((("b", 1), ("m", 1), ("k", 1)), (("b", 1), ("n", 1), ("k", 1)),
@@ -71,7 +64,7 @@ def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype, *, interpret):
 def quantize_rows(local, x, *, block_rows: int = 1, interpret):
   """local(x (R, K)) -> (values, scales (R/block_rows, K/128)), run per shard (module
   docstring)."""
-  if _direct(interpret):
+  if sharding.unpartitioned(interpret):
     return tuple(local(x))
   labels = ((("r", 1), ("k", 1)),)
   results = ((("r", 1), ("k", 1)), (("r", block_rows), ("k", BLOCK)))
@@ -93,7 +86,7 @@ def ragged_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype,
   groups cut to its row window), N in multiples of 128 (whole weight blocks) likewise,
   K in multiples of 128 with one f32 all-reduce. G (expert parallel) is not split: the
   groups' weights are gathered (`moe_mlp` runs expert parallelism itself)."""
-  if _direct(interpret):
+  if sharding.unpartitioned(interpret):
     return local(lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype)
   m, k = lhs.shape
   labels = ((("m", 1), ("k", 1)), (("g", 1), ("n", 1), ("k", 1)), (("g", 1),),

@@ -91,7 +91,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   rhs (G, K, N), (G, N, K), or (M, N) for the ragged-contracting weight gradient); any
   other form lax accepts runs on xla (backend "auto" or "xla"; no group_offset)."""
   lhs_dtype, rhs_dtype = dtype_of(lhs, "lhs"), dtype_of(rhs, "rhs")
-  _check_group_sizes_type(group_sizes)
+  check_group_sizes_type(group_sizes)
   dims = ragged_dot_dimension_numbers
   if not isinstance(dims, jax.lax.RaggedDotDimensionNumbers):
     raise TypeError("ragged_dot_dimension_numbers must be a jax.lax.RaggedDotDimensionNumbers; "
@@ -132,7 +132,7 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
 # ----------------------------------------------------------------------------- validation
 
 
-def _check_group_sizes_type(group_sizes):
+def check_group_sizes_type(group_sizes):
   if not hasattr(group_sizes, "shape") or not hasattr(group_sizes, "dtype"):
     raise TypeError("group_sizes must be an integer array of shape (G,); got "
                     f"{type(group_sizes).__name__}")
@@ -274,10 +274,17 @@ def choose_backend(backend: str, lhs_dtype, rhs_dtype, precision, out_dtype) -> 
   the kernels cannot compute the call)."""
   if backend == "xla":
     return "xla"
-  reason = mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype)
+  return pick_backend(backend, mosaic_reason(lhs_dtype, rhs_dtype, precision, out_dtype))
+
+
+def pick_backend(backend: str, reason: str | None, what: str = "this call") -> str:
+  """"xla" or "mosaic" for a call asking for `backend`, given why the kernels cannot
+  compute it here (reason None: they can); ValueError where "mosaic" was asked."""
+  if backend == "xla":
+    return "xla"
   if backend == "mosaic":
     if reason is not None:
-      raise ValueError(f"backend='mosaic' cannot compute this call: {reason}")
+      raise ValueError(f"backend='mosaic' cannot compute {what}: {reason}")
     return "mosaic"
   # auto: the grouped kernels where they run natively. XLA's GPU ragged_dot multiplies
   # a dense (G, M, K) operand (G times the FLOPs and memory); on a CPU the interpreter is

@@ -23,7 +23,6 @@ partial sums of h, and a gate column needs its up column on the same device).
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,9 +32,6 @@ from pallas_gemm.grouped import api
 from pallas_gemm.mgpu import hw
 
 GATES = epilogue.GATES
-_FORWARD = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
-    rhs_group_dimensions=[0])
 
 
 def gated_mosaic_reason(lhs_dtype, rhs_shape, precision) -> str | None:
@@ -58,11 +54,7 @@ def choose_backend(backend: str, lhs_dtype, rhs_shape, precision,
   if backend == "xla":
     return "xla"
   reason = gated_mosaic_reason(lhs_dtype, rhs_shape, precision) or explicit_reason
-  if backend == "mosaic":
-    if reason is not None:
-      raise ValueError(f"backend='mosaic' cannot compute this gated call: {reason}")
-    return "mosaic"
-  return "mosaic" if reason is None and hw.on_gpu() else "xla"
+  return api.pick_backend(backend, reason, "this gated call")
 
 
 def activate(h, activation: str):
@@ -91,9 +83,7 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
                      f" rhs.shape={rhs.shape}")
   if rhs_dtype != lhs_dtype:
     raise TypeError(f"rhs.dtype must be lhs's {lhs_dtype}; got {rhs_dtype}")
-  group_sizes = jnp.asarray(group_sizes)
-  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-    raise TypeError(f"group_sizes must be integers; got group_sizes.dtype={group_sizes.dtype}")
+  api.check_group_sizes_type(group_sizes)
   if group_sizes.shape != (rhs.shape[0],):
     raise ValueError(f"group_sizes must be (G,) = ({rhs.shape[0]},) for rhs.shape={rhs.shape};"
                      f" got group_sizes.shape={group_sizes.shape}")
@@ -101,8 +91,7 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
   chosen = choose_backend(backend, lhs_dtype, rhs.shape, precision,
                           sharding.explicit_reason(lhs, rhs))
   if chosen == "xla":
-    h = api.ragged_dot_general(lhs, rhs, group_sizes, _FORWARD, precision, lhs_dtype,
-                               backend="xla")
+    h = api.ragged_dot(lhs, rhs, group_sizes, precision, lhs_dtype, backend="xla")
     return activate(h, activation), (h if write_h else None)
   from pallas_gemm.grouped import mosaic_forward  # noqa: PLC0415 (a GPU-only import chain)
   interpret = not hw.on_gpu()
@@ -117,8 +106,8 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
   # A negative size (only possible traced) counts as 0, as in `ragged_dot`'s kernels: in
   # every layout, since the row windows of `partitioned` clamp them so too.
   sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-  if interpret or jax.sharding.get_abstract_mesh().manual_axes:
-    outs = local(lhs, rhs, sizes, None)  # the interpreter's effects are not partitioned
+  if sharding.unpartitioned(interpret):
+    outs = local(lhs, rhs, sizes, None)
   else:
     outs = partitioned(local, lhs, rhs, sizes, outputs=2 if write_h else 1)
   return outs[0], (outs[1] if write_h else None)
