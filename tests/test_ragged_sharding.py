@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import ON_GPU
+from pallas_gemm.core import epilogue
 from pallas_gemm.grouped import ragged_dot, ragged_dot_general
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -203,7 +204,7 @@ def test_gated_forward(rng, layout, write_h):
 
   def local(a, b, s, offset):
     h = ragged_dot(a, b, s, precision=HIGHEST, backend="xla", group_offset=offset)
-    return (gated.activate(h, "silu"), h) if write_h else (gated.activate(h, "silu"),)
+    return (epilogue.gated(h, "silu"), h) if write_h else (epilogue.gated(h, "silu"),)
 
   def f(a, b, s):
     return gated.partitioned(local, a, b, s, outputs=2 if write_h else 1)

@@ -62,6 +62,14 @@ def activate(x, activation: str | None):
   return x if activation is None else ACTIVATIONS[activation][0](x)
 
 
+def gated(h, gate: str):
+  """a = gate(h[..., :F]) * h[..., F:] of h (..., 2F) = [gate | up], in f32, rounded to
+  h's dtype: a gated MLP's activation of its rounded first product (SwiGLU, GeGLU)."""
+  f = h.shape[-1] // 2
+  hf = h.astype(jnp.float32)
+  return (activate(hf[..., :f], gate) * hf[..., f:]).astype(h.dtype)
+
+
 def activated(z, activation: str):
   """act(z) in f32, rounded back to z's dtype: the activation of a GEMM's rounded output,
   as XLA computes ``act(jnp.dot(...))``."""

@@ -31,7 +31,6 @@ from pallas_gemm.core.checks import dtype_of
 from pallas_gemm.grouped import api
 from pallas_gemm.mgpu import hw
 
-GATES = epilogue.GATES
 
 
 def gated_mosaic_reason(lhs_dtype, rhs_shape, precision) -> str | None:
@@ -57,14 +56,6 @@ def choose_backend(backend: str, lhs_dtype, rhs_shape, precision,
   return api.pick_backend(backend, reason, "this gated call")
 
 
-def activate(h, activation: str):
-  """a = act(gate) * up of h (M, 2F), computed in f32, rounded to h's dtype (the XLA
-  path's second step, and the reference of the kernel's epilogue)."""
-  f = h.shape[-1] // 2
-  hf = h.astype(jnp.float32)
-  return (epilogue.activate(hf[:, :f], activation) * hf[:, f:]).astype(h.dtype)
-
-
 def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
                      write_h: bool = False, precision=None, backend: str = "auto",
                      config=None):
@@ -76,8 +67,8 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
   None picks `default_config(..., gated=True)`); the xla path ignores it.
   """
   lhs_dtype, rhs_dtype = dtype_of(lhs, "lhs"), dtype_of(rhs, "rhs")
-  if activation not in GATES:
-    raise ValueError(f"activation must be one of {GATES}; got {activation!r}")
+  if activation not in epilogue.GATES:
+    raise ValueError(f"activation must be one of {epilogue.GATES}; got {activation!r}")
   if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1] or rhs.shape[2] % 2:
     raise ValueError(f"lhs must be (M, K) and rhs (G, K, 2F); got lhs.shape={lhs.shape},"
                      f" rhs.shape={rhs.shape}")
@@ -92,7 +83,7 @@ def gated_ragged_dot(lhs, rhs, group_sizes, *, activation: str = "silu",
                           sharding.explicit_reason(lhs, rhs))
   if chosen == "xla":
     h = api.ragged_dot(lhs, rhs, group_sizes, precision, lhs_dtype, backend="xla")
-    return activate(h, activation), (h if write_h else None)
+    return epilogue.gated(h, activation), (h if write_h else None)
   from pallas_gemm.grouped import mosaic_forward  # noqa: PLC0415 (a GPU-only import chain)
   interpret = not hw.on_gpu()
 

@@ -56,7 +56,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.core import epilogue
-from pallas_gemm.core.epilogue import activate
 from pallas_gemm.mgpu import launch, ring
 from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, local_rows, out_transforms,
                                    row_items, store_rows, store_subtiles)
@@ -64,7 +63,6 @@ from pallas_gemm.mgpu.layout import pad_for_tma, round_up, swizzle_transforms, t
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-GATES = epilogue.GATES
 
 def num_ctas(config: Config, interpret: bool) -> int:
   return launch.grid_sms(config.num_sms, interpret)
@@ -210,7 +208,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, h_gmem=None, *
             store_subtiles(acc_ref[...], out_smem, wg, store(out_gmem))
           else:
             gate_acc, up_acc = acc_ref[...], up_ref[...]
-            store_subtiles(activate(gate_acc, gate.activation) * up_acc, out_smem, wg,
+            store_subtiles(epilogue.activate(gate_acc, gate.activation) * up_acc, out_smem, wg,
                            store(out_gmem))
             if gate.write_h:
               store_subtiles(gate_acc, out_smem, wg, store(h_gmem))
@@ -277,11 +275,12 @@ def gated_forward(lhs, rhs, group_sizes, group_offset=None, *, activation: str,
   (`core.epilogue.ACTIVATIONS[activation]`); both in lhs's dtype, rows of no group zeros.
   h is None unless write_h (then the kernel stores it beside a). F must be a multiple of
   64 (ValueError otherwise: up's columns must start on a TMA tile). group_sizes and
-  group_offset as `forward`'s. activation: a name of `GATES`."""
+  group_offset as `forward`'s. activation: a name of `core.epilogue.GATES`."""
   m, k, two_f, g = check_operands(lhs, rhs, group_sizes, transpose_rhs=False)
   f = two_f // 2
-  if activation not in GATES:
-    raise ValueError(f"gated_forward: activation must be one of {GATES}; got {activation!r}")
+  if activation not in epilogue.GATES:
+    raise ValueError(f"gated_forward: activation must be one of {epilogue.GATES}; got"
+                     f" {activation!r}")
   if two_f % 128:
     raise ValueError(f"gated_forward: rhs must be (G, K, 2F) with F a multiple of 64; got"
                      f" rhs.shape={rhs.shape}")

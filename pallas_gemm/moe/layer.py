@@ -105,11 +105,7 @@ def _gemm(plan: Plan, lhs, rhs, group_sizes, dims, out_dtype):
 def act(plan: Plan, h):
   """a = act(gate) * up (gated) or act(h), computed in f32, rounded to h's dtype."""
   name, gated = ACTIVATIONS[plan.activation]
-  hf = h.astype(F32)
-  if not gated:
-    return epilogue.activate(hf, name).astype(h.dtype)
-  f = h.shape[-1] // 2
-  return (epilogue.activate(hf[:, :f], name) * hf[:, f:]).astype(h.dtype)
+  return epilogue.gated(h, name) if gated else epilogue.activated(h, name)
 
 
 def _act_grad(plan: Plan, h, da):
