@@ -72,6 +72,17 @@ def backend(request):
 
 
 @pytest.fixture
+def as_on_a_gpu(monkeypatch):
+  """hw.on_gpu() true and persistent grids of 132 CTAs: the Mosaic paths as a GPU takes
+  them, to lower for CUDA on a CPU."""
+  from pallas_gemm.mgpu import hw, launch  # noqa: PLC0415
+  grid = launch.grid_sms
+  monkeypatch.setattr(hw, "on_gpu", lambda: True)
+  monkeypatch.setattr(launch, "grid_sms", lambda num_sms, interpret, need_gpu=False: grid(
+      num_sms or 132, interpret))
+
+
+@pytest.fixture
 def rng(request):
   # One stream per test, derived from the run's SEED and the test's name.
   return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])

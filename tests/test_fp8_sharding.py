@@ -214,14 +214,9 @@ def test_scale_blocks_an_axis_would_cut(rng, k, spec):
   _quantize_sharded(jnp.asarray(random(rng, (64, k), np.float32)).astype(jnp.bfloat16), spec)
 
 
-def test_kernels_lower_partitioned_for_the_gpu(monkeypatch):
+def test_kernels_lower_partitioned_for_the_gpu(as_on_a_gpu):
   # On a GPU, scaled_matmul and quantize run their Mosaic kernels through the partitioned
   # call: lowered here for CUDA as the GPU would, under jit with sharded operands.
-  from pallas_gemm.mgpu import hw, launch  # noqa: PLC0415
-  grid = launch.grid_sms
-  monkeypatch.setattr(hw, "on_gpu", lambda: True)
-  monkeypatch.setattr(launch, "grid_sms", lambda num_sms, interpret, need_gpu=False: grid(
-      num_sms or 132, interpret))
   mesh = _mesh()
   rows = NamedSharding(mesh, P("y"))
 

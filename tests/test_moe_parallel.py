@@ -446,17 +446,12 @@ def test_fp8_training_expert_parallel(rng, exchange):
   _check_fp8(args, ct, got, grads)
 
 
-def test_mosaic_kernels_inside_shard_map_lower_for_the_gpu(monkeypatch):
+def test_mosaic_kernels_inside_shard_map_lower_for_the_gpu(as_on_a_gpu):
   # The fp8 family calls its Mosaic kernels (quantize, the fp8 grouped GEMM) without a
   # primitive of its own; inside shard_map their operands vary over the manual axes,
   # which Pallas refuses to trace, so `launch.call` runs them as a primitive lowered on
   # plain avals. Lowered for CUDA here as the GPU would: the forward and the gradients of
   # the data-parallel fp8 layer, every kernel compiled in.
-  from pallas_gemm.mgpu import hw, launch  # noqa: PLC0415
-  grid = launch.grid_sms
-  monkeypatch.setattr(hw, "on_gpu", lambda: True)
-  monkeypatch.setattr(launch, "grid_sms", lambda num_sms, interpret, need_gpu=False: grid(
-      num_sms or 132, interpret))
   mesh = _mesh((2,), ("data",))
   tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   t, d, f, e, k = 16, 128, 128, 2, 2

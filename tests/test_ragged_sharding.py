@@ -221,15 +221,10 @@ def test_gated_forward(rng, layout, write_h):
   assert _collectives(f, a, b, sizes) == allowed
 
 
-def test_gated_kernel_lowers_partitioned_for_the_gpu(monkeypatch):
+def test_gated_kernel_lowers_partitioned_for_the_gpu(as_on_a_gpu):
   # On a GPU the gated kernel runs through the partitioned call: lowered here for CUDA as
   # the GPU would, under jit with sharded operands (one partitioned custom call).
   from pallas_gemm.grouped import gated  # noqa: PLC0415
-  from pallas_gemm.mgpu import hw, launch  # noqa: PLC0415
-  grid = launch.grid_sms
-  monkeypatch.setattr(hw, "on_gpu", lambda: True)
-  monkeypatch.setattr(launch, "grid_sms", lambda num_sms, interpret, need_gpu=False: grid(
-      num_sms or 132, interpret))
   mesh = _mesh()
   x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("x")))
   w = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P("y")))
