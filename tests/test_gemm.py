@@ -384,17 +384,23 @@ def test_forward_mode_and_higher_order(backend, rng):
   ref = lambda a, b, c: 0.5 * jnp.dot(a, b, precision=HIGHEST) - 1.5 * c
   tol = tolerance(dtype, precision, 4)
 
-  out, tangent = jax.jvp(f, (a, b, c), (ta, tb, tc))
-  _, tangent_ref = jax.jvp(ref, (a, b, c), (ta, tb, tc))
+  # Each transform jitted and its result complete before the next call: Mosaic GPU's
+  # interpreter runs kernels on worker threads, and eager ops dispatched while they ran
+  # could deadlock (test_moe's `_check` says the same).
+  done = lambda fn, *args: jax.block_until_ready(jax.jit(fn)(*args))  # noqa: E731
+  _, tangent = done(lambda *t: jax.jvp(f, (a, b, c), t), ta, tb, tc)
+  _, tangent_ref = done(lambda *t: jax.jvp(ref, (a, b, c), t), ta, tb, tc)
   assert relative_error(tangent, np.asarray(tangent_ref, np.float64)) <= tol
-  _, lin = jax.linearize(f, a, b, c)
-  assert relative_error(lin(ta, tb, tc), np.asarray(tangent_ref, np.float64)) <= tol
+  assert relative_error(done(lambda *t: jax.linearize(f, a, b, c)[1](*t), ta, tb, tc),
+                        np.asarray(tangent_ref, np.float64)) <= tol
   for jac in (jax.jacfwd, jax.jacrev):
-    got, want = jac(f, argnums=(0, 1))(a, b, c), jac(ref, argnums=(0, 1))(a, b, c)
+    got = done(jac(f, argnums=(0, 1)), a, b, c)
+    want = done(jac(ref, argnums=(0, 1)), a, b, c)
     for x, y in zip(got, want):
       assert relative_error(x, np.asarray(y, np.float64)) <= tol
   cube = lambda g: lambda a: jnp.sum(g(a, b, c) ** 3)
-  assert relative_error(jax.hessian(cube(f))(a), np.asarray(jax.hessian(cube(ref))(a))) <= 4 * tol
+  assert relative_error(done(jax.hessian(cube(f)), a),
+                        np.asarray(done(jax.hessian(cube(ref)), a))) <= 4 * tol
   # Every product of the second derivative is a gemm primitive, none a dot_general.
   jaxpr = str(jax.make_jaxpr(jax.hessian(cube(f)))(a))
   assert "pallas_gemm" in jaxpr and "dot_general" not in jaxpr
