@@ -14,6 +14,8 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
   moe_mlp/padded  rows exchanged by a dense all_to_all (n x the bytes)
   moe_mlp/ragged  rows exchanged by jax.lax.ragged_all_to_all (exactly the rows routed;
                   GPUs only)
+  moe_mlp/pairs   the default exchange of one row per (token, slot) pair, each device's
+                  rows arriving sorted by expert (not in the default list)
   moe_mlp/padded/2, moe_mlp/ragged/2, .../4  the same with each device's tokens in 2 (4)
                   chunks (exchange_chunks), each exchanged on its own so that one chunk's
                   exchanges can run under another's GEMMs (not in the default list)
@@ -47,8 +49,8 @@ from pallas_gemm import moe_mlp
 DTYPE = jnp.bfloat16
 AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
-VARIANTS = DEFAULT_VARIANTS + tuple(f"moe_mlp/{e}/{c}" for c in (2, 4)
-                                    for e in ("padded", "ragged"))
+VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/pairs",) + tuple(
+    f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +118,9 @@ def problem(cfg: Config, tokens: int, mesh):
 def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights."""
   backend = "xla" if variant == "lax" else "auto"
+  pairs = variant == "moe_mlp/pairs"
   parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
-  exchange = parts[1] if len(parts) > 1 else "auto"
+  exchange = parts[1] if len(parts) > 1 and not pairs else "auto"
   chunks = int(parts[2]) if len(parts) > 2 else 1
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
@@ -131,7 +134,16 @@ def step_fn(variant: str):
     params = jax.tree.map(lambda p, gp: (p - 1e-3 * gp).astype(p.dtype), params, g)
     return params, value, dx, dw
 
-  return jax.jit(step)
+  if not pairs:
+    return jax.jit(step)
+  from pallas_gemm.moe import parallel  # noqa: PLC0415 - the dataflow, read at trace time
+  def traced_with_pairs(*args):
+    parallel.SEND_TOKENS = False
+    try:
+      return step(*args)
+    finally:
+      parallel.SEND_TOKENS = True
+  return jax.jit(traced_with_pairs)
 
 
 def _reason(e: Exception) -> str:
@@ -190,21 +202,22 @@ def breakdown(cfg: Config, n: int, rounds: int, calls: int) -> dict:
   sizes = jnp.full((local_experts,), r // local_experts, jnp.int32).at[0].add(
       r % local_experts)
 
-  def rows_only(exchange):
+  def rows_only(exchange):  # `parallel.local`'s steps 1-3, the rows only
     def body(x, ids):
-      d = layer.dispatch(ids, cfg.experts)
-      xs = layer.pair_rows(x, d, cfg.top_k)
+      wanted, d = parallel.destinations(ids, n, local_experts)
+      rows = layer.pair_rows(x, d, n)
       counts = jax.lax.all_gather(d.group_sizes, AXIS)
-      kind, off = parallel.exchange_plan(counts, jax.lax.axis_index(AXIS), n, local_experts,
-                                         exchange)
-      buf = jax.lax.pcast(jnp.zeros((n * r, x.shape[1]), x.dtype), AXIS, to="varying")
-      return parallel.move(kind)(xs, buf, *off[:4], axis_name=AXIS)
+      kind, off = parallel.token_exchange_plan(counts, jax.lax.axis_index(AXIS), n,
+                                               exchange)
+      t = x.shape[0]
+      buf = jax.lax.pcast(jnp.zeros((n * t, x.shape[1]), x.dtype), AXIS, to="varying")
+      return parallel.move(kind, capacity=t)(rows, buf, *off[:4], axis_name=AXIS)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
   def ffn(rows):
     def body(wgu, wd):
       xs = jnp.ones((rows, cfg.d_model), DTYPE)
-      return layer.experts(plan, xs, wgu, wd, sizes)
+      return layer.experts_forward(plan, xs, wgu, wd, sizes, write_h=False)[0]
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
 
   fns = {

@@ -222,13 +222,16 @@ def test_chunks_exchange_on_their_own(rng):
             for op in types for t in re.findall(r"^tensor<([\dx]+)xf32>", op)]
 
   one, three = all_to_alls(1), all_to_alls(3)
-  assert len(one) == 2 and len(three) == 3 * len(one), (one, three)
+  # rows out, their routing (weights and ids), results back
+  assert len(one) == 3 and len(three) == 3 * len(one), (one, three)
   assert sorted(3 * n for n in three) == sorted(one * 3), (one, three)
 
 
-def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng):
+@pytest.mark.parametrize("capacity", [None, 6])
+def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng, capacity):
   # Random non-overlapping slices, 3 per device pair, against the documented semantics
-  # of jax.lax.ragged_all_to_all written out in numpy.
+  # of jax.lax.ragged_all_to_all written out in numpy; with chunks of the operand's
+  # length and of 6 rows, the most one device sends one peer here.
   n, per, rows, width = 4, 3, 24, 2  # rows: a device sends up to n * per * 2
   mesh = _mesh(n)
   sizes = rng.integers(0, 3, (n, n * per))                        # [device, slice]
@@ -253,7 +256,7 @@ def test_padded_all_to_all_is_ragged_all_to_alls_semantics(rng):
 
   def body(operand, output, in_off, sizes, out_off, recv):
     return parallel.padded_all_to_all(operand[0], output[0], in_off[0], sizes[0],
-                                      out_off[0], recv[0], AXIS)[None]
+                                      out_off[0], recv[0], AXIS, capacity)[None]
 
   put = lambda a: jax.device_put(jnp.asarray(a), NamedSharding(mesh, P(AXIS)))  # noqa: E731
   got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(
@@ -291,10 +294,10 @@ def test_ragged_exchange_pieces(rng, monkeypatch):
   # The ragged exchange cuts each slice into pieces (RAGGED_SLICES_PER_PEER); with the
   # padded exchange standing in for ragged_all_to_all (same semantics, runs here), the
   # cut offsets and sizes must still put every row in place, both ways.
-  padded = parallel.move("padded")
-  monkeypatch.setattr(parallel, "move", lambda name: padded)
+  monkeypatch.setattr(parallel, "move", lambda name, capacity=None: functools.partial(
+      parallel.padded_all_to_all, capacity=capacity))
   monkeypatch.setattr(parallel, "ragged_available", lambda: True)
-  monkeypatch.setattr(parallel, "RAGGED_SLICES_PER_PEER", 7)  # 4 pieces of 2 experts
+  monkeypatch.setattr(parallel, "RAGGED_SLICES_PER_PEER", 7)  # 7 pieces, most of 0-1 rows
   _compare(rng, _problem(rng, 16, 16, 8, 8, 3), _mesh(4), exchange="ragged")
 
 

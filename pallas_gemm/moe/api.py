@@ -218,8 +218,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
                        " not available with them")
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
                        data_axes=data, exchange=exchange, chunks=int(exchange_chunks),
-                       layer_fn=one_device,
-                       experts_fn=fp8.experts_fp8_train if fp8_training else layer.experts)
+                       layer_fn=one_device)
     return out.reshape((*lead, d))
   d_ = layer.dispatch(ids2, e)
   if quantized:

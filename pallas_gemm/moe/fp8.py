@@ -107,13 +107,6 @@ def _product(plan: layer.Plan, group_sizes, dtype):
   return lambda rows, q: _gemm(plan, rows, *q, group_sizes, dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def experts_fp8_train(plan: layer.Plan, xs, w_gate_up, w_down, group_sizes):
-  """`layer.experts` with the training form's fp8 GEMMs: y (R, D) of rows xs (R, D)
-  sorted by group (the expert-parallel layer's received rows)."""
-  return _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes)[0]
-
-
 def _forward8(plan, xs, w_gate_up, w_down, group_sizes):
   """(y, h, saved): the experts' forward on rows xs with the fp8 products; saved holds
   what `_backward8` reads of the weights: their quantized copies and (as empty arrays)
@@ -131,18 +124,6 @@ def _backward8(plan, xs, h, saved, group_sizes, dy):
   return layer.experts_backward(plan, xs, h, *(_transposed(q) for q in qs), group_sizes,
                                 dy, _product(plan, group_sizes, xs.dtype),
                                 w_dtypes=tuple(w.dtype for w in w_like))
-
-
-def _experts_train_fwd(plan, xs, w_gate_up, w_down, group_sizes):
-  y, h, saved = _forward8(plan, xs, w_gate_up, w_down, group_sizes)
-  return y, (xs, h, saved, group_sizes)
-
-
-def _experts_train_bwd(plan, residuals, dy):
-  return (*_backward8(plan, *residuals, dy), None)  # group_sizes: no cotangent
-
-
-experts_fp8_train.defvjp(_experts_train_fwd, _experts_train_bwd)
 
 
 def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):

@@ -1,36 +1,42 @@
 """Expert parallelism: `moe_mlp` with the experts split over one mesh axis.
 
 Each of the n devices of the axis holds T/n of the tokens and E/n of the experts (E_l,
-the experts of device j being j*E_l ... (j+1)*E_l - 1). Tokens travel; experts stay:
-  1. dispatch locally: the device's (token, slot) pairs sorted by global expert
-     (`layer.dispatch`), their rows gathered (R = T/n * k rows). The rows for device j's
-     experts are then consecutive, one slice per expert.
-  2. the counts: every device's per-expert row counts, all-gathered ((n, E) int32s).
-  3. exchange: each (device, expert) slice is sent to the expert's device and written
-     where the receiver's rows for that expert go, so the receiver's buffer comes out
-     sorted by local expert (sources in device order inside each expert): the grouped
-     GEMMs run on it as it is, with no local sort.
-  4. the experts' FFN on the received rows (`layer.experts`).
-  5. the same exchange backwards: each result row returns to its row of step 1.
-  6. combine locally (`layer.combine_pairs`).
-Reverse mode differentiates through it: the exchanges are linear (their transposes are
-the exchanges the other way), and the layer's pieces keep their gather-only backwards.
+the experts of device j being j*E_l ... (j+1)*E_l - 1). Tokens travel, each once to each
+device that holds one of its experts (however many of its k experts are there, as
+DeepEP's dispatch does); experts stay:
+  1. dispatch locally: a (token, device) pair for each device that holds one of the
+     token's experts, sorted by device (`destinations`); the rows gathered, at most
+     T/n * n rows, one slice per device.
+  2. the counts: every device's rows per destination, all-gathered ((n, n) int32s).
+  3. exchange: each slice goes to its device, packed there by source; the token's k
+     weights and k global ids travel beside it (one array of 2k floats per row).
+  4. each device runs the one-device layer (`layer.layer`) on the rows it received,
+     their ids for other devices' experts routing nowhere: a partial sum per row of
+     topk_weights times its experts' outputs here.
+  5. the same exchange backwards: each partial sum returns to its row of step 1.
+  6. out[t] = the sum of token t's partial sums (at most n), in f32.
+Against one row per (token, slot) pair, steps 3 and 5 move up to min(k, n) rows per token
+instead of k (Qwen3-like, top-8 over 2 devices: 2 instead of 8), for a local sort and
+gather on the receiver. Reverse mode differentiates through it: the exchanges are linear
+(their transposes are the exchanges the other way), and the layer's pieces keep their
+gather-only backwards.
 
-The receive buffer holds n * R rows, the most a device can receive (every pair of every
-device routed to its experts), so nothing is dropped whatever the routing. Rows past
-what arrived are zero and in no group: the grouped GEMMs skip them.
+The receive buffer holds n * T/n rows, the most a device can receive (every token of
+every device), so nothing is dropped whatever the routing. Rows past what arrived have
+weight 0 and id -1: they route nowhere.
 
 Two exchanges do steps 3 and 5 (the `exchange` argument):
 - "ragged": `jax.lax.ragged_all_to_all`, which moves exactly the rows routed (XLA:GPU; XLA's
   CPU backend does not implement it).
-- "padded": the same slices through a dense `jax.lax.all_to_all` of (n, R) rows per
-  device: n times the bytes, on any backend.
+- "padded": the same slices through a dense `jax.lax.all_to_all` of (n, T/n) rows per
+  device (each peer's chunk as large as the most a device can send it): up to n times
+  the bytes, on any backend.
 "auto" picks "ragged" on a GPU and "padded" elsewhere. Measured on two H200s
 (benchmarks/moe_parallel.py, docs/performance.md), training step: "ragged" 1.33x
 "padded" at Qwen3-like sizes (64 experts per GPU) and on par at Mixtral-like ones (4 per
 GPU), where XLA's ragged-all-to-all moved 4 large slices per peer 5.4x slower than
 "padded" moved twice the bytes until the slices were cut into pieces (at least
-RAGGED_SLICES_PER_PEER per peer).
+RAGGED_SLICES_PER_PEER per peer). (Measured with one row per (token, slot) pair.)
 
 Chunks (moe_mlp's `exchange_chunks`, `local`): each device's tokens in chunks that are
 dispatched, exchanged and computed on their own, so that a scheduler may run one chunk's
@@ -100,18 +106,18 @@ def _covering(pos, starts, sizes, shifts):
 
 
 def _padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-            axis_name: str):
+            axis_name: str, capacity: int | None):
   """(result, received): `padded_all_to_all`'s result and the mask of output rows that
   a slice was written to."""
   n = jax.lax.axis_size(axis_name)
-  rows, cap = output.shape[0], operand.shape[0]
+  rows, cap = output.shape[0], capacity or operand.shape[0]
   per = input_offsets.shape[0] // n
   sizes = send_sizes.reshape(n, per)
   starts = _exclusive_cumsum(sizes)                          # slice starts in its chunk
   # chunk j, row q: the operand row of the slice of j that covers q
   src, filled = _covering(jnp.arange(cap, dtype=jnp.int32), starts, sizes,
                           input_offsets.reshape(n, per) - starts)  # (n, cap)
-  packed = jnp.where(filled[..., None], operand[jnp.clip(src, 0, cap - 1)], 0)
+  packed = jnp.where(filled[..., None], operand[jnp.clip(src, 0, operand.shape[0] - 1)], 0)
   packed = packed.astype(operand.dtype)
   received = jax.lax.all_to_all(packed, axis_name, 0, 0, tiled=False)  # [src, q]
   landing = jax.lax.all_to_all(output_offsets.reshape(n, per), axis_name, 0, 0)
@@ -126,34 +132,37 @@ def _padded(operand, output, input_offsets, send_sizes, output_offsets, recv_siz
   return jnp.where(got, taken, output), got
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
-                      recv_sizes, axis_name: str):
+                      recv_sizes, axis_name: str, capacity: int | None = None):
   """`jax.lax.ragged_all_to_all`'s result through a dense `all_to_all`, for slices that
   do not overlap in the operand: each device packs its slices for device j into one
-  chunk of operand's length (zero-filled), the chunks are exchanged, and each received
-  row is gathered to its place in output. Moves n * operand's rows per device; runs
-  wherever all_to_all does. Its gradient is the exchange the other way, as
-  ragged_all_to_all's (autodiff of the gathers would scatter-add)."""
+  chunk of `capacity` rows (zero-filled; default operand's length, the most a device
+  can send one peer, which a caller who knows a smaller bound passes), the chunks are
+  exchanged, and each received row is gathered to its place in output. Moves
+  n * capacity rows per device; runs wherever all_to_all does. Its gradient is the
+  exchange the other way (a slice has the same size both ways, so the same capacity),
+  as ragged_all_to_all's (autodiff of the gathers would scatter-add)."""
   return _padded(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                 axis_name)[0]
+                 axis_name, capacity)[0]
 
 
 def _padded_fwd(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                axis_name):
+                axis_name, capacity):
   result, got = _padded(operand, output, input_offsets, send_sizes, output_offsets,
-                        recv_sizes, axis_name)
+                        recv_sizes, axis_name, capacity)
   rows = jnp.zeros((operand.shape[0], 0), operand.dtype)  # operand's rows and dtype only
   return result, (rows, got, input_offsets, send_sizes, output_offsets, recv_sizes)
 
 
-def _padded_bwd(axis_name, residuals, ct):
+def _padded_bwd(axis_name, capacity, residuals, ct):
   rows, got, input_offsets, send_sizes, output_offsets, recv_sizes = residuals
   zero = jnp.zeros((rows.shape[0], *ct.shape[1:]), rows.dtype)
   # Where each received slice landed here, and where it came from on its sender.
   landed = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
   came_from = jax.lax.all_to_all(input_offsets, axis_name, 0, 0, tiled=True)
-  d_operand = _padded(ct, zero, landed, recv_sizes, came_from, send_sizes, axis_name)[0]
+  d_operand = _padded(ct, zero, landed, recv_sizes, came_from, send_sizes, axis_name,
+                      capacity)[0]
   d_output = jnp.where(got, jnp.zeros_like(ct), ct)
   return d_operand, d_output, None, None, None, None
 
@@ -179,11 +188,12 @@ def _pieces(offsets, sizes, pieces: int):
           (bounds[:, 1:] - bounds[:, :-1]).reshape(-1))
 
 
-def move(name: str):
-  """The exchange function of that name, with ragged_all_to_all's signature."""
+def move(name: str, capacity: int | None = None):
+  """The exchange function of that name, with ragged_all_to_all's signature; capacity:
+  the most rows a device sends one peer, if less than the operand's (`padded_all_to_all`)."""
   if name == "ragged":
     return jax.lax.ragged_all_to_all
-  return lambda *args, axis_name: padded_all_to_all(*args, axis_name)
+  return lambda *args, axis_name: padded_all_to_all(*args, axis_name, capacity)
 
 
 def ragged_available() -> bool:
@@ -212,44 +222,131 @@ def exchange_plan(counts, me, n: int, experts_local: int, exchange: str):
   return exchange, offsets
 
 
+def _token_offsets(counts, me, n: int):
+  """The exchange's offsets (int32, each (n,)) from counts (n, n) = rows device s sends
+  device j, each device's rows sorted by destination and each receiver's packed by
+  source: send_offsets, send_sizes (where this device's slice for j starts, its rows);
+  out_offsets (where it lands on j); recv_sizes, recv_offsets (what arrives from s, and
+  where); return_offsets (where a result row goes back to on s: s's send offsets)."""
+  send_sizes = counts[me]
+  by_source = _exclusive_cumsum(counts, axis=0)    # [s, j]: rows before s's on j
+  return (_exclusive_cumsum(send_sizes), send_sizes, by_source[me], counts[:, me],
+          by_source[:, me], _exclusive_cumsum(counts, axis=1)[:, me])
+
+
+def token_exchange_plan(counts, me, n: int, exchange: str):
+  """(exchange, the offsets of `_token_offsets`) for the exchange that runs: "auto"
+  resolved, and for "ragged" each slice cut into RAGGED_SLICES_PER_PEER pieces."""
+  offsets = _token_offsets(counts, me, n)
+  if exchange == "auto":
+    exchange = "ragged" if ragged_available() else "padded"
+  if exchange == "ragged":
+    if not ragged_available():
+      raise ValueError("exchange='ragged' runs on GPUs (XLA implements ragged-all-to-all"
+                       f" there only); this backend is {jax.default_backend()!r}: use"
+                       " 'padded' or 'auto'")
+    send_off, send_sizes, out_off, recv_sizes, recv_off, return_off = offsets
+    send_off, send_cut = _pieces(send_off, send_sizes, RAGGED_SLICES_PER_PEER)
+    out_off, _ = _pieces(out_off, send_sizes, RAGGED_SLICES_PER_PEER)
+    recv_off, recv_cut = _pieces(recv_off, recv_sizes, RAGGED_SLICES_PER_PEER)
+    return_off, _ = _pieces(return_off, recv_sizes, RAGGED_SLICES_PER_PEER)
+    offsets = (send_off, send_cut, out_off, recv_cut, recv_off, return_off)
+  return exchange, offsets
+
+
+def destinations(topk_ids, n: int, experts_local: int):
+  """(wanted, d): wanted (T_l, n) whether device j holds one of token t's experts, and
+  the dispatch of those (t, j) pairs sorted by device (`layer.dispatch` with n "experts":
+  d.group_sizes are the rows sent to each device, d.token the token of each row)."""
+  ids = topk_ids.astype(jnp.int32)
+  owner = jnp.where((ids >= 0) & (ids < experts_local * n), ids // experts_local, -1)
+  devices = jnp.arange(n, dtype=jnp.int32)
+  wanted = jnp.any(owner[:, :, None] == devices, axis=1)
+  return wanted, layer.dispatch(jnp.where(wanted, devices, -1), n)
+
+
 def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
-          exchange: str, chunks: int = 1, experts_fn=layer.experts):
+          exchange: str, chunks: int = 1, layer_fn=layer.layer):
   """The expert-parallel layer on one device's shard, inside a manual `axis`: x (T_l, D),
   topk_* (T_l, k) with global expert ids, w_* this device's E_l experts. (T_l, D).
 
   chunks > 1 splits the T_l tokens into that many consecutive chunks (sizes differing by
   at most one, the same on every device, so the exchanges of a chunk pair up), each run
-  through steps 1-6 on its own: no chunk's values depend on another's, so XLA may run one
-  chunk's exchanges while another's GEMMs run. Each chunk's receive buffer is n * R / chunks
-  rows; the weight gradients are the sum of the chunks'. experts_fn: step 4
-  (`layer.experts`, or the fp8 training form's `fp8.experts_fp8_train`)."""
+  through the steps on its own: no chunk's values depend on another's, so XLA may run one
+  chunk's exchanges while another's GEMMs run. The weight gradients are the sum of the
+  chunks'. layer_fn: the one-device layer each device runs on the rows it received
+  (`layer.layer`, or the fp8 training form's)."""
   t = x.shape[0]
   chunks = max(1, min(chunks, t))
   if chunks > 1:
     bounds = [t * i // chunks for i in range(chunks + 1)]
     return jnp.concatenate([
         local(plan, x[a:b], topk_weights[a:b], topk_ids[a:b], w_gate_up, w_down, axis=axis,
-              exchange=exchange, experts_fn=experts_fn)
+              exchange=exchange, layer_fn=layer_fn)
         for a, b in zip(bounds[:-1], bounds[1:])])
+  if not SEND_TOKENS:
+    return _local_pairs(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
+                        exchange=exchange)
+  n = jax.lax.axis_size(axis)
+  me = jax.lax.axis_index(axis)
+  t, k = topk_ids.shape
+  experts_local = w_down.shape[0]
+  ids = topk_ids.astype(jnp.int32)
+  wanted, d = destinations(ids, n, experts_local)                       # step 1
+  rows = layer.pair_rows(x, d, n)                          # (T_l * n, D), sent rows first
+  # The receiver's routing travels with each row: the k weights and the k global ids
+  # (exact in the float dtype: E < 2^24) in one array of 2k columns.
+  meta_dtype = jnp.promote_types(topk_weights.dtype, jnp.float32)
+  meta = jnp.concatenate([layer.pair_rows(topk_weights.astype(meta_dtype), d, n),
+                          ids[d.token].astype(meta_dtype)], axis=1)
+  counts = jax.lax.all_gather(d.group_sizes, axis)                      # step 2: (n, n)
+  exchange, offsets = token_exchange_plan(counts, me, n, exchange)
+  send_off, send_sizes, out_off, recv_sizes, recv_off, return_off = offsets
+  move_fn = move(exchange, capacity=t)  # a device sends a peer each token once at most
+  manual = tuple(sorted(sharding.varying_axes(rows) | {axis}))
+  fresh = lambda a: sharding.cast_varying(a, manual)  # noqa: E731 - vary as rows do
+  capacity = n * t  # every token of every device: nothing is ever dropped
+  received = move_fn(rows, fresh(jnp.zeros((capacity, x.shape[1]), x.dtype)), send_off,
+                     send_sizes, out_off, recv_sizes, axis_name=axis)    # step 3
+  # Rows past those received: weight 0, id -1 (route nowhere).
+  empty = jnp.concatenate([jnp.zeros((capacity, k), meta_dtype),
+                           jnp.full((capacity, k), -1, meta_dtype)], axis=1)
+  routing = move_fn(meta, fresh(empty), send_off, send_sizes, out_off, recv_sizes,
+                    axis_name=axis)
+  got_ids = routing[:, k:].astype(jnp.int32) - me * experts_local
+  got_ids = jnp.where((got_ids >= 0) & (got_ids < experts_local), got_ids, -1)
+  partial = layer_fn(plan, received, routing[:, :k].astype(topk_weights.dtype), w_gate_up,
+                     w_down, layer.dispatch(got_ids, experts_local))     # step 4
+  back = move_fn(partial, fresh(jnp.zeros((t * n, x.shape[1]), partial.dtype)), recv_off,
+                 recv_sizes, return_off, send_sizes, axis_name=axis)   # step 5
+  return layer.combine_pairs(back, wanted.astype(jnp.float32), d, plan.out_dtype)  # step 6
+
+
+# The dataflow before tokens were sent once per device: one row per (token, slot) pair.
+# Kept, selected by SEND_TOKENS = False, only to time one against the other.
+SEND_TOKENS = True
+
+
+def _local_pairs(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
+                 axis: str, exchange: str):
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
   t, k = topk_ids.shape
   experts_local = w_down.shape[0]
   d = layer.dispatch(topk_ids, experts_local * n)
-  xs = layer.pair_rows(x, d, k)                                           # step 1
-  counts = jax.lax.all_gather(d.group_sizes, axis)                      # step 2: (n, E)
+  xs = layer.pair_rows(x, d, k)
+  counts = jax.lax.all_gather(d.group_sizes, axis)
   exchange, offsets = exchange_plan(counts, me, n, experts_local, exchange)
   send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = offsets
   exchange_fn = move(exchange)
-  # Fresh buffers vary as the rows that fill them do.
   manual = tuple(sorted(sharding.varying_axes(xs) | {axis}))
   buffer = sharding.cast_varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), manual)
   received = exchange_fn(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
-                         axis_name=axis)                                # step 3
-  y = experts_fn(plan, received, w_gate_up, w_down, group_sizes)       # step 4
+                         axis_name=axis)
+  y = layer.experts(plan, received, w_gate_up, w_down, group_sizes)
   back = exchange_fn(y, sharding.cast_varying(jnp.zeros_like(xs), manual), recv_off,
-                     recv_sizes, return_off, send_sizes, axis_name=axis)  # step 5
-  return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)     # step 6
+                     recv_sizes, return_off, send_sizes, axis_name=axis)
+  return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)
 
 
 def _explicit_axes(a) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -305,7 +402,7 @@ def _mesh_with(names: tuple[str, ...], arrays):
 
 def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
         axis: str | None, data_axes: tuple[str, ...] = (), exchange: str = "auto",
-        chunks: int = 1, layer_fn=layer.layer, experts_fn=layer.experts):
+        chunks: int = 1, layer_fn=layer.layer):
   """The layer on x (T, D) with its tokens split over data_axes + (axis,) and, with an
   expert axis, the experts over it. Inside a manual `axis`: this device's shard
   (`local`). Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`,
@@ -318,7 +415,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
       raise ValueError(f"data_axes={data_axes} inside jax.shard_map over the expert axis"
                        f" {axis!r}: x is already the device's tokens; leave data_axes out")
     return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
-                 exchange=exchange, chunks=chunks, experts_fn=experts_fn)
+                 exchange=exchange, chunks=chunks, layer_fn=layer_fn)
   if axis is not None and w_down.shape[0] % mesh.shape[axis]:
     raise ValueError(f"expert parallelism over {axis!r} ({mesh.shape[axis]} devices)"
                      f" splits the experts evenly; got E = {w_down.shape[0]}")
@@ -346,7 +443,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
       return layer_fn(plan, x, weights, w_gate_up, w_down,
                       layer.dispatch(ids, w_down.shape[0]))
     return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange,
-                 chunks=chunks, experts_fn=experts_fn)
+                 chunks=chunks, layer_fn=layer_fn)
 
   # Manual over every axis of the mesh (values are replicated over the axes not named):
   # a partly manual shard_map leaves the grouped GEMM's partitioning and lax's sharding
