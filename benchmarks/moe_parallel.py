@@ -14,8 +14,6 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
   moe_mlp/padded  rows exchanged by a dense all_to_all (n x the bytes)
   moe_mlp/ragged  rows exchanged by jax.lax.ragged_all_to_all (exactly the rows routed;
                   GPUs only)
-  moe_mlp/pairs   the default exchange of one row per (token, slot) pair, each device's
-                  rows arriving sorted by expert (not in the default list)
   moe_mlp/padded/2, moe_mlp/ragged/2, .../4  the same with each device's tokens in 2 (4)
                   chunks (exchange_chunks), each exchanged on its own so that one chunk's
                   exchanges can run under another's GEMMs (not in the default list)
@@ -49,8 +47,8 @@ from pallas_gemm import moe_mlp
 DTYPE = jnp.bfloat16
 AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
-VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/pairs",) + tuple(
-    f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged"))
+VARIANTS = DEFAULT_VARIANTS + tuple(f"moe_mlp/{e}/{c}" for c in (2, 4)
+                                    for e in ("padded", "ragged"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +116,8 @@ def problem(cfg: Config, tokens: int, mesh):
 def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights."""
   backend = "xla" if variant == "lax" else "auto"
-  pairs = variant == "moe_mlp/pairs"
   parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
-  exchange = parts[1] if len(parts) > 1 and not pairs else "auto"
+  exchange = parts[1] if len(parts) > 1 else "auto"
   chunks = int(parts[2]) if len(parts) > 2 else 1
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
@@ -134,16 +131,7 @@ def step_fn(variant: str):
     params = jax.tree.map(lambda p, gp: (p - 1e-3 * gp).astype(p.dtype), params, g)
     return params, value, dx, dw
 
-  if not pairs:
-    return jax.jit(step)
-  from pallas_gemm.moe import parallel  # noqa: PLC0415 - the dataflow, read at trace time
-  def traced_with_pairs(*args):
-    parallel.SEND_TOKENS = False
-    try:
-      return step(*args)
-    finally:
-      parallel.SEND_TOKENS = True
-  return jax.jit(traced_with_pairs)
+  return jax.jit(step)
 
 
 def _reason(e: Exception) -> str:
@@ -207,7 +195,7 @@ def breakdown(cfg: Config, n: int, rounds: int, calls: int) -> dict:
       wanted, d = parallel.destinations(ids, n, local_experts)
       rows = layer.pair_rows(x, d, n)
       counts = jax.lax.all_gather(d.group_sizes, AXIS)
-      kind, off = parallel.token_exchange_plan(counts, jax.lax.axis_index(AXIS), n,
+      kind, off = parallel.exchange_plan(counts, jax.lax.axis_index(AXIS), n,
                                                exchange)
       t = x.shape[0]
       buf = jax.lax.pcast(jnp.zeros((n * t, x.shape[1]), x.dtype), AXIS, to="varying")

@@ -234,28 +234,7 @@ layer.defvjp(_layer_fwd, _layer_bwd)
 # ----------------------------------------------------------------------------- in pieces
 # The layer's steps as separately differentiable pieces, for dataflows that run something
 # between them (expert parallelism exchanges the rows between devices: `parallel.py`).
-# Each backward is the layer's own, so no piece scatters either. Unlike the fused layer,
-# `experts` keeps its input rows as a residual: there they are what an exchange brought,
-# which only another exchange could bring again.
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def experts(plan: Plan, xs, w_gate_up, w_down, group_sizes):
-  """y (R, D) = FFN(xs) with xs (R, D) sorted by group; rows past sum(group_sizes) are 0."""
-  return experts_forward(plan, xs, w_gate_up, w_down, group_sizes, write_h=False)[0]
-
-
-def _experts_fwd(plan: Plan, xs, w_gate_up, w_down, group_sizes):
-  y, h, a = experts_forward(plan, xs, w_gate_up, w_down, group_sizes)
-  return y, (xs, h, a, w_gate_up, w_down, group_sizes)
-
-
-def _experts_bwd(plan: Plan, residuals, dy):
-  xs, h, a, w_gate_up, w_down, group_sizes = residuals
-  return (*experts_backward(plan, xs, h, w_gate_up, w_down, group_sizes, dy, a=a), None)
-
-
-experts.defvjp(_experts_fwd, _experts_bwd)
-
+# Each backward is the layer's own, so no piece scatters either.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def pair_rows(x, d: Dispatch, k: int):

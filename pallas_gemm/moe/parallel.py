@@ -31,18 +31,18 @@ Two exchanges do steps 3 and 5 (the `exchange` argument):
 - "padded": the same slices through a dense `jax.lax.all_to_all` of (n, T/n) rows per
   device (each peer's chunk as large as the most a device can send it): up to n times
   the bytes, on any backend.
-"auto" picks "ragged" on a GPU and "padded" elsewhere. Measured on two H200s
-(benchmarks/moe_parallel.py, docs/performance.md), training step: "ragged" 1.33x
-"padded" at Qwen3-like sizes (64 experts per GPU) and on par at Mixtral-like ones (4 per
-GPU), where XLA's ragged-all-to-all moved 4 large slices per peer 5.4x slower than
-"padded" moved twice the bytes until the slices were cut into pieces (at least
-RAGGED_SLICES_PER_PEER per peer). (Measured with one row per (token, slot) pair.)
+"auto" picks "ragged" on a GPU and "padded" elsewhere. On two H200s (training step,
+benchmarks/moe_parallel.py, docs/performance.md) the two ran within 4% of each other:
+padded 1.04x ragged at Qwen3-like weak scaling (+-0.01), ragged 1.04x padded at
+Mixtral-like (+-0.02). XLA's ragged-all-to-all copies one slice per unit of work; few
+large slices per peer ran it 5x slower than padded, so each slice is cut into
+RAGGED_SLICES_PER_PEER pieces.
 
 Chunks (moe_mlp's `exchange_chunks`, `local`): each device's tokens in chunks that are
 dispatched, exchanged and computed on their own, so that a scheduler may run one chunk's
 exchanges under another's GEMMs. Two H200s with XLA's default flags: 2 chunks made the
-training step 1-13% slower (no overlap came of it, and each chunk pays its own dispatch
-and smaller GEMMs), so the default is one chunk.
+training step 1.2-1.3x slower (strong scaling; no overlap came of it, and each chunk pays
+its own dispatch and smaller GEMMs), so the default is one chunk.
 
 The same module runs data parallelism (`run` without an expert axis: each device its
 tokens through every expert) and both together on a (data, expert) mesh.
@@ -63,36 +63,6 @@ EXCHANGES = ("auto", "ragged", "padded")
 
 def _exclusive_cumsum(v, axis=-1):
   return jnp.cumsum(v, axis=axis) - v
-
-
-def _offsets(counts, me, n: int, local: int):
-  """The exchange's offsets (int32) from counts (n, E) = rows of device s for expert e.
-
-  Slice (j, l) of a device (j the destination, l its local expert) is its rows for
-  expert j*local + l. Returns seven arrays, the first six of length E:
-    send_offsets, send_sizes  (j, l): where this device's slices start in its sorted rows;
-    out_offsets               (j, l): where each lands in device j's receive buffer;
-    recv_sizes, recv_offsets  (s, l): what this device receives from device s for its
-                              expert l, and where that lands in its buffer;
-    return_offsets            (s, l): where those rows go back to on device s (its
-                              send offsets);
-    group_sizes               (local,): the rows received per local expert."""
-  e = counts.shape[1]
-  by_dst = counts.reshape(n, n, local)            # [src, dst, l]
-  send_sizes = counts[me]                          # (E,) this device's slices, (j, l)
-  send_offsets = _exclusive_cumsum(send_sizes)     # its rows are sorted by expert
-  # Receiver j's buffer: expert l's block starts after experts < l of every source;
-  # inside it, sources in order.
-  per_expert = by_dst.sum(0)                       # [dst, l] rows dst receives for l
-  block = _exclusive_cumsum(per_expert)            # [dst, l]
-  before_me = jnp.sum(jnp.where(jnp.arange(n)[:, None, None] < me, by_dst, 0), axis=0)
-  out_offsets = (block + before_me).reshape(e)     # where my slice (j, l) lands on j
-  mine = by_dst[:, me, :]                          # [src, l] what I receive
-  recv_sizes = mine.reshape(e)
-  recv_offsets = (block[me][None, :] + _exclusive_cumsum(mine, axis=0)).reshape(e)
-  return_offsets = _exclusive_cumsum(counts).reshape(n, n, local)[:, me, :].reshape(e)
-  return (send_offsets, send_sizes, out_offsets, recv_sizes, recv_offsets, return_offsets,
-          per_expert[me])
 
 
 def _covering(pos, starts, sizes, shifts):
@@ -171,9 +141,9 @@ padded_all_to_all.defvjp(_padded_fwd, _padded_bwd)
 
 
 # XLA:GPU's ragged-all-to-all copies its slices in parallel, one slice per unit of work:
-# at 4 slices per peer (Mixtral-like, 8 experts on 2 GPUs) it moved the rows 5x slower
-# than a dense all_to_all of twice the bytes; cut into pieces, so that each peer gets at
-# least this many, it ran on par with it (the training step 0.99 +- 0.03x, two H200s).
+# at 4 slices per peer (8 experts on 2 GPUs, one slice per expert) it moved the rows 5x
+# slower than a dense all_to_all of twice the bytes; cut into this many pieces per peer,
+# it ran on par with it (two H200s).
 RAGGED_SLICES_PER_PEER = 64
 
 
@@ -201,28 +171,7 @@ def ragged_available() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def exchange_plan(counts, me, n: int, experts_local: int, exchange: str):
-  """(exchange, the offsets of `_offsets`) for the exchange that runs: "auto" resolved,
-  and for "ragged" every slice cut into pieces."""
-  offsets = _offsets(counts, me, n, experts_local)
-  if exchange == "auto":
-    exchange = "ragged" if ragged_available() else "padded"
-  if exchange == "ragged":
-    if not ragged_available():
-      raise ValueError("exchange='ragged' runs on GPUs (XLA implements ragged-all-to-all"
-                       f" there only); this backend is {jax.default_backend()!r}: use"
-                       " 'padded' or 'auto'")
-    send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, groups = offsets
-    pieces = -(-RAGGED_SLICES_PER_PEER // experts_local)
-    send_off, send_cut = _pieces(send_off, send_sizes, pieces)
-    out_off, _ = _pieces(out_off, send_sizes, pieces)
-    recv_off, recv_cut = _pieces(recv_off, recv_sizes, pieces)
-    return_off, _ = _pieces(return_off, recv_sizes, pieces)
-    offsets = (send_off, send_cut, out_off, recv_cut, recv_off, return_off, groups)
-  return exchange, offsets
-
-
-def _token_offsets(counts, me, n: int):
+def _offsets(counts, me, n: int):
   """The exchange's offsets (int32, each (n,)) from counts (n, n) = rows device s sends
   device j, each device's rows sorted by destination and each receiver's packed by
   source: send_offsets, send_sizes (where this device's slice for j starts, its rows);
@@ -234,10 +183,10 @@ def _token_offsets(counts, me, n: int):
           by_source[:, me], _exclusive_cumsum(counts, axis=1)[:, me])
 
 
-def token_exchange_plan(counts, me, n: int, exchange: str):
-  """(exchange, the offsets of `_token_offsets`) for the exchange that runs: "auto"
+def exchange_plan(counts, me, n: int, exchange: str):
+  """(exchange, the offsets of `_offsets`) for the exchange that runs: "auto"
   resolved, and for "ragged" each slice cut into RAGGED_SLICES_PER_PEER pieces."""
-  offsets = _token_offsets(counts, me, n)
+  offsets = _offsets(counts, me, n)
   if exchange == "auto":
     exchange = "ragged" if ragged_available() else "padded"
   if exchange == "ragged":
@@ -284,9 +233,6 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
         local(plan, x[a:b], topk_weights[a:b], topk_ids[a:b], w_gate_up, w_down, axis=axis,
               exchange=exchange, layer_fn=layer_fn)
         for a, b in zip(bounds[:-1], bounds[1:])])
-  if not SEND_TOKENS:
-    return _local_pairs(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
-                        exchange=exchange)
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
   t, k = topk_ids.shape
@@ -300,7 +246,7 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   meta = jnp.concatenate([layer.pair_rows(topk_weights.astype(meta_dtype), d, n),
                           ids[d.token].astype(meta_dtype)], axis=1)
   counts = jax.lax.all_gather(d.group_sizes, axis)                      # step 2: (n, n)
-  exchange, offsets = token_exchange_plan(counts, me, n, exchange)
+  exchange, offsets = exchange_plan(counts, me, n, exchange)
   send_off, send_sizes, out_off, recv_sizes, recv_off, return_off = offsets
   move_fn = move(exchange, capacity=t)  # a device sends a peer each token once at most
   manual = tuple(sorted(sharding.varying_axes(rows) | {axis}))
@@ -320,33 +266,6 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   back = move_fn(partial, fresh(jnp.zeros((t * n, x.shape[1]), partial.dtype)), recv_off,
                  recv_sizes, return_off, send_sizes, axis_name=axis)   # step 5
   return layer.combine_pairs(back, wanted.astype(jnp.float32), d, plan.out_dtype)  # step 6
-
-
-# The dataflow before tokens were sent once per device: one row per (token, slot) pair.
-# Kept, selected by SEND_TOKENS = False, only to time one against the other.
-SEND_TOKENS = True
-
-
-def _local_pairs(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
-                 axis: str, exchange: str):
-  n = jax.lax.axis_size(axis)
-  me = jax.lax.axis_index(axis)
-  t, k = topk_ids.shape
-  experts_local = w_down.shape[0]
-  d = layer.dispatch(topk_ids, experts_local * n)
-  xs = layer.pair_rows(x, d, k)
-  counts = jax.lax.all_gather(d.group_sizes, axis)
-  exchange, offsets = exchange_plan(counts, me, n, experts_local, exchange)
-  send_off, send_sizes, out_off, recv_sizes, recv_off, return_off, group_sizes = offsets
-  exchange_fn = move(exchange)
-  manual = tuple(sorted(sharding.varying_axes(xs) | {axis}))
-  buffer = sharding.cast_varying(jnp.zeros((n * t * k, x.shape[1]), x.dtype), manual)
-  received = exchange_fn(xs, buffer, send_off, send_sizes, out_off, recv_sizes,
-                         axis_name=axis)
-  y = layer.experts(plan, received, w_gate_up, w_down, group_sizes)
-  back = exchange_fn(y, sharding.cast_varying(jnp.zeros_like(xs), manual), recv_off,
-                     recv_sizes, return_off, send_sizes, axis_name=axis)
-  return layer.combine_pairs(back, topk_weights, d, plan.out_dtype)
 
 
 def _explicit_axes(a) -> tuple[tuple[str, ...], tuple[str, ...]]:
