@@ -19,6 +19,9 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
                   exchanges can run under another's GEMMs (not in the default list)
   lax             moe_mlp's layout and exchange with jax.lax.ragged_dot as the grouped
                   GEMM (backend="xla")
+  moe_mlp/tp      tensor parallel instead: every device all the tokens and F/n of every
+                  expert (w_gate_up as (E, D, 2, F) split on F, w_down on F), the partial
+                  sums all-reduced; strong scaling only (not in the default list)
 On one device the variants are moe_mlp without an axis and "lax".
 Figures: ms per step (wall clock of back-to-back steps, rounds in rotated order, median),
 per-device tokens per second, weak efficiency t(1) / t(n) and strong speedup t(1) / t(n)
@@ -47,8 +50,8 @@ from pallas_gemm import moe_mlp
 DTYPE = jnp.bfloat16
 AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
-VARIANTS = DEFAULT_VARIANTS + tuple(f"moe_mlp/{e}/{c}" for c in (2, 4)
-                                    for e in ("padded", "ragged"))
+VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp",) + tuple(
+    f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +116,24 @@ def problem(cfg: Config, tokens: int, mesh):
   return (wgu, wd), x, weights, ids, ct
 
 
+def tensor_parallel(args, n: int):
+  """The step's operands on a mesh of n devices with one axis "model": the weights split
+  on F (w_gate_up as (E, D, 2, F)), the tokens and the cotangent whole on every device."""
+  mesh = jax.make_mesh((n,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,),
+                       devices=jax.devices()[:n])
+  (wgu, wd), *rest = args
+  e, d, width = wgu.shape
+  gate_up = jax.device_put(wgu.reshape(e, d, 2, width // 2),
+                           NamedSharding(mesh, P(None, None, None, "model")))
+  down = jax.device_put(wd, NamedSharding(mesh, P(None, "model")))
+  return ((gate_up, down), *(jax.device_put(a, NamedSharding(mesh, P())) for a in rest))
+
+
 def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights."""
   backend = "xla" if variant == "lax" else "auto"
   parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
-  exchange = parts[1] if len(parts) > 1 else "auto"
+  exchange = parts[1] if len(parts) > 1 and parts[1] != "tp" else "auto"
   chunks = int(parts[2]) if len(parts) > 2 else 1
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
@@ -147,6 +163,13 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
                          devices=jax.devices()[:n])
   args = problem(cfg, tokens, mesh)
   programs, failed, variants = {}, {}, list(variants)
+  arguments = {v: args for v in variants}
+  if "moe_mlp/tp" in variants and n > 1:
+    if tokens != cfg.tokens_per_device:
+      variants.remove("moe_mlp/tp")
+      failed["moe_mlp/tp"] = "left out: every device runs all the tokens (strong scaling only)"
+    else:
+      arguments["moe_mlp/tp"] = tensor_parallel(args, n)
   if n == 1:  # one device: no exchange, one program
     variants = [v for v in variants if not v.startswith("moe_mlp/")]
   elif jax.default_backend() != "gpu":
@@ -159,11 +182,11 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
   for v in variants:
     try:
       prog = step_fn(v)
-      jax.block_until_ready(prog(*args))
+      jax.block_until_ready(prog(*arguments[v]))
       programs[v] = prog
     except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
       failed[v] = _reason(e)
-  bound = {v: (lambda p=p: p(*args)) for v, p in programs.items()}
+  bound = {v: (lambda p=p, a=arguments[v]: p(*a)) for v, p in programs.items()}
   times = rounds_ms(PipelinedTimer(), bound, [()], rounds, calls) if bound else {}
   out = {v: dict(status="failed", reason=why) for v, why in failed.items()}
   for v, t in times.items():

@@ -512,3 +512,167 @@ def test_gated_kernel_only_where_no_partitioner_is_needed():
 
     jax.eval_shape(local, jnp.zeros((64, 64), jnp.bfloat16))
     assert seen == [True]
+
+
+# ----------------------------------------------------------------------- tensor parallel
+MODEL = "model"
+
+
+def _split_f(layer, mesh, experts=None):
+  """layer with w_gate_up given as (E, D, 2, F) and both weights split on F over MODEL
+  (and on E over `experts`), moved there inside the jitted call (slices, no gather)."""
+  def call(x, w, ids, a, b):
+    e, d, f = b.shape[0], b.shape[2], b.shape[1]
+    a4 = jax.sharding.reshard(a.reshape(e, d, 2, f),
+                              NamedSharding(mesh, P(experts, None, None, MODEL)))
+    b = jax.sharding.reshard(b, NamedSharding(mesh, P(experts, MODEL)))
+    return layer(x, w, ids, a4, b)
+  return call
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_tensor_parallel_matches_one_device(rng, n):
+  # F split over the model axis (found in w_down's type): each device its F/n columns of
+  # gate, of up and rows of w_down, all the tokens; the partial sums added.
+  mesh = _mesh(n, (MODEL,))
+  one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                          backend=_backend())
+  _compare(rng, _problem(rng, 16, 16, 8 * n, 4, 2), mesh, exchange="auto",
+           layer=_split_f(one, mesh), tokens=P(), experts=P())
+
+
+def test_tensor_and_expert_and_data_parallel(rng):
+  # A (data, expert, model) mesh: tokens over data x expert, E over expert, F over model.
+  mesh = _mesh((2, 2, 2), ("data", AXIS, MODEL))
+  one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                          backend=_backend())
+  _compare(rng, _problem(rng, 16, 16, 16, 4, 2), mesh, exchange="auto",
+           layer=_split_f(one, mesh, experts=AXIS), tokens=P(("data", AXIS)), experts=P())
+
+
+def test_tensor_parallel_program(rng):
+  # The compiled step all-gathers nothing (no expert axis: not even counts); the forward's
+  # partial sums and the backward's d x are all-reduced; each weight gradient keeps its
+  # weight's split of F.
+  mesh = _mesh(4, (MODEL,))
+  x, weights, ids, wgu, wd = _problem(rng, 32, 32, 16, 4, 2)
+  a4 = jax.device_put(wgu.reshape(4, 32, 2, 16), NamedSharding(mesh, P(None, None, None,
+                                                                       MODEL)))
+  b = jax.device_put(wd, NamedSharding(mesh, P(None, MODEL)))
+  x, weights, ids = (jax.device_put(a, NamedSharding(mesh, P())) for a in (x, weights, ids))
+  layer = functools.partial(pallas_gemm.moe_mlp, backend="xla")
+  loss = lambda x, w, a, b: jnp.sum(layer(x, w, ids, a, b))  # noqa: E731
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))
+  hlo = step.lower(x, weights, a4, b).compile().as_text()
+  assert not GATHERS.findall(hlo), GATHERS.findall(hlo)
+  assert "all-reduce" in hlo
+  _, (_, _, ga, gb) = step(x, weights, a4, b)
+  assert ga.sharding.is_equivalent_to(a4.sharding, 4)
+  assert gb.sharding.is_equivalent_to(b.sharding, 3)
+
+
+def test_tensor_parallel_inside_shard_map(rng):
+  # A user's shard_map over the model axis: every device all the tokens and its F/n of
+  # the weights; model_axis says the partial sums are to be added.
+  mesh = _mesh(2, (MODEL,))
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend(), model_axis=MODEL)
+
+  def sharded(x, w, ids, a, b):
+    e, d, f = b.shape[0], b.shape[2], b.shape[1]
+    spec_a, spec_b = P(None, None, None, MODEL), P(None, MODEL)
+    a4 = jax.sharding.reshard(a.reshape(e, d, 2, f), NamedSharding(mesh, spec_a))
+    b = jax.sharding.reshard(b, NamedSharding(mesh, spec_b))
+    return jax.shard_map(layer, mesh=mesh, in_specs=(P(), P(), P(), spec_a, spec_b),
+                         out_specs=P())(x, w, ids, a4, b)
+
+  _compare(rng, _problem(rng, 16, 16, 8, 4, 2), mesh, exchange="auto", layer=sharded,
+           tokens=P(), experts=P())
+
+
+def test_model_axis_on_an_auto_mesh(rng):
+  # An Auto mesh under jax.set_mesh, weights (E, D, 2F) unsplit: model_axis names the axis
+  # and each device slices its columns.
+  mesh = _mesh(4, (MODEL,), kind=jax.sharding.AxisType.Auto)
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend(), model_axis=MODEL)
+  with jax.set_mesh(mesh):
+    _compare(rng, _problem(rng, 16, 16, 8, 4, 2), mesh, exchange="auto", layer=layer,
+             tokens=P(), experts=P())
+
+
+def test_tensor_parallel_bf16_and_silu(rng):
+  # bf16: the partial sums are added in bf16 (a row-parallel layer's all-reduce), within
+  # the table's bound; an ungated activation's (E, D, F) splits on F as it is.
+  mesh = _mesh(2, (MODEL,))
+  ct = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+  args = _problem(rng, 32, 32, 16, 4, 2, dtype=jnp.bfloat16)
+  one = functools.partial(pallas_gemm.moe_mlp, backend=_backend())
+  want, want_grads = _value_and_grads(one, args, ct)
+  whole = [jax.device_put(a, NamedSharding(mesh, P())) for a in args]
+  got, grads = _value_and_grads(_split_f(one, mesh), whole, ct)
+  tol = moe_tolerance(jnp.bfloat16, 32, 16)
+  for g, w in zip((got, *grads), (want, *want_grads)):
+    assert relative_error(g, w) <= tol
+  x, weights, ids, wgu, wd = _problem(rng, 16, 16, 8, 4, 2)
+  wgu = wgu[..., :8]
+  silu = functools.partial(one, activation="silu")
+  w1 = jax.device_put(wgu, NamedSharding(mesh, P(None, None, MODEL)))
+  w2 = jax.device_put(wd, NamedSharding(mesh, P(None, MODEL)))
+  np.testing.assert_allclose(np.asarray(jax.jit(silu)(x, weights, ids, w1, w2)),
+                             np.asarray(jax.jit(silu)(x, weights, ids, wgu, wd)),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_training_tensor_parallel(rng):
+  # precision="fp8" with F split: each device's F/n = 128 columns are whole scale blocks.
+  mesh = _mesh(2, (MODEL,))
+  args = _problem(rng, 16, 128, 256, 2, 2, dtype=jnp.bfloat16)
+  layer = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend())
+  ct = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
+  whole = [jax.device_put(a, NamedSharding(mesh, P())) for a in args]
+  got, grads = _value_and_grads(_split_f(layer, mesh), whole, ct)
+  _check_fp8(args, ct, got, grads)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("split-2F", "gate and up columns on different devices"),
+    ("uneven-F", "splits F evenly; got F = 5"),
+    ("same-axis", "model_axis and expert_axis are both"),
+    ("data-axis", "names the model axis"),
+    ("pair-axis-ungated", r"w_down must be|must be 3-D"),
+    ("half-manual", "inside jax.shard_map over"),
+    ("fp8-blocks", "splits F in multiples of 128"),
+])
+def test_tensor_parallel_bad_input(rng, case, match):
+  mesh = _mesh((2, 2), (AXIS, MODEL))
+  f = {"uneven-F": 5, "fp8-blocks": 128}.get(case, 8)
+  dtype = jnp.bfloat16 if case == "fp8-blocks" else np.float32
+  d = 128 if case == "fp8-blocks" else 16
+  x, weights, ids, wgu, wd = _problem(rng, 16, d, f, 4, 2, dtype=dtype)
+  kwargs = dict(backend="xla")
+  if case == "split-2F":
+    wgu = jax.device_put(wgu, NamedSharding(mesh, P(None, None, MODEL)))
+    wd = jax.device_put(wd, NamedSharding(mesh, P(None, MODEL)))
+  elif case == "same-axis":
+    kwargs.update(expert_axis=MODEL, model_axis=MODEL)
+  elif case == "data-axis":
+    kwargs.update(model_axis=MODEL, data_axes=MODEL)
+  elif case == "pair-axis-ungated":
+    kwargs.update(activation="gelu", model_axis=MODEL)
+    wgu = wgu.reshape(4, d, 2, f)
+  elif case == "fp8-blocks":
+    kwargs.update(precision="fp8", model_axis=MODEL)
+  else:
+    kwargs.update(model_axis=MODEL)
+  if case == "half-manual":
+    def body(x, w, ids, a, b):
+      return pallas_gemm.moe_mlp(x, w, ids, a, b, expert_axis=AXIS, **kwargs)
+    run = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), P(None, None, MODEL),
+                                                   P(None, MODEL)), out_specs=P(),
+                        axis_names={MODEL})
+    with pytest.raises(ValueError, match=match):
+      run(x, weights, ids, wgu, wd)
+    return
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
+    pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, **kwargs)

@@ -77,7 +77,7 @@ def _pair(w, name: str):
 def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "swiglu",
             precision=None, preferred_element_type=None, backend: str = "auto",
             config=None, expert_axis: str | None = None, exchange: str = "auto",
-            exchange_chunks: int = 1, data_axes=None):
+            exchange_chunks: int = 1, data_axes=None, model_axis: str | None = None):
   """The MoE layer of the module docstring.
 
   Args:
@@ -85,8 +85,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     topk_weights: (..., k) float: each token's expert weights (a router's output).
     topk_ids: (..., k) integer: each token's experts, in [0, E) (others: see above).
     w_gate_up: (E, D, 2F) for "swiglu" / "geglu", (E, D, F) for "silu" / "gelu"; x's dtype.
-      Or, for fp8 inference, the pair `quantize_experts` makes: fp8 values (E, 2F or F, D)
-      and their 128x128 block scales.
+      For the gated activations also (E, D, 2, F), gate = [..., 0, :], up = [..., 1, :]:
+      the form to split F over a mesh axis (tensor parallelism), as each device's gate
+      and up columns stay together. Or, for fp8 inference, the pair `quantize_experts`
+      makes: fp8 values (E, 2F or F, D) and their 128x128 block scales.
     w_down: (E, F, D), x's dtype; or its fp8 pair, values (E, D, F) and block scales.
     activation: "swiglu" (silu gate), "geglu" (tanh-approximate GELU gate), "silu", "gelu".
     precision: as jax.lax.ragged_dot takes it, for every grouped GEMM; or "fp8": the
@@ -113,6 +115,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       the one-device layer itself and move rows. None: the Explicit axes x's type splits
       its tokens over, if any. Not inside a `jax.shard_map` over them (x is already the
       device's tokens there).
+    model_axis: a mesh axis name to split F over (tensor parallelism, module docstring):
+      the axis of an enclosing `jax.shard_map` (the weights given as this device's F/n
+      columns), or of the context mesh. None: the axis w_down's type splits F over, if
+      any.
 
   Returns:
     (..., D) in preferred_element_type.
@@ -123,9 +129,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if (isinstance(exchange_chunks, bool) or not isinstance(exchange_chunks, (int, np.integer))
       or exchange_chunks < 1):
     raise ValueError(f"exchange_chunks must be an int >= 1; got {exchange_chunks!r}")
-  if expert_axis is not None and not isinstance(expert_axis, str):
-    raise TypeError(f"expert_axis must be a mesh axis name (str) or None; got"
-                    f" {expert_axis!r}")
+  for name, value in (("expert_axis", expert_axis), ("model_axis", model_axis)):
+    if value is not None and not isinstance(value, str):
+      raise TypeError(f"{name} must be a mesh axis name (str) or None; got {value!r}")
   if data_axes is not None:
     data_axes = (data_axes,) if isinstance(data_axes, str) else data_axes
     if (not isinstance(data_axes, (tuple, list))
@@ -162,11 +168,15 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if not jnp.issubdtype(topk_weights.dtype, jnp.floating):
     raise TypeError(f"topk_weights.dtype must be a float dtype; got"
                     f" {np.dtype(topk_weights.dtype)}")
+  # (E, D, 2, F): gate and up on an axis of their own (the tensor-parallel form)
+  pair_axis = not quantized and gated and w_gate_up.ndim == 4
   for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
     if not quantized and np.dtype(w.dtype) != dtype:
       raise TypeError(f"{name}.dtype must be x's dtype {dtype}; got {np.dtype(w.dtype)}")
-    if w.ndim != 3:
-      raise ValueError(f"{name} must be 3-D (E, ...); got shape {tuple(w.shape)}")
+    if w.ndim != 3 and not (name == "w_gate_up" and pair_axis):
+      what = ("(E, D, 2F) or (E, D, 2, F)" if name == "w_gate_up" and gated and not quantized
+              else "3-D (E, ...)")
+      raise ValueError(f"{name} must be {what}; got shape {tuple(w.shape)}")
   # The weights' shapes as the bf16 layer holds them; the fp8 pairs hold their values
   # K-major, w_gate_up (E, W, D) and w_down (E, D, F), and are checked as these views.
   def as_bf16(shape):
@@ -177,12 +187,13 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if down_shape != (e, f, d):
     raise ValueError(f"w_down must be (E, F, D) with D = x.shape[-1] = {d}; got shape"
                      f" {down_shape}")
-  width = 2 * f if gated else f
-  if gate_up_shape != (e, d, width):
-    what = "(E, D, 2F): gate and up side by side" if gated else "(E, D, F)"
+  want = (e, d, 2, f) if pair_axis else (e, d, 2 * f if gated else f)
+  if gate_up_shape != want:
+    what = ("(E, D, 2, F): gate and up on their own axis" if pair_axis else
+            "(E, D, 2F): gate and up side by side" if gated else "(E, D, F)")
     raise ValueError(f"w_gate_up must be {what} for activation={activation!r}, with E, F"
                      f" from w_down {down_shape} and D = {d}: expected"
-                     f" {(e, d, width)}; got {gate_up_shape}")
+                     f" {want}; got {gate_up_shape}")
   out_dtype = dtype if preferred_element_type is None else np.dtype(preferred_element_type)
   if out_dtype not in checks.SUPPORTED_DTYPES:
     raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16; got"
@@ -206,20 +217,35 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if tokens == 0 or k == 0:
     return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
   axis = expert_axis if expert_axis is not None else parallel.sharded_expert_axis(w_down)
+  model = model_axis if model_axis is not None else parallel.sharded_model_axis(w_down)
+  if model is not None and model == axis:
+    raise ValueError(f"model_axis and expert_axis are both {model!r}: E and F split over"
+                     " different mesh axes")
   if data_axes is not None:
-    data = parallel.check_data_axes(data_axes, axis)
+    data = parallel.check_data_axes(data_axes, axis, model)
   else:
-    data = () if quantized else parallel.token_axes(x2, axis)
-  if axis is not None or data:
+    data = () if quantized else parallel.token_axes(x2, axis, model)
+  if axis is not None or data or model is not None:
     if quantized:
-      what = (f"data_axes={data}" if axis is None
-              else "expert parallelism (expert_axis=None, weights not sharded on E)")
+      what = (f"data_axes={data}" if axis is None and model is None
+              else "expert parallelism (expert_axis=None, weights not sharded on E)"
+              if model is None else f"tensor parallelism over {model!r}")
       raise ValueError(f"fp8 expert pairs (quantize_experts) run on one device: {what} is"
                        " not available with them")
+    if not pair_axis:
+      if model is not None and gated and parallel.splits_last_dim(w_gate_up):
+        raise ValueError(
+            f"w_gate_up (E, D, 2F) has its last dim split over a mesh axis, which would put"
+            f" gate and up columns on different devices; to split F over {model!r} give it"
+            " as (E, D, 2, F) (w_gate_up.reshape(E, D, 2, F)) split on its last dim")
+      w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 if gated else 1, f))
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
-                       data_axes=data, exchange=exchange, chunks=int(exchange_chunks),
-                       layer_fn=one_device)
+                       data_axes=data, model_axis=model, exchange=exchange,
+                       chunks=int(exchange_chunks), layer_fn=one_device,
+                       f_multiple=fp8.BLOCK if fp8_training else 1)
     return out.reshape((*lead, d))
+  if pair_axis:
+    w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 * f))
   d_ = layer.dispatch(ids2, e)
   if quantized:
     out = fp8.layer_fp8(plan, x2, weights2, w_gate_up, gate_up_scales, w_down, down_scales,

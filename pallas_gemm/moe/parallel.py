@@ -282,20 +282,40 @@ def sharded_expert_axis(w):
   return first[0] if len(first) == 1 and first[0] in explicit else None
 
 
-def token_axes(x, expert_axis) -> tuple[str, ...]:
-  """The Explicit mesh axes x's type splits its tokens over, besides the expert axis:
-  data parallelism, each device's tokens through every expert on that device."""
+def sharded_model_axis(w_down):
+  """The Explicit mesh axis w_down's type splits its F dim (second) over, or None."""
+  type_sharding = getattr(jax.typeof(w_down), "sharding", None)
+  spec = tuple(getattr(type_sharding, "spec", ()) or ()) + (None, None)
+  names = sharding.axes(spec[1])
+  explicit = getattr(getattr(type_sharding, "mesh", None), "explicit_axes", ())
+  return names[0] if len(names) == 1 and names[0] in explicit else None
+
+
+def splits_last_dim(w) -> bool:
+  """Whether w's type splits its last dim over a mesh axis."""
+  spec = tuple(getattr(getattr(jax.typeof(w), "sharding", None), "spec", ()) or ())
+  return len(spec) == w.ndim and bool(sharding.axes(spec[-1]))
+
+
+def token_axes(x, *other) -> tuple[str, ...]:
+  """The Explicit mesh axes x's type splits its tokens over, besides the other parallel
+  axes (expert, model): data parallelism, each device's tokens through every expert on
+  that device."""
   first, explicit = _explicit_axes(x)
-  return tuple(a for a in first if a in explicit and a != expert_axis)
+  return tuple(a for a in first if a in explicit and a not in other)
 
 
-def check_data_axes(names: tuple[str, ...], expert_axis) -> tuple[str, ...]:
+def check_data_axes(names: tuple[str, ...], expert_axis, model_axis=None
+                    ) -> tuple[str, ...]:
   """`moe_mlp`'s data_axes, checked against the mesh in context (ValueError)."""
   mesh = jax.sharding.get_abstract_mesh()
   for name in names:
     if name == expert_axis:
       raise ValueError(f"data_axes={names} names the expert axis {expert_axis!r}: the tokens"
                        " split over it already (expert parallelism)")
+    if name == model_axis:
+      raise ValueError(f"data_axes={names} names the model axis {model_axis!r}: every"
+                       " device of it runs the same tokens (tensor parallelism over F)")
     if name not in mesh.axis_names:
       raise ValueError(f"data_axes={names}: {name!r} is not an axis of the mesh in context"
                        f" (jax.set_mesh); its axes are {tuple(mesh.axis_names)}")
@@ -315,29 +335,66 @@ def _mesh_with(names: tuple[str, ...], arrays):
   for mesh in meshes:
     if mesh is not None and set(names) <= set(getattr(mesh, "axis_names", ())):
       return mesh
-  raise ValueError(f"expert_axis={names[-1]!r} is not an axis of the mesh in context"
-                   " (jax.set_mesh, jax.shard_map) nor of the weights' sharding")
+  missing = [a for a in names if a not in getattr(
+      jax.sharding.get_abstract_mesh(), "axis_names", ())]
+  raise ValueError(f"mesh axis {(missing or list(names))[0]!r} (expert_axis / model_axis)"
+                   " is not an axis of the mesh in context (jax.set_mesh, jax.shard_map)"
+                   " nor of the weights' sharding")
+
+
+def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exchange,
+             chunks, layer_fn):
+  """One device's layer inside the manual axes: w_gate_up (E_l, D, G, F_l), G = 2 for
+  [gate | up] and 1 otherwise. Expert-parallel over `axis` (if any); over `model_axis`
+  (if any) each device holds F_l of F and all of the device group's tokens: its partial
+  sums, in the result's dtype, are added over the axis (one all-reduce of (T_l, D), as a
+  row-parallel linear layer's; the backward all-reduces d x)."""
+  e, d, g, f = w_gate_up.shape
+  w_gate_up = w_gate_up.reshape(e, d, g * f)  # this device's [gate_l | up_l]
+  if model_axis is not None:  # the tokens are the same on every device of model_axis
+    x, weights, ids = (sharding.cast_varying(a, model_axis) for a in (x, weights, ids))
+  if axis is None:
+    out = layer_fn(plan, x, weights, w_gate_up, w_down, layer.dispatch(ids, e))
+  else:
+    out = local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange,
+                chunks=chunks, layer_fn=layer_fn)
+  return out if model_axis is None else jax.lax.psum(out, model_axis)
 
 
 def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
-        axis: str | None, data_axes: tuple[str, ...] = (), exchange: str = "auto",
-        chunks: int = 1, layer_fn=layer.layer):
-  """The layer on x (T, D) with its tokens split over data_axes + (axis,) and, with an
-  expert axis, the experts over it. Inside a manual `axis`: this device's shard
-  (`local`). Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`,
-  and each group of devices along data_axes on its own tokens (no communication);
-  without an expert axis, each device runs layer_fn (`layer.layer` or the fp8 form)."""
+        axis: str | None, data_axes: tuple[str, ...] = (), model_axis: str | None = None,
+        exchange: str = "auto", chunks: int = 1, layer_fn=layer.layer, f_multiple: int = 1):
+  """The layer on x (T, D) with its tokens split over data_axes + (axis,), with an
+  expert axis the experts over it, and with a model axis F over it (tensor parallel).
+  w_gate_up comes as (E, D, G, F): G = 2 for [gate | up], 1 otherwise, so that a split
+  of F keeps each device's gate and up columns together. Inside a manual `axis` or
+  `model_axis` (a user's jax.shard_map): this device's shard. Otherwise a
+  `jax.shard_map` over those axes: expert-parallel over `axis`, each group of devices
+  along data_axes on its own tokens (no communication), and without an expert axis each
+  device runs layer_fn (`layer.layer` or the fp8 form), whose F must be a multiple of
+  f_multiple on each device."""
   names = (*data_axes, *(() if axis is None else (axis,)))
-  mesh = _mesh_with(names, (w_down, x))
-  if axis is not None and axis in mesh.manual_axes:
+  split = tuple(a for a in (axis, model_axis) if a is not None)
+  mesh = _mesh_with(names + (() if model_axis is None else (model_axis,)), (w_down, x))
+  manual = [a for a in split if a in mesh.manual_axes]
+  if manual:
+    if len(manual) != len(split):
+      raise ValueError(f"inside jax.shard_map over {manual[0]!r} but not over"
+                       f" {[a for a in split if a not in manual][0]!r}: run moe_mlp inside"
+                       " a shard_map over both axes (local shards), or outside over none")
     if data_axes:  # this device's tokens already: a split of them here would be another's
-      raise ValueError(f"data_axes={data_axes} inside jax.shard_map over the expert axis"
-                       f" {axis!r}: x is already the device's tokens; leave data_axes out")
-    return local(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
-                 exchange=exchange, chunks=chunks, layer_fn=layer_fn)
+      raise ValueError(f"data_axes={data_axes} inside jax.shard_map over {manual[0]!r}: x"
+                       " is already the device's tokens; leave data_axes out")
+    return _sharded(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
+                    model_axis=model_axis, exchange=exchange, chunks=chunks,
+                    layer_fn=layer_fn)
   if axis is not None and w_down.shape[0] % mesh.shape[axis]:
     raise ValueError(f"expert parallelism over {axis!r} ({mesh.shape[axis]} devices)"
                      f" splits the experts evenly; got E = {w_down.shape[0]}")
+  if model_axis is not None and w_down.shape[1] % (mesh.shape[model_axis] * f_multiple):
+    what = "F evenly" if f_multiple == 1 else f"F in multiples of {f_multiple} (fp8 blocks)"
+    raise ValueError(f"tensor parallelism over {model_axis!r} ({mesh.shape[model_axis]}"
+                     f" devices) splits {what}; got F = {w_down.shape[1]}")
   n = sharding.size(mesh, names)
   t = x.shape[0]
   topk_ids = topk_ids.astype(jnp.int32)  # -1 below must not wrap in an unsigned dtype
@@ -346,11 +403,11 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     x = jnp.pad(x, ((0, pad), (0, 0)))
     topk_weights = jnp.pad(topk_weights, ((0, pad), (0, 0)))
     topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
-  tokens = jax.sharding.PartitionSpec(sharding.entry(names))
-  experts = jax.sharding.PartitionSpec(axis)
-  specs = (tokens, tokens, tokens, experts, experts)
+  P = jax.sharding.PartitionSpec
+  tokens = P(sharding.entry(names))
+  specs = (tokens, tokens, tokens, P(axis, None, None, model_axis), P(axis, model_axis))
   args = (x, topk_weights, topk_ids, w_gate_up, w_down)
-  explicit = bool(set(names) & set(getattr(mesh, "explicit_axes", ())))
+  explicit = bool((set(names) | set(split)) & set(getattr(mesh, "explicit_axes", ())))
   if explicit:  # Explicit axes type every value: move them to the split they need
     args = tuple(jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
                  for a, spec in zip(args, specs))
@@ -358,11 +415,9 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     # The weights are whole on every device of a data axis; the cast makes their
     # gradients the sum over those devices.
     w_gate_up, w_down = (sharding.cast_varying(w, data_axes) for w in (w_gate_up, w_down))
-    if axis is None:
-      return layer_fn(plan, x, weights, w_gate_up, w_down,
-                      layer.dispatch(ids, w_down.shape[0]))
-    return local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange,
-                 chunks=chunks, layer_fn=layer_fn)
+    return _sharded(plan, x, weights, ids, w_gate_up, w_down, axis=axis,
+                    model_axis=model_axis, exchange=exchange, chunks=chunks,
+                    layer_fn=layer_fn)
 
   # Manual over every axis of the mesh (values are replicated over the axes not named):
   # a partly manual shard_map leaves the grouped GEMM's partitioning and lax's sharding
