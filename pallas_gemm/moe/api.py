@@ -30,6 +30,11 @@ Semantics a user can rely on:
   mesh's, whose types carry no sharding), each device runs the layer on its own tokens
   with every expert: no communication but the weight gradients' sum. With an expert axis
   too, the tokens split over both and the experts over the expert axis.
+- Tensor parallel over F: when w_down's type splits F over an Explicit mesh axis, or with
+  `model_axis`, each device runs every token through its F/n of each expert and the
+  partial sums are added (one all-reduce, in the result's dtype). w_gate_up is then given
+  as (E, D, 2, F) (gate [..., 0, :], up [..., 1, :]) so that a split of F keeps each
+  device's gate and up columns together. Composes with the expert and data axes.
 - fp8 training: precision="fp8" quantizes x's rows, the activations, the cotangents and
   the (bf16 master) weights in every call and runs the forward and input-gradient GEMMs
   in fp8; quantization is the identity to its gradients (`fp8.py`).
