@@ -61,16 +61,26 @@ def _quantize_weight(w, dtype):
 
 
 def _gemm(plan: layer.Plan, rows, w8, w_scales, group_sizes, dtype):
-  rows8, row_scales = fp8_ops.quantize(rows, w8.dtype)  # 1x128 blocks along the contraction
+  """rows @ w[e] per group in fp8: rows (R, K) quantized here in 1x128 blocks along the
+  contraction, or given as such a (values, scales) pair."""
+  rows8, row_scales = rows if isinstance(rows, tuple) else fp8_ops.quantize(rows, w8.dtype)
   return fp8_ops.scaled_ragged_dot(rows8, w8, group_sizes, row_scales, w_scales,
                            preferred_element_type=dtype, backend=plan.backend)
+
+
+def _pair_rows8(x, d: layer.Dispatch, dtype):
+  """quantize(x[d.token]) as x's T rows quantized, then gathered: a 1x128 block lies in one
+  row, so the values and scales are the same, for a quantize of T rows instead of T * k
+  and a gather of fp8 bytes instead of x's."""
+  values, scales = fp8_ops.quantize(x, dtype)
+  return values[d.token], scales[d.token]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def layer_fp8(plan: layer.Plan, x, topk_weights, gu8, gu_scales, dn8, dn_scales,
               d: layer.Dispatch):
   """out (T, D) of x (T, D) with quantized experts (module docstring)."""
-  h = _gemm(plan, x[d.token], gu8, gu_scales, d.group_sizes, x.dtype)
+  h = _gemm(plan, _pair_rows8(x, d, gu8.dtype), gu8, gu_scales, d.group_sizes, x.dtype)
   y = _gemm(plan, layer.act(plan, h), dn8, dn_scales, d.group_sizes, x.dtype)
   return layer.combine(y, d.inverse, topk_weights, plan.out_dtype)
 
@@ -107,13 +117,14 @@ def _product(plan: layer.Plan, group_sizes, dtype):
   return lambda rows, q: _gemm(plan, rows, *q, group_sizes, dtype)
 
 
-def _forward8(plan, xs, w_gate_up, w_down, group_sizes):
-  """(y, h, saved): the experts' forward on rows xs with the fp8 products; saved holds
-  what `_backward8` reads of the weights: their quantized copies and (as empty arrays)
-  their dtypes, those of the weight gradients."""
+def _forward8(plan, rows8, w_gate_up, w_down, group_sizes, dtype):
+  """(y, h, saved): the experts' forward on the quantized rows' pair (values, scales) with
+  the fp8 products, h and y in dtype; saved holds what `_backward8` reads of the weights:
+  their quantized copies and (as empty arrays) their dtypes, those of the weight
+  gradients."""
   qs = _quantize_k_major(w_gate_up), _quantize_k_major(w_down)
-  y, h, _ = layer.experts_forward(plan, xs, *qs, group_sizes,
-                                  _product(plan, group_sizes, xs.dtype))
+  y, h, _ = layer.experts_forward(plan, rows8, *qs, group_sizes,
+                                  _product(plan, group_sizes, dtype))
   return y, h, (qs, tuple(jnp.zeros((0,), w.dtype) for w in (w_gate_up, w_down)))
 
 
@@ -127,7 +138,8 @@ def _backward8(plan, xs, h, saved, group_sizes, dy):
 
 
 def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
-  y, h, saved = _forward8(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
+  y, h, saved = _forward8(plan, _pair_rows8(x, d, jnp.float8_e4m3fn), w_gate_up, w_down,
+                          d.group_sizes, x.dtype)
   return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y, saved)
 
 

@@ -152,7 +152,7 @@ def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None
   a is kept (from f32 products: a recomputation from h would differ); on the two passes'
   a is None (the backward recomputes it, the same function of h).
   product(rows, w) is rows @ w[e] per group (default: the grouped GEMM in xs's dtype;
-  the fp8 training form passes its own)."""
+  the fp8 training form passes its own, and xs as its quantized (values, scales))."""
   if product is None and fused_gate(plan, xs, w_gate_up):
     a, h = gated_ragged_dot(xs, w_gate_up, group_sizes,
                             activation=ACTIVATIONS[plan.activation][0], write_h=write_h,
