@@ -532,7 +532,7 @@ def _split_f(layer, mesh, experts=None):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_tensor_parallel_matches_one_device(rng, n):
-  # F split over the model axis (found in w_down's type): each device its F/n columns of
+  # F split over the model axis (found in w_gate_up's type): each device its F/n columns of
   # gate, of up and rows of w_down, all the tokens; the partial sums added.
   mesh = _mesh(n, (MODEL,))
   one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
@@ -637,6 +637,7 @@ def test_fp8_training_tensor_parallel(rng):
 
 @pytest.mark.parametrize("case, match", [
     ("split-2F", "gate and up columns on different devices"),
+    ("manual-2F", "cannot be told apart"),
     ("uneven-F", "splits F evenly; got F = 5"),
     ("same-axis", "model_axis and expert_axis are both"),
     ("data-axis", "names the model axis"),
@@ -654,6 +655,7 @@ def test_tensor_parallel_bad_input(rng, case, match):
   if case == "split-2F":
     wgu = jax.device_put(wgu, NamedSharding(mesh, P(None, None, MODEL)))
     wd = jax.device_put(wd, NamedSharding(mesh, P(None, MODEL)))
+    kwargs.update(model_axis=MODEL)
   elif case == "same-axis":
     kwargs.update(expert_axis=MODEL, model_axis=MODEL)
   elif case == "data-axis":
@@ -665,14 +667,39 @@ def test_tensor_parallel_bad_input(rng, case, match):
     kwargs.update(precision="fp8", model_axis=MODEL)
   else:
     kwargs.update(model_axis=MODEL)
-  if case == "half-manual":
+  if case in ("half-manual", "manual-2F"):
+    # half-manual: manual over the model axis only, the experts' axis left to XLA;
+    # manual-2F: this device's (E, D, 2F/n), which moe_mlp cannot tell from [gate_l | up_l].
+    extra = dict(expert_axis=AXIS) if case == "half-manual" else {}
+    if case == "half-manual":
+      wgu = wgu.reshape(4, d, 2, f)
+    specs = (P(), P(), P(), P(*([None] * (wgu.ndim - 1)), MODEL), P(None, MODEL))
+    placed = [jax.device_put(a, NamedSharding(mesh, spec))
+              for a, spec in zip((x, weights, ids, wgu, wd), specs)]
     def body(x, w, ids, a, b):
-      return pallas_gemm.moe_mlp(x, w, ids, a, b, expert_axis=AXIS, **kwargs)
-    run = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), P(None, None, MODEL),
-                                                   P(None, MODEL)), out_specs=P(),
-                        axis_names={MODEL})
+      return pallas_gemm.moe_mlp(x, w, ids, a, b, **extra, **kwargs)
+    run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P(),
+                        axis_names={MODEL} if case == "half-manual" else {AXIS, MODEL})
     with pytest.raises(ValueError, match=match):
-      run(x, weights, ids, wgu, wd)
+      run(*placed)
     return
   with jax.set_mesh(mesh), pytest.raises(ValueError, match=match):
     pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, **kwargs)
+
+
+def test_weights_split_as_storage_are_not_tensor_parallel(rng):
+  # A split of w_down on F, or of (E, D, 2F) on its last dim (FSDP-style storage), says
+  # nothing of where gate and up live: the layer reshards the weights and runs data
+  # parallel over x's split, as without the split. A split of (E, D, 2, F) on F alone
+  # is tensor parallelism, whatever w_down's split.
+  mesh = _mesh(2, ("fsdp",))
+  x, weights, ids, wgu, wd = _problem(rng, 16, 16, 8, 4, 2)
+  layer = jax.jit(functools.partial(pallas_gemm.moe_mlp, backend="xla"))
+  want = np.asarray(layer(x, weights, ids, wgu, wd))
+  put = lambda a, *spec: jax.device_put(a, NamedSharding(mesh, P(*spec)))  # noqa: E731
+  tokens = [put(a, "fsdp") for a in (x, weights, ids)]
+  got = layer(*tokens, put(wgu, None, None, "fsdp"), put(wd, None, "fsdp"))
+  assert got.sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 2)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+  got = layer(x, weights, ids, put(wgu.reshape(4, 16, 2, 8), None, None, None, "fsdp"), wd)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)

@@ -30,11 +30,13 @@ Semantics a user can rely on:
   mesh's, whose types carry no sharding), each device runs the layer on its own tokens
   with every expert: no communication but the weight gradients' sum. With an expert axis
   too, the tokens split over both and the experts over the expert axis.
-- Tensor parallel over F: when w_down's type splits F over an Explicit mesh axis, or with
+- Tensor parallel over F: when w_gate_up's type splits F over an Explicit mesh axis
+  (given as (E, D, 2, F), gate [..., 0, :], up [..., 1, :], so that a split of F keeps
+  each device's gate and up columns together; or (E, D, F) for "silu" / "gelu"), or with
   `model_axis`, each device runs every token through its F/n of each expert and the
-  partial sums are added (one all-reduce, in the result's dtype). w_gate_up is then given
-  as (E, D, 2, F) (gate [..., 0, :], up [..., 1, :]) so that a split of F keeps each
-  device's gate and up columns together. Composes with the expert and data axes.
+  partial sums are added (one all-reduce, in the result's dtype). Composes with the
+  expert and data axes. A split of w_down alone or of (E, D, 2F) is a storage layout:
+  the weights are resharded as the layer needs them.
 - fp8 training: precision="fp8" quantizes x's rows, the activations, the cotangents and
   the (bf16 master) weights in every call and runs the forward and input-gradient GEMMs
   in fp8; quantization is the identity to its gradients (`fp8.py`).
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -100,7 +103,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       forward and input-gradient GEMMs in fp8 (e4m3, 128-blocks, current scaling), weight
       gradients in the weights' dtype (`fp8.py`). D and F multiples of 128.
     preferred_element_type: the result's dtype (default x's). The GEMMs accumulate in f32
-      and write their intermediates in x's dtype; the weighted sum over k is f32.
+      and write their intermediates in x's dtype; the weighted sum over k is f32 (split
+      over devices, expert or tensor parallel: each device's partial sum is rounded to
+      this dtype before they are added).
     backend: "auto", "xla" or "mosaic": the grouped GEMMs' (`ragged_dot`'s).
     config: the Mosaic grouped kernels' Config (`pallas_gemm.grouped.config.Config`),
       for every grouped GEMM of the call (the first GEMM and the gate then run as two
@@ -121,9 +126,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       its tokens over, if any. Not inside a `jax.shard_map` over them (x is already the
       device's tokens there).
     model_axis: a mesh axis name to split F over (tensor parallelism, module docstring):
-      the axis of an enclosing `jax.shard_map` (the weights given as this device's F/n
-      columns), or of the context mesh. None: the axis w_down's type splits F over, if
-      any.
+      the axis of an enclosing `jax.shard_map` (the weights given as this device's F/n:
+      w_gate_up (E, D, 2, F/n) for the gated activations), or of the context mesh. None:
+      the axis w_gate_up's type splits F over, if any (module docstring).
 
   Returns:
     (..., D) in preferred_element_type.
@@ -222,7 +227,9 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if tokens == 0 or k == 0:
     return jnp.zeros((*lead, d), out_dtype)  # no pair: every sum is empty
   axis = expert_axis if expert_axis is not None else parallel.sharded_expert_axis(w_down)
-  model = model_axis if model_axis is not None else parallel.sharded_model_axis(w_down)
+  model = model_axis
+  if model is None and not quantized and (pair_axis or not gated):
+    model = parallel.sharded_model_axis(w_gate_up)
   if model is not None and model == axis:
     raise ValueError(f"model_axis and expert_axis are both {model!r}: E and F split over"
                      " different mesh axes")
@@ -238,11 +245,14 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       raise ValueError(f"fp8 expert pairs (quantize_experts) run on one device: {what} is"
                        " not available with them")
     if not pair_axis:
-      if model is not None and gated and parallel.splits_last_dim(w_gate_up):
+      if model is not None and gated and (
+          parallel.splits_last_dim(w_gate_up)
+          or model in jax.sharding.get_abstract_mesh().manual_axes):
         raise ValueError(
-            f"w_gate_up (E, D, 2F) has its last dim split over a mesh axis, which would put"
-            f" gate and up columns on different devices; to split F over {model!r} give it"
-            " as (E, D, 2, F) (w_gate_up.reshape(E, D, 2, F)) split on its last dim")
+            f"w_gate_up as (E, D, 2F) cannot be split over {model!r}: a split of [gate |"
+            " up] puts gate and up columns on different devices (and inside a shard_map a"
+            " local (E, D, 2F/n) cannot be told apart from one); give it as (E, D, 2, F),"
+            " w_gate_up.reshape(E, D, 2, F), split on its last dim")
       w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 if gated else 1, f))
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
                        data_axes=data, model_axis=model, exchange=exchange,

@@ -14,7 +14,8 @@ DeepEP's dispatch does); experts stay:
      their ids for other devices' experts routing nowhere: a partial sum per row of
      topk_weights times its experts' outputs here.
   5. the same exchange backwards: each partial sum returns to its row of step 1.
-  6. out[t] = the sum of token t's partial sums (at most n), in f32.
+  6. out[t] = the sum of token t's partial sums (at most n), in f32; each partial sum was
+     rounded to the result's dtype on its device, to travel back in it.
 Against one row per (token, slot) pair, steps 3 and 5 move up to min(k, n) rows per token
 instead of k (Qwen3-like, top-8 over 2 devices: 2 instead of 8), for a local sort and
 gather on the receiver. Reverse mode differentiates through it: the exchanges are linear
@@ -108,7 +109,8 @@ def padded_all_to_all(operand, output, input_offsets, send_sizes, output_offsets
   """`jax.lax.ragged_all_to_all`'s result through a dense `all_to_all`, for slices that
   do not overlap in the operand: each device packs its slices for device j into one
   chunk of `capacity` rows (zero-filled; default operand's length, the most a device
-  can send one peer, which a caller who knows a smaller bound passes), the chunks are
+  can send one peer, which a caller who knows a smaller bound passes: rows of a slice
+  beyond it are not sent), the chunks are
   exchanged, and each received row is gathered to its place in output. Moves
   n * capacity rows per device; runs wherever all_to_all does. Its gradient is the
   exchange the other way (a slice has the same size both ways, so the same capacity),
@@ -237,6 +239,9 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   me = jax.lax.axis_index(axis)
   t, k = topk_ids.shape
   experts_local = w_down.shape[0]
+  if experts_local * n > 2 ** 24:
+    raise ValueError(f"expert parallelism sends expert ids as float32, exact below 2^24;"
+                     f" got E = {experts_local * n}")
   ids = topk_ids.astype(jnp.int32)
   wanted, d = destinations(ids, n, experts_local)                       # step 1
   rows = layer.pair_rows(x, d, n)                          # (T_l * n, D), sent rows first
@@ -282,19 +287,26 @@ def sharded_expert_axis(w):
   return first[0] if len(first) == 1 and first[0] in explicit else None
 
 
-def sharded_model_axis(w_down):
-  """The Explicit mesh axis w_down's type splits its F dim (second) over, or None."""
-  type_sharding = getattr(jax.typeof(w_down), "sharding", None)
-  spec = tuple(getattr(type_sharding, "spec", ()) or ()) + (None, None)
-  names = sharding.axes(spec[1])
-  explicit = getattr(getattr(type_sharding, "mesh", None), "explicit_axes", ())
-  return names[0] if len(names) == 1 and names[0] in explicit else None
+def _last_dim_axes(w) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the mesh axes w's type splits its last dim over, the Explicit axes of its mesh)."""
+  type_sharding = getattr(jax.typeof(w), "sharding", None)
+  spec = tuple(getattr(type_sharding, "spec", ()) or ())
+  last = sharding.axes(spec[-1]) if len(spec) == w.ndim else ()
+  return last, tuple(getattr(getattr(type_sharding, "mesh", None), "explicit_axes", ()))
+
+
+def sharded_model_axis(w_gate_up):
+  """The Explicit mesh axis w_gate_up's type splits F over, or None: its last dim, when
+  that dim is F alone ((E, D, 2, F), or (E, D, F) of an ungated activation; the caller
+  passes only those). A split of w_down alone, or of [gate | up]'s 2F, is a storage
+  layout (e.g. FSDP's), not tensor parallelism: the weights are resharded as they are."""
+  last, explicit = _last_dim_axes(w_gate_up)
+  return last[0] if len(last) == 1 and last[0] in explicit else None
 
 
 def splits_last_dim(w) -> bool:
   """Whether w's type splits its last dim over a mesh axis."""
-  spec = tuple(getattr(getattr(jax.typeof(w), "sharding", None), "spec", ()) or ())
-  return len(spec) == w.ndim and bool(sharding.axes(spec[-1]))
+  return bool(_last_dim_axes(w)[0])
 
 
 def token_axes(x, *other) -> tuple[str, ...]:
@@ -375,16 +387,18 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   f_multiple on each device."""
   names = (*data_axes, *(() if axis is None else (axis,)))
   split = tuple(a for a in (axis, model_axis) if a is not None)
-  mesh = _mesh_with(names + (() if model_axis is None else (model_axis,)), (w_down, x))
+  mesh = _mesh_with(names + (() if model_axis is None else (model_axis,)),
+                    (w_down, w_gate_up, x))
   manual = [a for a in split if a in mesh.manual_axes]
   if manual:
     if len(manual) != len(split):
       raise ValueError(f"inside jax.shard_map over {manual[0]!r} but not over"
                        f" {[a for a in split if a not in manual][0]!r}: run moe_mlp inside"
                        " a shard_map over both axes (local shards), or outside over none")
-    if data_axes:  # this device's tokens already: a split of them here would be another's
+    if data_axes:  # x is what this device runs: a split of it here would be another's
       raise ValueError(f"data_axes={data_axes} inside jax.shard_map over {manual[0]!r}: x"
-                       " is already the device's tokens; leave data_axes out")
+                       " is already what this device runs (split tokens over a data axis"
+                       " in your shard_map); leave data_axes out")
     return _sharded(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
                     model_axis=model_axis, exchange=exchange, chunks=chunks,
                     layer_fn=layer_fn)
