@@ -541,13 +541,25 @@ def test_tensor_parallel_matches_one_device(rng, n):
            layer=_split_f(one, mesh), tokens=P(), experts=P())
 
 
-def test_tensor_and_expert_and_data_parallel(rng):
-  # A (data, expert, model) mesh: tokens over data x expert, E over expert, F over model.
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_tensor_and_expert_and_data_parallel(rng, chunks):
+  # A (data, expert, model) mesh: tokens over data x expert, E over expert, F over model;
+  # with 2 chunks each device's tokens are exchanged in two halves.
   mesh = _mesh((2, 2, 2), ("data", AXIS, MODEL))
   one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
                           backend=_backend())
+  layer = functools.partial(one, exchange_chunks=chunks)
   _compare(rng, _problem(rng, 16, 16, 16, 4, 2), mesh, exchange="auto",
-           layer=_split_f(one, mesh, experts=AXIS), tokens=P(("data", AXIS)), experts=P())
+           layer=_split_f(layer, mesh, experts=AXIS), tokens=P(("data", AXIS)), experts=P())
+
+
+@pytest.mark.parametrize("weights_dtype", [jnp.bfloat16, jnp.float16])
+def test_router_weights_in_16_bits(rng, weights_dtype):
+  # The router's weights travel beside each row as float32 (exact for 16-bit values) and
+  # come back as their own dtype: values and all four gradients as on one device.
+  mesh = _mesh(4)
+  x, weights, ids, wgu, wd = _problem(rng, 16, 16, 8, 8, 3)
+  _compare(rng, (x, weights.astype(weights_dtype), ids, wgu, wd), mesh, exchange="auto")
 
 
 def test_tensor_parallel_program(rng):
