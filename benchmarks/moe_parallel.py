@@ -218,8 +218,7 @@ def breakdown(cfg: Config, n: int, rounds: int, calls: int) -> dict:
       wanted, d = parallel.destinations(ids, n, local_experts)
       rows = layer.pair_rows(x, d, n)
       counts = jax.lax.all_gather(d.group_sizes, AXIS)
-      kind, off = parallel.exchange_plan(counts, jax.lax.axis_index(AXIS), n,
-                                               exchange)
+      kind, off = parallel.exchange_plan(counts, jax.lax.axis_index(AXIS), n, exchange)
       t = x.shape[0]
       buf = jax.lax.pcast(jnp.zeros((n * t, x.shape[1]), x.dtype), AXIS, to="varying")
       return parallel.move(kind, capacity=t)(rows, buf, *off[:4], axis_name=AXIS)

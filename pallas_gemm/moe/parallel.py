@@ -256,12 +256,12 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   move_fn = move(exchange, capacity=t)  # a device sends a peer each token once at most
   manual = tuple(sorted(sharding.varying_axes(rows) | {axis}))
   fresh = lambda a: sharding.cast_varying(a, manual)  # noqa: E731 - vary as rows do
-  capacity = n * t  # every token of every device: nothing is ever dropped
-  received = move_fn(rows, fresh(jnp.zeros((capacity, x.shape[1]), x.dtype)), send_off,
+  arriving = n * t  # every token of every device: nothing is ever dropped
+  received = move_fn(rows, fresh(jnp.zeros((arriving, x.shape[1]), x.dtype)), send_off,
                      send_sizes, out_off, recv_sizes, axis_name=axis)    # step 3
   # Rows past those received: weight 0, id -1 (route nowhere).
-  empty = jnp.concatenate([jnp.zeros((capacity, k), meta_dtype),
-                           jnp.full((capacity, k), -1, meta_dtype)], axis=1)
+  empty = jnp.concatenate([jnp.zeros((arriving, k), meta_dtype),
+                           jnp.full((arriving, k), -1, meta_dtype)], axis=1)
   routing = move_fn(meta, fresh(empty), send_off, send_sizes, out_off, recv_sizes,
                     axis_name=axis)
   got_ids = routing[:, k:].astype(jnp.int32) - me * experts_local
@@ -273,26 +273,19 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   return layer.combine_pairs(back, wanted.astype(jnp.float32), d, plan.out_dtype)  # step 6
 
 
-def _explicit_axes(a) -> tuple[tuple[str, ...], tuple[str, ...]]:
-  """(the mesh axes a's type splits its first dim over, the Explicit axes of its mesh)."""
+def _dim_axes(a, dim: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """(the mesh axes a's type splits dim `dim` over, the Explicit axes of its mesh)."""
   type_sharding = getattr(jax.typeof(a), "sharding", None)
   spec = tuple(getattr(type_sharding, "spec", ()) or ())
-  first = sharding.axes(spec[0]) if spec else ()
-  return first, tuple(getattr(getattr(type_sharding, "mesh", None), "explicit_axes", ()))
+  spec += (None,) * (a.ndim - len(spec))
+  return (sharding.axes(spec[dim]),
+          tuple(getattr(getattr(type_sharding, "mesh", None), "explicit_axes", ())))
 
 
 def sharded_expert_axis(w):
   """The Explicit mesh axis w's type splits its first dim (E) over, or None."""
-  first, explicit = _explicit_axes(w)
+  first, explicit = _dim_axes(w, 0)
   return first[0] if len(first) == 1 and first[0] in explicit else None
-
-
-def _last_dim_axes(w) -> tuple[tuple[str, ...], tuple[str, ...]]:
-  """(the mesh axes w's type splits its last dim over, the Explicit axes of its mesh)."""
-  type_sharding = getattr(jax.typeof(w), "sharding", None)
-  spec = tuple(getattr(type_sharding, "spec", ()) or ())
-  last = sharding.axes(spec[-1]) if len(spec) == w.ndim else ()
-  return last, tuple(getattr(getattr(type_sharding, "mesh", None), "explicit_axes", ()))
 
 
 def sharded_model_axis(w_gate_up):
@@ -300,20 +293,20 @@ def sharded_model_axis(w_gate_up):
   that dim is F alone ((E, D, 2, F), or (E, D, F) of an ungated activation; the caller
   passes only those). A split of w_down alone, or of [gate | up]'s 2F, is a storage
   layout (e.g. FSDP's), not tensor parallelism: the weights are resharded as they are."""
-  last, explicit = _last_dim_axes(w_gate_up)
+  last, explicit = _dim_axes(w_gate_up, -1)
   return last[0] if len(last) == 1 and last[0] in explicit else None
 
 
 def splits_last_dim(w) -> bool:
   """Whether w's type splits its last dim over a mesh axis."""
-  return bool(_last_dim_axes(w)[0])
+  return bool(_dim_axes(w, -1)[0])
 
 
 def token_axes(x, *other) -> tuple[str, ...]:
   """The Explicit mesh axes x's type splits its tokens over, besides the other parallel
   axes (expert, model): data parallelism, each device's tokens through every expert on
   that device."""
-  first, explicit = _explicit_axes(x)
+  first, explicit = _dim_axes(x, 0)
   return tuple(a for a in first if a in explicit and a not in other)
 
 
