@@ -90,6 +90,9 @@ def parse_args(argv):
   p.add_argument("--breakdown", action="store_true",
                  help="instead: the forward's parts at each count (exchange, experts, the"
                       " whole layer) with the padded and the ragged exchange")
+  p.add_argument("--kernels", action="store_true",
+                 help="GPU: the kernels of moe_mlp's step (weak scaling's problem) by name"
+                      " (CUPTI), per device, beside the step's wall clock")
   p.add_argument("--out", type=pathlib.Path, default=None)
   return p.parse_args(argv)
 
@@ -247,6 +250,33 @@ def breakdown(cfg: Config, n: int, rounds: int, calls: int) -> dict:
   return {k: statistics.median(t) for k, t in times.items()}
 
 
+def kernels(cfg: Config, n: int, calls: int, top: int = 18) -> dict:
+  """Kernel time per step and device of moe_mlp's training step (weak scaling's problem
+  at n devices), by kernel name, from CUPTI; the gap to the wall clock is time no kernel
+  ran (launch, host, a device waiting with nothing queued)."""
+  from benchmarks.probe import _kernel_times  # noqa: PLC0415 - GPU-only diagnostics
+  mesh = None if n == 1 else jax.make_mesh(
+      (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:n])
+  args = problem(cfg, cfg.tokens_per_device * n, mesh)
+  step = step_fn("moe_mlp")
+  wall = statistics.median(rounds_ms(PipelinedTimer(), {"s": lambda: step(*args)}, [()], 3,
+                                     calls)["s"])
+  per_call = _kernel_times(step, args, calls)
+  by_name: dict[str, list] = {}
+  for name, ms in (t for one in per_call for t in one):
+    entry = by_name.setdefault(name, [0, 0.0])
+    entry[0] += 1
+    entry[1] += ms / calls / n  # per step and device
+  total = sum(ms for _, ms in by_name.values())
+  print(f"{cfg.name}, {n} device(s), weak problem: step {wall:.3f} ms wall, kernels"
+        f" {total:.3f} ms per device", flush=True)
+  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+  for name, (count, ms) in ranked[:top]:
+    print(f"   {ms:7.3f} ms  x{count / calls / n:<5.1f} {name[:110]}", flush=True)
+  return dict(wall_ms=wall, kernel_ms=total,
+              kernels=[dict(name=k, count=c / calls / n, ms=m) for k, (c, m) in ranked])
+
+
 def main(args=None) -> int:
   opts = parse_args(list(args or [])) if not isinstance(args, argparse.Namespace) else args
   on_gpu = jax.default_backend() == "gpu"
@@ -265,6 +295,13 @@ def main(args=None) -> int:
     configs = [dataclasses.replace(configs[0], **TINY)]
   counts = _counts(opts.devices)
   kind = jax.devices()[0].device_kind
+  if opts.kernels:
+    found = {f"{cfg.name} n={n}": kernels(cfg, n, calls)
+             for cfg in configs for n in counts if cfg.experts % n == 0}
+    if opts.out is not None:
+      opts.out.mkdir(parents=True, exist_ok=True)
+      (opts.out / "moe_parallel_kernels.json").write_text(json.dumps(found, indent=1))
+    return 0
   if opts.breakdown:
     parts = {}
     for cfg in configs:
