@@ -130,6 +130,37 @@ def test_inside_shard_map(rng):
   _compare(rng, _problem(rng, 16, 16, 8, 8, 2), mesh, exchange="auto", layer=sharded)
 
 
+@pytest.mark.parametrize("valid", [0, 7, 16, 17, 40])
+def test_receiver_pair_capacity(rng, valid):
+  # Step 4 on one device: the pairs of this device's experts in `cap` sorted rows where
+  # they fit (valid <= 16), in every slot where they do not (the full path, recomputed in
+  # the backward); values and the four gradients equal the layer on the full dispatch.
+  # Slots routed elsewhere (id -1) carry real, nonzero weights, as received rows do.
+  from pallas_gemm.moe import layer  # noqa: PLC0415
+  rows, k, e, cap = 10, 4, 4, 16
+  ids = np.full((rows * k,), -1)
+  ids[rng.permutation(rows * k)[:valid]] = rng.integers(0, e, valid)
+  x, weights, ids, wgu, wd = _problem(rng, rows, 16, 8, e, k, ids=ids.reshape(rows, k))
+  plan = layer.Plan(activation="swiglu", precision=jax.lax.Precision.HIGHEST,
+                    out_dtype=x.dtype, backend="xla")
+  ct = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  d = layer.dispatch(ids, e)
+  full = lambda *a: layer.LAYER.call(plan, *a, d)  # noqa: E731
+  capped = lambda *a: parallel._capped(layer.LAYER, plan, cap, *a, d)  # noqa: E731
+  for f in (full, capped):
+    assert f(x, weights, wgu, wd).shape == x.shape
+  want, want_grads = _value_and_grads(lambda x, w, _, a, b: full(x, w, a, b),
+                                      (x, weights, ids, wgu, wd), ct)
+  got, grads = _value_and_grads(lambda x, w, _, a, b: capped(x, w, a, b),
+                                (x, weights, ids, wgu, wd), ct)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+  for name, g, w in zip(("x", "topk_weights", "w_gate_up", "w_down"), grads, want_grads):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6,
+                               err_msg=name)
+  if valid == 0:
+    assert not np.any(np.asarray(got)) and not np.any(np.asarray(grads[0]))
+
+
 @pytest.mark.parametrize("exchange", _exchanges())
 @pytest.mark.parametrize("routing", ["one-device", "one-expert", "outside", "uneven-tokens"])
 def test_routings(rng, routing, exchange):

@@ -220,7 +220,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   tokens = math.prod(lead)
   plan = layer.Plan(activation=activation, precision=None if fp8_training else precision,
                     out_dtype=out_dtype, backend=backend, config=config)
-  one_device = fp8.layer_fp8_train if fp8_training else layer.layer
+  form = fp8.TRAIN if fp8_training else layer.LAYER
   x2 = jnp.reshape(x, (tokens, d))
   weights2 = jnp.reshape(topk_weights, (tokens, k))
   ids2 = jnp.reshape(topk_ids, (tokens, k))
@@ -256,7 +256,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 if gated else 1, f))
     out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
                        data_axes=data, model_axis=model, exchange=exchange,
-                       chunks=int(exchange_chunks), layer_fn=one_device,
+                       chunks=int(exchange_chunks), form=form,
                        f_multiple=fp8.BLOCK if fp8_training else 1)
     return out.reshape((*lead, d))
   if pair_axis:
@@ -266,5 +266,5 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     out = fp8.layer_fp8(plan, x2, weights2, w_gate_up, gate_up_scales, w_down, down_scales,
                         d_)
   else:
-    out = one_device(plan, x2, weights2, w_gate_up, w_down, d_)
+    out = form.call(plan, x2, weights2, w_gate_up, w_down, d_)
   return out.reshape((*lead, d))

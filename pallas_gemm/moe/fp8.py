@@ -118,29 +118,31 @@ def _product(plan: layer.Plan, group_sizes, dtype):
 
 
 def _forward8(plan, rows8, w_gate_up, w_down, group_sizes, dtype):
-  """(y, h, saved): the experts' forward on the quantized rows' pair (values, scales) with
-  the fp8 products, h and y in dtype; saved holds what `_backward8` reads of the weights:
-  their quantized copies and (as empty arrays) their dtypes, those of the weight
-  gradients."""
+  """(y, h, qs): the experts' forward on the quantized rows' pair (values, scales) with
+  the fp8 products, h and y in dtype; qs the weights' quantized copies, which the
+  backward reads instead of the weights."""
   qs = _quantize_k_major(w_gate_up), _quantize_k_major(w_down)
   y, h, _ = layer.experts_forward(plan, rows8, *qs, group_sizes,
                                   _product(plan, group_sizes, dtype))
-  return y, h, (qs, tuple(jnp.zeros((0,), w.dtype) for w in (w_gate_up, w_down)))
-
-
-def _backward8(plan, xs, h, saved, group_sizes, dy):
-  """(dxs, dw_gate_up, dw_down): the experts' backward with the fp8 input-gradient
-  products on the forward's quantized weights."""
-  qs, w_like = saved
-  return layer.experts_backward(plan, xs, h, *(_transposed(q) for q in qs), group_sizes,
-                                dy, _product(plan, group_sizes, xs.dtype),
-                                w_dtypes=tuple(w.dtype for w in w_like))
+  return y, h, qs
 
 
 def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
-  y, h, saved = _forward8(plan, _pair_rows8(x, d, jnp.float8_e4m3fn), w_gate_up, w_down,
-                          d.group_sizes, x.dtype)
-  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y, saved)
+  y, h, qs = _forward8(plan, _pair_rows8(x, d, jnp.float8_e4m3fn), w_gate_up, w_down,
+                       d.group_sizes, x.dtype)
+  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y, qs)
+
+
+def _train_backward(plan, x, topk_weights, w_gate_up, w_down, d, saved, g):
+  """The gradients, the input gradients in fp8 on the forward's quantized weights (the
+  weights' values are not read; the weight gradients take their dtypes)."""
+  h, y, qs = saved
+  dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
+  dxs, dw_gate_up, dw_down = layer.experts_backward(
+      plan, x[d.token], h, *(_transposed(q) for q in qs), d.group_sizes, dy,
+      _product(plan, d.group_sizes, x.dtype), w_dtypes=(w_gate_up.dtype, w_down.dtype))
+  dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
+  return dx, dweights, dw_gate_up, dw_down
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -150,17 +152,4 @@ def layer_fp8_train(plan: layer.Plan, x, topk_weights, w_gate_up, w_down,
   return _train_forward(plan, x, topk_weights, w_gate_up, w_down, d)[0]
 
 
-def _train_fwd(plan, x, topk_weights, w_gate_up, w_down, d):
-  out, (h, y, saved) = _train_forward(plan, x, topk_weights, w_gate_up, w_down, d)
-  return out, (x, topk_weights, d, h, y, saved)
-
-
-def _train_bwd(plan, residuals, g):
-  x, topk_weights, d, h, y, saved = residuals
-  dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
-  dxs, dw_gate_up, dw_down = _backward8(plan, x[d.token], h, saved, d.group_sizes, dy)
-  dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
-  return dx, dweights, dw_gate_up, dw_down, None
-
-
-layer_fp8_train.defvjp(_train_fwd, _train_bwd)
+TRAIN = layer.Form(layer_fp8_train, _train_forward, _train_backward).defvjp()

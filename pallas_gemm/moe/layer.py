@@ -90,11 +90,21 @@ def dispatch(topk_ids, num_experts: int) -> Dispatch:
   flat = topk_ids.reshape(t * k).astype(jnp.int32)
   key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
-  rows = jnp.arange(t * k, dtype=jnp.int32)
   # The permutation's inverse: a scatter of R int32s (not of R rows of activations).
-  inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(rows, unique_indices=True)
+  inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(
+      jnp.arange(t * k, dtype=jnp.int32), unique_indices=True)
   group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
   return Dispatch(order=order, token=order // k, inverse=inverse, group_sizes=group_sizes)
+
+
+def _pick(rows, inverse):
+  """rows[inverse], a zero row where inverse >= len(rows): a dispatch may keep only its
+  first sorted rows (order and token cut short) where every pair in a group is among
+  them; the pairs past them are in no group. The plain gather where every pair has its
+  row."""
+  if inverse.shape[0] <= rows.shape[0]:
+    return rows[inverse]
+  return jnp.take(rows, inverse, axis=0, mode="fill", fill_value=0)
 
 
 def _gemm(plan: Plan, lhs, rhs, group_sizes, dims, out_dtype):
@@ -124,7 +134,7 @@ def _act_grad(plan: Plan, h, da):
 def combine(rows, inverse, weights, out_dtype):
   """out[t] = sum_j weights[t, j] * rows[inverse[t, j]] in f32 (step 5)."""
   t, k = weights.shape
-  picked = rows[inverse].reshape(t, k, rows.shape[-1]).astype(F32)
+  picked = _pick(rows, inverse).reshape(t, k, rows.shape[-1]).astype(F32)
   return jnp.einsum("tk,tkd->td", weights.astype(F32), picked).astype(out_dtype)
 
 
@@ -186,7 +196,7 @@ def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
 def sum_pairs(rows, d: Dispatch, k: int, dtype):
   """dx[t] = sum_j rows[inverse[t, j]]: the gradient of x[d.token] (a gather and a k-term
   sum, never a scatter-add of R rows into T)."""
-  return combine(rows, d.inverse, jnp.ones((rows.shape[0] // k, k), F32), dtype)
+  return combine(rows, d.inverse, jnp.ones((d.inverse.shape[0] // k, k), F32), dtype)
 
 
 def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
@@ -195,7 +205,7 @@ def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
   d rows[r] = topk_weights[order[r]] * g[token[r]] (rows of no group are never read)."""
   t, k = topk_weights.shape
   gf = g.astype(F32)
-  picked = rows[d.inverse].reshape(t, k, rows.shape[-1]).astype(F32)
+  picked = _pick(rows, d.inverse).reshape(t, k, rows.shape[-1]).astype(F32)
   dweights = jnp.einsum("tkd,td->tk", picked, gf).astype(topk_weights.dtype)
   drows = topk_weights.reshape(t * k)[d.order].astype(F32)[:, None] * gf[d.token]
   return drows.astype(rows_dtype), dweights
@@ -207,6 +217,40 @@ def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, write_
   return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, a, y)
 
 
+def _backward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, saved, g):
+  h, a, y = saved
+  dy, dweights = combine_backward(y, topk_weights, d, g, x.dtype)
+  dxs, dw_gate_up, dw_down = experts_backward(plan, x[d.token], h, w_gate_up, w_down,
+                                               d.group_sizes, dy, a=a)
+  dx = sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
+  return dx, dweights, dw_gate_up, dw_down
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+  """A one-device layer and its two halves, for dataflows that pick between dispatches
+  at run time and keep the residuals themselves (`parallel.py`):
+    call(plan, x, topk_weights, w_gate_up, w_down, d) -> out, differentiable;
+    forward(same) -> (out, saved): saved, what the backward reads besides the operands;
+    backward(plan, x, topk_weights, w_gate_up, w_down, d, saved, g)
+      -> (dx, d topk_weights, d w_gate_up, d w_down)."""
+  call: Any
+  forward: Any
+  backward: Any
+
+  def defvjp(self):
+    """Makes `call` (a custom_vjp) differentiate through forward and backward."""
+    def fwd(plan, x, topk_weights, w_gate_up, w_down, d):
+      out, saved = self.forward(plan, x, topk_weights, w_gate_up, w_down, d)
+      return out, (x, topk_weights, w_gate_up, w_down, d, saved)
+
+    def bwd(plan, residuals, g):  # the dispatch is integer: no cotangent
+      return (*self.backward(plan, *residuals, g), None)
+
+    self.call.defvjp(fwd, bwd)
+    return self
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def layer(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
   """out (T, D) of x (T, D): module docstring. Differentiable in x, topk_weights,
@@ -214,21 +258,7 @@ def layer(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
   return _forward(plan, x, topk_weights, w_gate_up, w_down, d, write_h=False)[0]
 
 
-def _layer_fwd(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch):
-  out, (h, a, y) = _forward(plan, x, topk_weights, w_gate_up, w_down, d)
-  return out, (x, topk_weights, w_gate_up, w_down, d, h, a, y)
-
-
-def _layer_bwd(plan: Plan, residuals, g):
-  x, topk_weights, w_gate_up, w_down, d, h, a, y = residuals
-  dy, dweights = combine_backward(y, topk_weights, d, g, x.dtype)
-  dxs, dw_gate_up, dw_down = experts_backward(plan, x[d.token], h, w_gate_up, w_down,
-                                               d.group_sizes, dy, a=a)
-  dx = sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
-  return dx, dweights, dw_gate_up, dw_down, None  # the dispatch is integer: no cotangent
-
-
-layer.defvjp(_layer_fwd, _layer_bwd)
+LAYER = Form(layer, _forward, _backward).defvjp()
 
 
 # ----------------------------------------------------------------------------- in pieces

@@ -24,7 +24,12 @@ gather-only backwards.
 
 The receive buffer holds n * T/n rows, the most a device can receive (every token of
 every device), so nothing is dropped whatever the routing. Rows past what arrived have
-weight 0 and id -1: they route nowhere.
+weight 0 and id -1: they route nowhere. Their k slots (n * T/n * k) are what step 4's
+per-pair passes would run over, n times a device's share of the pairs under even
+routing; so step 4 keeps the pairs of this device's experts in PAIR_HEADROOM times that
+share where they fit, and runs every slot where they do not (a branch each device takes
+on its own count; the full branch recomputes its forward in the backward rather than
+store it): the same values either way, dropless.
 
 Two exchanges do steps 3 and 5 (the `exchange` argument):
 - "ragged": `jax.lax.ragged_all_to_all`, which moves exactly the rows routed (XLA:GPU; XLA's
@@ -60,6 +65,9 @@ from pallas_gemm.core import sharding
 from pallas_gemm.moe import layer
 
 EXCHANGES = ("auto", "ragged", "padded")
+# The fast path of step 4 holds this many times a device's share of the pairs (routing
+# within 25% of even); more, and that device runs the layer on every slot it received.
+PAIR_HEADROOM = 1.25
 
 
 def _exclusive_cumsum(v, axis=-1):
@@ -216,8 +224,87 @@ def destinations(topk_ids, n: int, experts_local: int):
   return wanted, layer.dispatch(jnp.where(wanted, devices, -1), n)
 
 
+def pair_capacity(pairs_here: int, pairs_most: int) -> int:
+  """The sorted pairs the fast path of step 4 holds: PAIR_HEADROOM times a device's share
+  of the pairs (pairs_here), a multiple of 8, at most pairs_most."""
+  return min(pairs_most, -(-int(PAIR_HEADROOM * pairs_here) // 8) * 8)
+
+
+def _experts_here(form: layer.Form, plan, received, weights, w_gate_up, w_down, ids,
+                  experts_local, *, pairs_here: int):
+  """Step 4: the layer on the received rows, ids localized (-1: another device's expert).
+  The rows' slots hold up to every pair of every device; routed evenly, a device gets
+  about pairs_here of them. Every per-pair pass (the gathers, the activation, the
+  combine and their gradients) costs its static length, so the pairs sorted to this
+  device's experts run in `pair_capacity` rows where they fit, and in all the slots
+  where they do not (dropless either way; each device branches on its own count, with
+  no collective inside)."""
+  cap = pair_capacity(pairs_here, ids.size)
+  d = layer.dispatch(ids, experts_local)
+  if cap >= ids.size:
+    return form.call(plan, received, weights, w_gate_up, w_down, d)
+  return _capped(form, plan, cap, received, weights, w_gate_up, w_down, d)
+
+
+def _cut(d: layer.Dispatch, rows: int) -> layer.Dispatch:
+  """d with its first `rows` sorted rows only (`layer._pick`): the same layer wherever
+  sum(d.group_sizes) <= rows, the per-pair passes that much shorter."""
+  return layer.Dispatch(order=d.order[:rows], token=d.token[:rows], inverse=d.inverse,
+                        group_sizes=d.group_sizes)
+
+
+def _fits(d: layer.Dispatch, cap: int):
+  return jnp.sum(d.group_sizes) <= cap
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _capped(form, plan, cap, x, weights, w_gate_up, w_down, d):
+  return jax.lax.cond(_fits(d, cap),
+                      lambda: form.call(plan, x, weights, w_gate_up, w_down, _cut(d, cap)),
+                      lambda: form.call(plan, x, weights, w_gate_up, w_down, d))
+
+
+def _capped_fwd(form, plan, cap, x, weights, w_gate_up, w_down, d):
+  # The residuals are the operands and what the capped forward saved, kept outside the
+  # branch (a cond's outputs are copies: the weights would be copied every step). The
+  # full path saves nothing (zeros in the capped path's shapes): its backward recomputes.
+  fits, small = _fits(d, cap), _cut(d, cap)
+  saved_shapes = jax.eval_shape(lambda *a: form.forward(plan, *a, small)[1],
+                                x, weights, w_gate_up, w_down)
+  vary = frozenset().union(*(sharding.varying_axes(a) for a in (x, weights, w_gate_up,
+                                                                  w_down, d.inverse)))
+  typed = lambda tree: jax.tree.map(  # noqa: E731 - one type for both branches' outputs
+      lambda a: sharding.cast_varying(a, tuple(sorted(vary))), tree)
+
+  def capped():
+    return typed(form.forward(plan, x, weights, w_gate_up, w_down, small))
+
+  def full():
+    out = form.call(plan, x, weights, w_gate_up, w_down, d)
+    return typed((out, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), saved_shapes)))
+
+  out, saved = jax.lax.cond(fits, capped, full)
+  return out, (x, weights, w_gate_up, w_down, d, saved)
+
+
+def _capped_bwd(form, plan, cap, residuals, g):
+  x, weights, w_gate_up, w_down, d, saved = residuals
+
+  def capped():
+    return form.backward(plan, x, weights, w_gate_up, w_down, _cut(d, cap), saved, g)
+
+  def full():
+    _, vjp = jax.vjp(lambda *a: form.call(plan, *a, d), x, weights, w_gate_up, w_down)
+    return vjp(g)
+
+  return (*jax.lax.cond(_fits(d, cap), capped, full), None)
+
+
+_capped.defvjp(_capped_fwd, _capped_bwd)
+
+
 def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
-          exchange: str, chunks: int = 1, layer_fn=layer.layer):
+          exchange: str, chunks: int = 1, form: layer.Form = layer.LAYER):
   """The expert-parallel layer on one device's shard, inside a manual `axis`: x (T_l, D),
   topk_* (T_l, k) with global expert ids, w_* this device's E_l experts. (T_l, D).
 
@@ -225,15 +312,15 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   at most one, the same on every device, so the exchanges of a chunk pair up), each run
   through the steps on its own: no chunk's values depend on another's, so XLA may run one
   chunk's exchanges while another's GEMMs run. The weight gradients are the sum of the
-  chunks'. layer_fn: the one-device layer each device runs on the rows it received
-  (`layer.layer`, or the fp8 training form's)."""
+  chunks'. form: the one-device layer each device runs on the rows it received
+  (`layer.LAYER`, or the fp8 training form `fp8.TRAIN`)."""
   t = x.shape[0]
   chunks = max(1, min(chunks, t))
   if chunks > 1:
     bounds = [t * i // chunks for i in range(chunks + 1)]
     return jnp.concatenate([
         local(plan, x[a:b], topk_weights[a:b], topk_ids[a:b], w_gate_up, w_down, axis=axis,
-              exchange=exchange, layer_fn=layer_fn)
+              exchange=exchange, form=form)
         for a, b in zip(bounds[:-1], bounds[1:])])
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
@@ -266,8 +353,8 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
                     axis_name=axis)
   got_ids = routing[:, k:].astype(jnp.int32) - me * experts_local
   got_ids = jnp.where((got_ids >= 0) & (got_ids < experts_local), got_ids, -1)
-  partial = layer_fn(plan, received, routing[:, :k].astype(topk_weights.dtype), w_gate_up,
-                     w_down, layer.dispatch(got_ids, experts_local))     # step 4
+  partial = _experts_here(form, plan, received, routing[:, :k].astype(topk_weights.dtype),
+                         w_gate_up, w_down, got_ids, experts_local, pairs_here=t * k)  # step 4
   back = move_fn(partial, fresh(jnp.zeros((t * n, x.shape[1]), partial.dtype)), recv_off,
                  recv_sizes, return_off, send_sizes, axis_name=axis)   # step 5
   return layer.combine_pairs(back, wanted.astype(jnp.float32), d, plan.out_dtype)  # step 6
@@ -348,7 +435,7 @@ def _mesh_with(names: tuple[str, ...], arrays):
 
 
 def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exchange,
-             chunks, layer_fn):
+             chunks, form):
   """One device's layer inside the manual axes: w_gate_up (E_l, D, G, F_l), G = 2 for
   [gate | up] and 1 otherwise. Expert-parallel over `axis` (if any); over `model_axis`
   (if any) each device holds F_l of F and all of the device group's tokens: its partial
@@ -359,16 +446,17 @@ def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exch
   if model_axis is not None:  # the tokens are the same on every device of model_axis
     x, weights, ids = (sharding.cast_varying(a, model_axis) for a in (x, weights, ids))
   if axis is None:
-    out = layer_fn(plan, x, weights, w_gate_up, w_down, layer.dispatch(ids, e))
+    out = form.call(plan, x, weights, w_gate_up, w_down, layer.dispatch(ids, e))
   else:
     out = local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange,
-                chunks=chunks, layer_fn=layer_fn)
+                chunks=chunks, form=form)
   return out if model_axis is None else jax.lax.psum(out, model_axis)
 
 
 def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
         axis: str | None, data_axes: tuple[str, ...] = (), model_axis: str | None = None,
-        exchange: str = "auto", chunks: int = 1, layer_fn=layer.layer, f_multiple: int = 1):
+        exchange: str = "auto", chunks: int = 1, form: layer.Form = layer.LAYER,
+        f_multiple: int = 1):
   """The layer on x (T, D) with its tokens split over data_axes + (axis,), with an
   expert axis the experts over it, and with a model axis F over it (tensor parallel).
   w_gate_up comes as (E, D, G, F): G = 2 for [gate | up], 1 otherwise, so that a split
@@ -376,7 +464,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   `model_axis` (a user's jax.shard_map): this device's shard. Otherwise a
   `jax.shard_map` over those axes: expert-parallel over `axis`, each group of devices
   along data_axes on its own tokens (no communication), and without an expert axis each
-  device runs layer_fn (`layer.layer` or the fp8 form), whose F must be a multiple of
+  device runs form (`layer.LAYER` or `fp8.TRAIN`), whose F must be a multiple of
   f_multiple on each device."""
   names = (*data_axes, *(() if axis is None else (axis,)))
   split = tuple(a for a in (axis, model_axis) if a is not None)
@@ -394,7 +482,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
                        " in your shard_map); leave data_axes out")
     return _sharded(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
                     model_axis=model_axis, exchange=exchange, chunks=chunks,
-                    layer_fn=layer_fn)
+                    form=form)
   if axis is not None and w_down.shape[0] % mesh.shape[axis]:
     raise ValueError(f"expert parallelism over {axis!r} ({mesh.shape[axis]} devices)"
                      f" splits the experts evenly; got E = {w_down.shape[0]}")
@@ -424,7 +512,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     w_gate_up, w_down = (sharding.cast_varying(w, data_axes) for w in (w_gate_up, w_down))
     return _sharded(plan, x, weights, ids, w_gate_up, w_down, axis=axis,
                     model_axis=model_axis, exchange=exchange, chunks=chunks,
-                    layer_fn=layer_fn)
+                    form=form)
 
   # Manual over every axis of the mesh (values are replicated over the axes not named):
   # a partly manual shard_map leaves the grouped GEMM's partitioning and lax's sharding
