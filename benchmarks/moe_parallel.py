@@ -22,8 +22,6 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
   moe_mlp/all-slots  step 4's per-pair passes over every slot of the receive buffer
                   (parallel.PAIR_HEADROOM unbounded), the layout before the pairs were
                   capped (not in the default list)
-  moe_mlp/unpacked  the rows' routing in an exchange of its own (parallel.PACK_ROUTING
-                  off) instead of packed beside the rows (not in the default list)
   moe_mlp/tp      tensor parallel instead: every device all the tokens and F/n of every
                   expert (w_gate_up as (E, D, 2, F) split on F, w_down on F), the partial
                   sums all-reduced; strong scaling only (not in the default list)
@@ -55,7 +53,7 @@ from pallas_gemm import moe_mlp
 DTYPE = jnp.bfloat16
 AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
-VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp", "moe_mlp/all-slots", "moe_mlp/unpacked") + tuple(
+VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp", "moe_mlp/all-slots") + tuple(
     f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged"))
 
 
@@ -137,31 +135,26 @@ def tensor_parallel(args, n: int):
   return ((gate_up, down), *(jax.device_put(a, NamedSharding(mesh, P())) for a in rest))
 
 
-def _patched(variant: str, layer, *args):
-  """layer traced with a module constant of parallel.py changed (read while the forward
-  traces): all-slots, step 4's pair capacity unbounded; unpacked, the routing exchanged
-  on its own."""
+def _all_slots(layer, *args):
+  """layer traced with step 4's pair capacity unbounded (read while the forward traces)."""
   from pallas_gemm.moe import parallel  # noqa: PLC0415 - an A/B of a module constant
-  name, value = {"moe_mlp/all-slots": ("PAIR_HEADROOM", float(2 ** 40)),
-                 "moe_mlp/unpacked": ("PACK_ROUTING", False)}[variant]
-  kept = getattr(parallel, name)
-  setattr(parallel, name, value)
+  headroom, parallel.PAIR_HEADROOM = parallel.PAIR_HEADROOM, float(2 ** 40)
   try:
     return layer(*args)
   finally:
-    setattr(parallel, name, kept)
+    parallel.PAIR_HEADROOM = headroom
 
 
 def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights."""
   backend = "xla" if variant == "lax" else "auto"
   parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
-  exchange = parts[1] if len(parts) > 1 and parts[1] in ("padded", "ragged") else "auto"
+  exchange = parts[1] if len(parts) > 1 and parts[1] not in ("tp", "all-slots") else "auto"
   chunks = int(parts[2]) if len(parts) > 2 else 1
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
-  if variant in ("moe_mlp/all-slots", "moe_mlp/unpacked"):
-    layer = functools.partial(_patched, variant, layer)
+  if variant == "moe_mlp/all-slots":
+    layer = functools.partial(_all_slots, layer)
 
   def step(params, x, weights, ids, ct):
     def loss(params, x, weights):

@@ -68,9 +68,6 @@ EXCHANGES = ("auto", "ragged", "padded")
 # The fast path of step 4 holds this many times a device's share of the pairs (routing
 # within 25% of even); more, and that device runs the layer on every slot it received.
 PAIR_HEADROOM = 1.25
-# Step 3 sends each row's routing (2k floats) as extra columns of the row: one exchange
-# each way instead of two. False: the routing in an exchange of its own.
-PACK_ROUTING = True
 
 
 def _exclusive_cumsum(v, axis=-1):
@@ -306,60 +303,6 @@ def _capped_bwd(form, plan, cap, residuals, g):
 _capped.defvjp(_capped_fwd, _capped_bwd)
 
 
-def _as_columns(a, dtype):
-  """a (R, c) as (R, c * s) columns of dtype, bit for bit (s: a's itemsize / dtype's)."""
-  return jax.lax.bitcast_convert_type(a, dtype).reshape(a.shape[0], -1)
-
-
-def _from_columns(cols, dtype, c: int):
-  """`_as_columns` undone: (R, c) of dtype."""
-  s = jnp.dtype(dtype).itemsize // jnp.dtype(cols.dtype).itemsize
-  return jax.lax.bitcast_convert_type(cols.reshape(cols.shape[0], c, s) if s > 1 else cols,
-                                      dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def send_rows(exchange: str, capacity: int, axis: str, arriving: int, rows, meta, offsets):
-  """Step 3: (received (arriving, D), routing (arriving, 2k)), the rows and their routing
-  exchanged by `exchange_plan`'s offsets in one exchange: the routing's bits packed as
-  extra columns of the rows' dtype (2k float32s: 4k bfloat16 columns). Rows past those
-  received are zeros, their routing weight 0 and id -1 (they route nowhere). Its
-  gradient is one exchange the other way, packed the same."""
-  return _send_rows_fwd(exchange, capacity, axis, arriving, rows, meta, offsets)[0]
-
-
-def _send_rows_fwd(exchange, capacity, axis, arriving, rows, meta, offsets):
-  send_off, send_sizes, out_off, recv_sizes, _, _ = offsets
-  width, k2 = rows.shape[1], meta.shape[1]
-  manual = tuple(sorted(sharding.varying_axes(rows) | {axis}))
-  empty = jnp.concatenate([jnp.zeros((arriving, width), rows.dtype), _as_columns(
-      jnp.concatenate([jnp.zeros((arriving, k2 // 2), meta.dtype),
-                       jnp.full((arriving, k2 // 2), -1, meta.dtype)], axis=1), rows.dtype)],
-      axis=1)
-  packed = jnp.concatenate([rows, _as_columns(meta, rows.dtype)], axis=1)
-  got = move(exchange, capacity)(packed, sharding.cast_varying(empty, manual), send_off,
-                                 send_sizes, out_off, recv_sizes, axis_name=axis)
-  out = got[:, :width], _from_columns(got[:, width:], meta.dtype, k2)
-  return out, (offsets, jnp.zeros((rows.shape[0], 0), meta.dtype))
-
-
-def _send_rows_bwd(exchange, capacity, axis, arriving, residuals, cts):
-  offsets, like = residuals   # like: the sent rows' count, and meta's dtype
-  _, send_sizes, _, recv_sizes, recv_off, return_off = offsets
-  d_received, d_routing = cts
-  width, k2 = d_received.shape[1], d_routing.shape[1]
-  packed = jnp.concatenate([d_received, _as_columns(d_routing.astype(like.dtype),
-                                                    d_received.dtype)], axis=1)
-  zero = sharding.cast_varying(jnp.zeros((like.shape[0], packed.shape[1]), packed.dtype),
-                               tuple(sorted(sharding.varying_axes(packed) | {axis})))
-  back = move(exchange, capacity)(packed, zero, recv_off, recv_sizes, return_off,
-                                  send_sizes, axis_name=axis)
-  return back[:, :width], _from_columns(back[:, width:], like.dtype, k2), None
-
-
-send_rows.defvjp(_send_rows_fwd, _send_rows_bwd)
-
-
 def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axis: str,
           exchange: str, chunks: int = 1, form: layer.Form = layer.LAYER):
   """The expert-parallel layer on one device's shard, inside a manual `axis`: x (T_l, D),
@@ -390,8 +333,7 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   wanted, d = destinations(ids, n, experts_local)                       # step 1
   rows = layer.pair_rows(x, d, n)                          # (T_l * n, D), sent rows first
   # The receiver's routing travels with each row: the k weights and the k global ids
-  # (exact in the float dtype: E < 2^24) in one array of 2k columns, 32 or 64 bits each
-  # (whole columns of x's 16- or 32-bit dtype when packed beside its rows).
+  # (exact in the float dtype: E < 2^24) in one array of 2k columns.
   meta_dtype = jnp.promote_types(topk_weights.dtype, jnp.float32)
   meta = jnp.concatenate([layer.pair_rows(topk_weights.astype(meta_dtype), d, n),
                           ids[d.token].astype(meta_dtype)], axis=1)
@@ -401,14 +343,14 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   move_fn = move(exchange, capacity=t)  # a device sends a peer each token once at most
   manual = tuple(sorted(sharding.varying_axes(rows) | {axis}))
   fresh = lambda a: sharding.cast_varying(a, manual)  # noqa: E731 - vary as rows do
-  if PACK_ROUTING:                                                      # step 3
-    received, routing = send_rows(exchange, t, axis, n * t, rows, meta, offsets)
-  else:  # the routing in an exchange of its own (to measure one against the other)
-    empty = jnp.repeat(jnp.asarray([0, -1], meta_dtype), k)  # weight 0, id -1
-    received, routing = (
-        move_fn(a, fresh(jnp.broadcast_to(fill, (n * t, a.shape[1]))), send_off, send_sizes,
-                out_off, recv_sizes, axis_name=axis)
-        for a, fill in ((rows, jnp.zeros((), x.dtype)), (meta, empty)))
+  arriving = n * t  # every token of every device: nothing is ever dropped
+  received = move_fn(rows, fresh(jnp.zeros((arriving, x.shape[1]), x.dtype)), send_off,
+                     send_sizes, out_off, recv_sizes, axis_name=axis)    # step 3
+  # Rows past those received: weight 0, id -1 (route nowhere).
+  empty = jnp.concatenate([jnp.zeros((arriving, k), meta_dtype),
+                           jnp.full((arriving, k), -1, meta_dtype)], axis=1)
+  routing = move_fn(meta, fresh(empty), send_off, send_sizes, out_off, recv_sizes,
+                    axis_name=axis)
   got_ids = routing[:, k:].astype(jnp.int32) - me * experts_local
   got_ids = jnp.where((got_ids >= 0) & (got_ids < experts_local), got_ids, -1)
   partial = _experts_here(form, plan, received, routing[:, :k].astype(topk_weights.dtype),
