@@ -234,6 +234,36 @@ def test_program_moves_tokens_not_experts(rng):
     assert g.sharding.is_equivalent_to(w.sharding, 3)
 
 
+def _conds(jaxpr):
+  """The cond equations of a jaxpr and of every jaxpr inside it, in program order."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "cond":
+      yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _conds(sub)
+
+
+def test_receiver_branch_keeps_the_weights_out(rng):
+  # Step 4 branches between the capped pairs and every slot. The forward's branch
+  # outputs (copies, in XLA) are the result and what the capped layer saved; the weights
+  # stay residuals outside it (a cond that returned them would copy every expert weight
+  # each step). The backward's branch returns the weight gradients.
+  mesh = _mesh(4)
+  x, weights, ids, wgu, wd = _put(mesh, _problem(rng, 64, 32, 16, 8, 2))
+  local_weights = {(2, 32, 32), (2, 16, 32)}
+  layer = functools.partial(pallas_gemm.moe_mlp, backend="xla", exchange="padded")
+  loss = lambda x, w, a, b: jnp.sum(layer(x, w, ids, a, b))  # noqa: E731
+  conds = list(_conds(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(
+      x, weights, wgu, wd).jaxpr))
+  assert len(conds) == 2, [c.primitive for c in conds]
+  forward, backward = ({tuple(v.aval.shape) for v in c.outvars} for c in conds)
+  assert not forward & local_weights, forward
+  assert local_weights <= backward, backward
+
+
 def test_chunks_exchange_on_their_own(rng):
   # Each chunk has its own exchanges (two per forward): the program of 3 chunks holds
   # three times one chunk's all-to-alls of rows, each of a third of the rows. Read from
