@@ -29,7 +29,8 @@ per-pair passes would run over, n times a device's share of the pairs under even
 routing; so step 4 keeps the pairs of this device's experts in PAIR_HEADROOM times that
 share where they fit, and runs every slot where they do not (a branch each device takes
 on its own count; the full branch recomputes its forward in the backward rather than
-store it): the same values either way, dropless.
+store it, from the weights, which therefore stay alive until the backward even for the
+fp8 form): the same values either way, dropless.
 
 Two exchanges do steps 3 and 5 (the `exchange` argument):
 - "ragged": `jax.lax.ragged_all_to_all`, which moves exactly the rows routed (XLA:GPU; XLA's
