@@ -298,11 +298,17 @@ def _kernel_times(fn, args, calls: int) -> list[list[tuple[str, float]]]:
   return [timings[i * per_call:(i + 1) * per_call] for i in range(calls)]
 
 
-def _print_by_name(label: str, calls, top: int = 14):
+def kernels_by_name(calls) -> dict[str, tuple[int, float]]:
+  """{kernel name: (launches, ms)} summed over `_kernel_times`' calls, ms per call."""
   by_name = {}
   for kernel, ms in (t for one in calls for t in one):
     count, total = by_name.get(kernel, (0, 0.0))
     by_name[kernel] = (count + 1, total + ms / len(calls))
+  return by_name
+
+
+def _print_by_name(label: str, calls, top: int = 14):
+  by_name = kernels_by_name(calls)
   total = sum(t for _, t in by_name.values())
   print(f"-- {label}: {total:.3f} ms per call in {len(calls[0])} kernels", flush=True)
   for kernel, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
