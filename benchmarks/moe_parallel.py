@@ -149,7 +149,7 @@ def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights."""
   backend = "xla" if variant == "lax" else "auto"
   parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
-  exchange = parts[1] if len(parts) > 1 and parts[1] not in ("tp", "all-slots") else "auto"
+  exchange = parts[1] if len(parts) > 1 and parts[1] in ("padded", "ragged") else "auto"
   chunks = int(parts[2]) if len(parts) > 2 else 1
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
