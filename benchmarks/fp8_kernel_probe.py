@@ -28,7 +28,6 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_gemm.testing.reference import relative_error, scaled_reference
 from pallas_gemm.fp8 import config as fp8_config

@@ -117,6 +117,22 @@ def test_ids_outside_the_experts_route_nowhere(rng):
   dw = jax.grad(lambda w: jnp.sum(pallas_gemm.moe_mlp(x, w, ids, wgu, wd).astype(jnp.float32)))(
       weights)
   assert np.all(np.asarray(dw)[np.asarray((ids < 0) | (ids >= e))] == 0)
+  # whatever their weight: Inf and NaN there change nothing
+  nowhere = np.asarray((ids < 0) | (ids >= e))
+  odd = jnp.where(nowhere, jnp.asarray(np.resize([np.inf, np.nan, -np.inf], ids.shape),
+                                       weights.dtype), weights)
+  np.testing.assert_array_equal(np.asarray(pallas_gemm.moe_mlp(x, odd, ids, wgu, wd)),
+                                np.asarray(pallas_gemm.moe_mlp(x, weights, ids, wgu, wd)))
+
+
+def test_inf_weight_reaches_its_expert_only(rng):
+  # Inf times that expert's output row: +-Inf in the token's row, NaN nowhere (its other
+  # pairs, and every other token, stay as IEEE arithmetic has them: finite).
+  x, weights, ids, wgu, wd = _problem(rng, 12, 16, 8, 4, 2)
+  weights = weights.at[3, 1].set(jnp.inf)
+  out = np.asarray(pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, backend="xla"))
+  assert np.all(np.isinf(out[3])), out[3]
+  assert np.all(np.isfinite(np.delete(out, 3, axis=0)))
 
 
 def test_nan_stays_in_its_token(rng):

@@ -133,6 +133,52 @@ def test_inside_shard_map(rng):
   _compare(rng, _problem(rng, 16, 16, 8, 8, 2), mesh, exchange="auto", layer=sharded)
 
 
+@pytest.mark.parametrize("skewed", [False, True])
+def test_inside_shard_map_over_data_and_expert(rng, skewed):
+  # A user's shard_map over (data, expert): tokens split over both axes, each expert's
+  # weights whole on the devices of the data axis. Each device's weight gradient is that
+  # of its own tokens; the layer sums them over the data axis. Skewed routing (70% of
+  # the pairs to expert 0) sends the receiver of expert 0 down the full branch.
+  mesh = _mesh((2, 4), ("data", AXIS))
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend(), expert_axis=AXIS)
+  tokens = P(("data", AXIS))
+
+  def sharded(x, w, ids, a, b):
+    return jax.shard_map(layer, mesh=mesh, in_specs=(tokens,) * 3 + (P(AXIS),) * 2,
+                         out_specs=tokens)(x, w, ids, a, b)
+
+  t, e, k = 64, 8, 2
+  ids = (np.where(rng.random((t, k)) < 0.7, 0, rng.integers(0, e, (t, k))) if skewed
+         else None)
+  _compare(rng, _problem(rng, t, 16, 8, e, k, ids=ids), mesh, exchange="auto",
+           layer=sharded, tokens=tokens)
+
+
+def test_non_finite_router_weights_as_on_one_device(rng):
+  # An Inf weight reaches its own expert only, on whichever device holds it; an id
+  # outside [0, E) adds nothing whatever its weight (Inf, NaN): the values and the
+  # positions of every Inf and NaN as on one device, and the float64 reference's.
+  mesh = _mesh(4)
+  t, e, k = 16, 8, 2
+  x, weights, ids, wgu, wd = _problem(rng, t, 16, 8, e, k)
+  ids = ids.at[0].set(-1).at[1, 0].set(e)
+  weights = (weights.at[0].set(jnp.inf).at[1, 0].set(jnp.nan).at[2, 0].set(jnp.inf)
+             .at[5, 1].set(-jnp.inf))
+  one = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                          backend=_backend())
+  want = np.asarray(jax.jit(one)(x, weights, ids, wgu, wd))
+  placed = _put(mesh, (x, weights, ids)) + [
+      jax.device_put(w, NamedSharding(mesh, P(AXIS))) for w in (wgu, wd)]
+  got = np.asarray(jax.jit(one)(*placed))
+  assert np.isinf(got[[2, 5]]).all() and np.isfinite(np.delete(got, [2, 5], axis=0)).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)  # Inf/NaN where equal
+  f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+  with jax_config("jax_enable_x64", True):
+    ref = moe_reference(f64(x), f64(weights), ids, f64(wgu), f64(wd), "swiglu")
+  assert relative_error(got, ref) <= moe_tolerance(x.dtype, 16, 8)
+
+
 @pytest.mark.parametrize("valid", [0, 7, 16, 17, 40])
 def test_receiver_pair_capacity(rng, valid):
   # Step 4 on one device: the pairs of this device's experts in `cap` sorted rows where

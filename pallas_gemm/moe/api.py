@@ -261,6 +261,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     return out.reshape((*lead, d))
   if pair_axis:
     w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 * f))
+  weights2 = layer.routed(weights2, ids2, e)
   d_ = layer.dispatch(ids2, e)
   if quantized:
     out = fp8.layer_fp8(plan, x2, weights2, w_gate_up, gate_up_scales, w_down, down_scales,

@@ -97,6 +97,14 @@ def dispatch(topk_ids, num_experts: int) -> Dispatch:
   return Dispatch(order=order, token=order // k, inverse=inverse, group_sizes=group_sizes)
 
 
+def routed(topk_weights, topk_ids, num_experts: int):
+  """topk_weights, 0 where the id is outside [0, E): such a pair routes nowhere and
+  contributes nothing whatever its weight (an Inf or NaN weight times the zero row it
+  reads would be NaN). Its gradient is 0 there too."""
+  valid = (topk_ids >= 0) & (topk_ids < num_experts)
+  return jnp.where(valid, topk_weights, jnp.zeros((), topk_weights.dtype))
+
+
 def _pick(rows, inverse):
   """rows[inverse], a zero row where inverse >= len(rows): a dispatch may keep only its
   first sorted rows (order and token cut short) where every pair in a group is among

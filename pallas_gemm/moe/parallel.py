@@ -354,8 +354,11 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
                     axis_name=axis)
   got_ids = routing[:, k:].astype(jnp.int32) - me * experts_local
   got_ids = jnp.where((got_ids >= 0) & (got_ids < experts_local), got_ids, -1)
-  partial = _experts_here(form, plan, received, routing[:, :k].astype(topk_weights.dtype),
-                         w_gate_up, w_down, got_ids, experts_local, pairs_here=t * k)  # step 4
+  # A pair of another device's expert adds nothing here, whatever its weight.
+  got_weights = layer.routed(routing[:, :k].astype(topk_weights.dtype), got_ids,
+                             experts_local)
+  partial = _experts_here(form, plan, received, got_weights, w_gate_up, w_down, got_ids,
+                          experts_local, pairs_here=t * k)  # step 4
   back = move_fn(partial, fresh(jnp.zeros((t * n, x.shape[1]), partial.dtype)), recv_off,
                  recv_sizes, return_off, send_sizes, axis_name=axis)   # step 5
   return layer.combine_pairs(back, wanted.astype(jnp.float32), d, plan.out_dtype)  # step 6
@@ -444,9 +447,16 @@ def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exch
   row-parallel linear layer's; the backward all-reduces d x)."""
   e, d, g, f = w_gate_up.shape
   w_gate_up = w_gate_up.reshape(e, d, g * f)  # this device's [gate_l | up_l]
-  if model_axis is not None:  # the tokens are the same on every device of model_axis
-    x, weights, ids = (sharding.cast_varying(a, model_axis) for a in (x, weights, ids))
+  # Every operand typed as varying over every manual axis any of them varies over (and
+  # the model axis: the tokens are the same on each of its devices, the products not), as
+  # lax's binary ops do. A weight whole on the devices of a data axis (the tokens split
+  # over it) is then used by each; the cast's transpose sums its gradient over them.
+  operands = (x, weights, ids, w_gate_up, w_down)
+  manual = frozenset().union(*map(sharding.varying_axes, operands))
+  manual = tuple(sorted(manual | ({model_axis} if model_axis is not None else set())))
+  x, weights, ids, w_gate_up, w_down = (sharding.cast_varying(a, manual) for a in operands)
   if axis is None:
+    weights = layer.routed(weights, ids, e)
     out = form.call(plan, x, weights, w_gate_up, w_down, layer.dispatch(ids, e))
   else:
     out = local(plan, x, weights, ids, w_gate_up, w_down, axis=axis, exchange=exchange,
@@ -508,9 +518,6 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     args = tuple(jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
                  for a, spec in zip(args, specs))
   def body(x, weights, ids, w_gate_up, w_down):
-    # The weights are whole on every device of a data axis; the cast makes their
-    # gradients the sum over those devices.
-    w_gate_up, w_down = (sharding.cast_varying(w, data_axes) for w in (w_gate_up, w_down))
     return _sharded(plan, x, weights, ids, w_gate_up, w_down, axis=axis,
                     model_axis=model_axis, exchange=exchange, chunks=chunks,
                     form=form)

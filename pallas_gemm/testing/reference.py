@@ -186,7 +186,7 @@ def relative_error(out, ref) -> float:
     same_inf = xp.where(xp.isinf(ref64) | xp.isinf(out64), out64 == ref64, True)
     if not bool(xp.all(same_nan & same_inf)):
       return math.inf
-    diff = xp.where(finite, out64 - ref64, 0.0)
+    diff = xp.where(finite, out64, 0.0) - xp.where(finite, ref64, 0.0)
     denom = float(xp.linalg.norm(xp.where(finite, ref64, 0.0)))
     err = float(xp.linalg.norm(diff))
   return err / denom if denom > 0 else err
@@ -212,8 +212,10 @@ def moe_reference(x, topk_weights, topk_ids, w_gate_up, w_down, activation="swig
   x, w = jnp.asarray(x, f64), jnp.asarray(topk_weights, f64)
   wgu, wd = jnp.asarray(w_gate_up, f64), jnp.asarray(w_down, f64)
   e = wd.shape[0]
-  picks = (jnp.asarray(topk_ids)[..., None] == jnp.arange(e)).astype(f64)  # (T, k, E)
-  coef = jnp.einsum("tk,tke->te", w, picks)
+  picks = jnp.asarray(topk_ids)[..., None] == jnp.arange(e)  # (T, k, E)
+  # A select, not a product: a pair's weight (Inf or NaN included) reaches its own expert
+  # only, and an id outside [0, E) reaches none.
+  coef = jnp.sum(jnp.where(picks, w[..., None], 0.0), axis=1)
   h = jnp.einsum("td,edf->tef", x, wgu)
   if gated:
     f = h.shape[-1] // 2
