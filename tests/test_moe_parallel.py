@@ -19,8 +19,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
 from pallas_gemm.moe import parallel
-from pallas_gemm.testing.reference import (E4M3_STEP, moe_fp8_training_tolerance,
-                                          moe_reference, moe_tolerance, relative_error)
+from pallas_gemm.testing.reference import (E4M3_STEP, moe_fp8_tolerance,
+                                          moe_fp8_training_tolerance, moe_reference,
+                                          moe_tolerance, relative_error)
 
 from conftest import ON_GPU, jax_config, random
 
@@ -392,12 +393,75 @@ def test_bad_input(rng, change, error, match):
     pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, backend="xla", **kwargs)
 
 
-def test_fp8_experts_are_refused(rng):
-  mesh = _mesh(4)
-  x, weights, ids, wgu, wd = _problem(rng, 16, 128, 128, 8, 2, dtype=jnp.bfloat16)
+def _fp8_problem(rng, skewed=False):
+  """A problem for the fp8 inference form (D, F multiples of 128), its quantized pairs,
+  and the one-device result: x in float32, so that two orders of the same sums agree to
+  float32's rounding."""
+  t, e, k = 32, 8, 2
+  ids = np.where(rng.random((t, k)) < 0.7, 0, rng.integers(0, e, (t, k))) if skewed else None
+  x, weights, ids, wgu, wd = _problem(rng, t, 128, 128, e, k, ids=ids)
   gu8, dn8 = pallas_gemm.moe.quantize_experts(wgu, wd)
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match="fp8 expert pairs"):
-    pallas_gemm.moe_mlp(x, weights, ids, gu8, dn8, backend="xla", expert_axis=AXIS)
+  one = jax.jit(functools.partial(pallas_gemm.moe_mlp, backend=_backend()))(
+      x, weights, ids, gu8, dn8)
+  return (x, weights, ids, gu8, dn8), one
+
+
+def _split_experts(mesh, args):
+  """Every array of args (the fp8 pairs' values and scales too) split on its first dim."""
+  return jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS))), args)
+
+
+def _fp8_check(got, want, args):
+  x, weights, ids, gu8, dn8 = args
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+  dequantized = [jnp.swapaxes(pallas_gemm.dequantize(*p), 1, 2) for p in (gu8, dn8)]
+  f64 = lambda a: jnp.asarray(np.asarray(a, np.float64))  # noqa: E731
+  with jax_config("jax_enable_x64", True):
+    ref = moe_reference(f64(x), f64(weights), ids, *map(f64, dequantized))
+  assert relative_error(got, ref) <= moe_fp8_tolerance(x.dtype, 128, 128)
+
+
+@pytest.mark.parametrize("skewed", [False, True])
+def test_fp8_experts_expert_parallel(rng, skewed):
+  # quantize_experts pairs split over E (values and scales alike): the rows travel
+  # quantized, as bytes (fp8 values and their scales, D + D/32 a row), and arrive as the
+  # values and scales the receiver would have computed: the one-device result. Skewed
+  # routing sends expert 0's device down its full branch.
+  mesh = _mesh(4)
+  args, want = _fp8_problem(rng, skewed)
+  call = jax.jit(functools.partial(pallas_gemm.moe_mlp, backend=_backend()))
+  placed = _split_experts(mesh, args)
+  got = call(*placed)
+  assert got.sharding.spec[0] == AXIS
+  _fp8_check(got, want, args)
+  hlo = call.lower(*placed).compile().as_text()
+  wire = re.findall(r"u8\[[\d,]*\]\S* (?:ragged-)?all-to-all\(", hlo)
+  assert wire, "the rows travel as fp8 bytes"
+
+
+def test_fp8_experts_inside_shard_map(rng):
+  mesh = _mesh(4)
+  args, want = _fp8_problem(rng)
+  layer = functools.partial(pallas_gemm.moe_mlp, backend=_backend(), expert_axis=AXIS)
+  got = jax.jit(jax.shard_map(layer, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))(
+      *_split_experts(mesh, args))
+  _fp8_check(got, want, args)
+
+
+def test_fp8_experts_data_axes(rng):
+  mesh = _mesh((4,), ("data",), kind=jax.sharding.AxisType.Auto)
+  args, want = _fp8_problem(rng)
+  with jax.set_mesh(mesh):
+    got = jax.jit(functools.partial(pallas_gemm.moe_mlp, backend=_backend(),
+                                    data_axes="data"))(*args)
+  _fp8_check(got, want, args)
+
+
+def test_fp8_experts_tensor_parallel_is_refused(rng):
+  mesh = _mesh((4,), ("model",), kind=jax.sharding.AxisType.Auto)
+  args, _ = _fp8_problem(rng)
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="tensor parallelism over 'model'"):
+    pallas_gemm.moe_mlp(*args, backend="xla", model_axis="model")
 
 
 def test_ragged_exchange_pieces(rng, monkeypatch):
@@ -476,14 +540,6 @@ def test_data_axes_bad_input(rng, data_axes, error, match):
   with jax.set_mesh(mesh), pytest.raises(error, match=match):
     pallas_gemm.moe_mlp(x, weights, ids, wgu, wd, backend="xla", expert_axis=AXIS,
                         data_axes=data_axes)
-
-
-def test_data_axes_with_fp8_experts_is_refused(rng):
-  mesh = _mesh((4,), ("data",), kind=jax.sharding.AxisType.Auto)
-  x, weights, ids, wgu, wd = _problem(rng, 16, 128, 128, 8, 2, dtype=jnp.bfloat16)
-  gu8, dn8 = pallas_gemm.moe.quantize_experts(wgu, wd)
-  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"data_axes=\('data',\) is not"):
-    pallas_gemm.moe_mlp(x, weights, ids, gu8, dn8, backend="xla", data_axes="data")
 
 
 def test_data_axes_inside_shard_map_is_refused(rng):

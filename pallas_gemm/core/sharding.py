@@ -47,6 +47,15 @@ def cast_varying(a, axes):
   return jax.lax.pcast(a, missing, to="varying") if missing else a
 
 
+def same_varying(*operands, also=()) -> list:
+  """The operands typed as varying over every manual axis any of them varies over (and
+  the axes `also`), as lax's binary ops make theirs: one set for a kernel or a custom
+  derivative. A value invariant over an axis is then used on each of its devices; the
+  cast's transpose sums its gradient over them."""
+  axes = frozenset(also).union(*map(varying_axes, operands))
+  return [cast_varying(a, tuple(sorted(axes))) for a in operands]
+
+
 def auto_axes() -> tuple[str, ...]:
   """The context mesh's Auto axes of more than one device (`jax.set_mesh`, outside
   `jax.shard_map` over them): where XLA partitions a computation itself, and a kernel

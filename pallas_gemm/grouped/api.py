@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.lax.lax import canonicalize_precision  # lax's own normalisation of precision
 
+from pallas_gemm.core import sharding
 from pallas_gemm.core.checks import SUPPORTED_DTYPES, dtype_of  # gemm's operand checks
 from pallas_gemm.mgpu import hw
 from pallas_gemm.grouped import ops
@@ -125,7 +126,8 @@ def ragged_dot_general(lhs, rhs, group_sizes, ragged_dot_dimension_numbers, prec
   m, k = lhs.shape
   if 0 in (m, k, num_groups) or 0 in shape:  # nothing for a kernel to do: all zeros
     return jnp.zeros(shape, out_dtype)
-  args = _same_manual_axes(lhs, rhs, jnp.asarray(group_sizes), offset)
+  args = sharding.same_varying(*(a for a in (lhs, rhs, jnp.asarray(group_sizes), offset)
+                                 if a is not None))
   return ops.bind(plan, *args)
 
 
@@ -290,13 +292,3 @@ def pick_backend(backend: str, reason: str | None, what: str = "this call") -> s
   # a dense (G, M, K) operand (G times the FLOPs and memory); on a CPU the interpreter is
   # for testing, not speed.
   return "mosaic" if reason is None and hw.on_gpu() else "xla"
-
-
-def _same_manual_axes(*args):
-  """Inside jax.shard_map: every operand made to vary over the union of the manual axes
-  any of them varies over (the primitive needs one set), as lax's binary ops do."""
-  args = [x for x in args if x is not None]
-  varying = [frozenset(jax.typeof(x).mat.varying) for x in args]
-  axes = frozenset().union(*varying)
-  return [x if v == axes else jax.lax.pcast(x, tuple(sorted(axes - v)), to="varying")
-          for x, v in zip(args, varying)]

@@ -82,10 +82,9 @@ def call(kernel, *operands, interpret):
     params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
               else plgpu.InterpretGPUParams())
     kernel = _interpreted(kernel, params)
-  axes = tuple(sorted(frozenset().union(*map(sharding.varying_axes, operands))))
-  if not axes:
+  if not frozenset().union(*map(sharding.varying_axes, operands)):
     return kernel(*operands)
-  operands = [sharding.cast_varying(a, axes) for a in operands]
+  operands = sharding.same_varying(*operands)
   plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
   # One trace on plain avals gives the results' types and, in interpret mode, the
   # interpreter's effects (a GPU kernel has none to declare).

@@ -11,8 +11,8 @@ Semantics a user can rely on:
 - Dropless: every (token, slot) pair is computed; an expert that receives no token costs
   no GEMM work.
 - An id outside [0, E) (e.g. -1 for a padded token) routes its pair nowhere: it adds
-  nothing to out and gets no gradient, whatever its weight (unless that weight is NaN or
-  infinite: 0 * NaN is NaN, as IEEE says).
+  nothing to out and gets no gradient, whatever its weight, NaN and Inf included (no
+  product reads it), on one device and expert-parallel alike.
 - The same id twice in a token's row is allowed: both pairs are computed and summed, as
   the formula says.
 - topk_ids is traced (any integer dtype); so are the weights.
@@ -42,7 +42,9 @@ Semantics a user can rely on:
   in fp8; quantization is the identity to its gradients (`fp8.py`).
 - fp8 inference: w_gate_up and w_down given as `quantize` pairs (`quantize_experts` makes
   them from the bf16 weights) run both grouped GEMMs in fp8 with block scales, activations
-  quantized in the call (`fp8.py`); that form has no gradient.
+  quantized in the call (`fp8.py`); that form has no gradient. Expert and data parallel
+  as above (values and scales split on E alike; not tensor parallel); expert-parallel,
+  the rows travel quantized (fp8 values and their scales: about half bf16's bytes).
 The dataflow and why it never scatters: `layer.py`.
 """
 
@@ -220,7 +222,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   tokens = math.prod(lead)
   plan = layer.Plan(activation=activation, precision=None if fp8_training else precision,
                     out_dtype=out_dtype, backend=backend, config=config)
-  form = fp8.TRAIN if fp8_training else layer.LAYER
+  form = fp8.INFER if quantized else fp8.TRAIN if fp8_training else layer.LAYER
   x2 = jnp.reshape(x, (tokens, d))
   weights2 = jnp.reshape(topk_weights, (tokens, k))
   ids2 = jnp.reshape(topk_ids, (tokens, k))
@@ -236,15 +238,15 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if data_axes is not None:
     data = parallel.check_data_axes(data_axes, axis, model)
   else:
-    data = () if quantized else parallel.token_axes(x2, axis, model)
+    data = parallel.token_axes(x2, axis, model)
   if axis is not None or data or model is not None:
-    if quantized:
-      what = (f"data_axes={data}" if axis is None and model is None
-              else "expert parallelism (expert_axis=None, weights not sharded on E)"
-              if model is None else f"tensor parallelism over {model!r}")
-      raise ValueError(f"fp8 expert pairs (quantize_experts) run on one device: {what} is"
-                       " not available with them")
-    if not pair_axis:
+    if quantized and model is not None:
+      raise ValueError(f"fp8 expert pairs (quantize_experts) split over experts and tokens,"
+                       f" not F: tensor parallelism over {model!r} is not available with"
+                       " them")
+    if quantized:  # the (values, scales) pairs travel whole: E splits them both
+      w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
+    elif not pair_axis:
       if model is not None and gated and (
           parallel.splits_last_dim(w_gate_up)
           or model in jax.sharding.get_abstract_mesh().manual_axes):
@@ -264,8 +266,6 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   weights2 = layer.routed(weights2, ids2, e)
   d_ = layer.dispatch(ids2, e)
   if quantized:
-    out = fp8.layer_fp8(plan, x2, weights2, w_gate_up, gate_up_scales, w_down, down_scales,
-                        d_)
-  else:
-    out = form.call(plan, x2, weights2, w_gate_up, w_down, d_)
+    w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
+  out = form.call(plan, x2, weights2, w_gate_up, w_down, d_)
   return out.reshape((*lead, d))

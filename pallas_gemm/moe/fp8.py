@@ -28,10 +28,13 @@ D and F must be multiples of 128, the scale blocks along every contraction.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_gemm import fp8 as fp8_ops
 from pallas_gemm.moe import layer
@@ -68,12 +71,49 @@ def _gemm(plan: layer.Plan, rows, w8, w_scales, group_sizes, dtype):
                            preferred_element_type=dtype, backend=plan.backend)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rows8:
+  """Rows quantized before they reach the layer (on another device: `send8`): fp8 values
+  (T, D), their 1x128 block scales (T, D/128), and the dtype the rows had, which the
+  layer's intermediates take. Has x's `dtype` and `shape`, so the layer reads either."""
+  values: jax.Array
+  scales: jax.Array
+  dtype: Any
+
+  @property
+  def shape(self):
+    return self.values.shape
+
+
+jax.tree_util.register_dataclass(Rows8, data_fields=["values", "scales"],
+                                 meta_fields=["dtype"])
+
+
 def _pair_rows8(x, d: layer.Dispatch, dtype):
   """quantize(x[d.token]) as x's T rows quantized, then gathered: a 1x128 block lies in one
   row, so the values and scales are the same, for a quantize of T rows instead of T * k
-  and a gather of fp8 bytes instead of x's."""
-  values, scales = fp8_ops.quantize(x, dtype)
+  and a gather of fp8 bytes instead of x's. x: the rows, or `Rows8`."""
+  values, scales = ((x.values, x.scales) if isinstance(x, Rows8)
+                    else fp8_ops.quantize(x, dtype))
   return values[d.token], scales[d.token]
+
+
+def send8(x, w_gate_up):
+  """x's rows quantized as the fp8 weights' dtype in 1x128 blocks and packed for the
+  wire as bytes: (T, D) values, then (T, D/128) float32 scales, D + D/32 bytes a row
+  (bf16 rows take 2D). A block lies in one row, so quantizing on the sender gives the
+  receiver the very values and scales it would compute."""
+  values, scales = fp8_ops.quantize(x, w_gate_up[0].dtype)
+  as_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(x.shape[0], -1)
+  return jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), as_bytes], axis=1)
+
+
+def receive8(rows, x, w_gate_up) -> Rows8:
+  """The rows that `send8` packed from x's, as `Rows8`."""
+  d_model = x.shape[1]
+  values = jax.lax.bitcast_convert_type(rows[:, :d_model], w_gate_up[0].dtype)
+  scales = rows[:, d_model:].reshape(rows.shape[0], d_model // BLOCK, 4)
+  return Rows8(values, jax.lax.bitcast_convert_type(scales, jnp.float32), np.dtype(x.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -95,6 +135,16 @@ def _bwd(plan, residuals, g):
 
 
 layer_fp8.defvjp(_fwd, _bwd)
+
+
+def _infer(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
+  """`layer_fp8` as a `layer.Form` calls it: the weights as (values, scales) pairs; x the
+  rows, or `Rows8`."""
+  return layer_fp8(plan, x, topk_weights, *w_gate_up, *w_down, d)
+
+
+# The inference form: rows travel between devices in fp8 (about half bf16's bytes).
+INFER = layer.Form(_infer, None, None, send=send8, receive=receive8)
 
 
 def _quantize_k_major(w):

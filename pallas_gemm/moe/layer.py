@@ -241,10 +241,16 @@ class Form:
     call(plan, x, topk_weights, w_gate_up, w_down, d) -> out, differentiable;
     forward(same) -> (out, saved): saved, what the backward reads besides the operands;
     backward(plan, x, topk_weights, w_gate_up, w_down, d, saved, g)
-      -> (dx, d topk_weights, d w_gate_up, d w_down)."""
+      -> (dx, d topk_weights, d w_gate_up, d w_down);
+    send(x, w_gate_up) -> the (T, W) array whose rows travel to other devices in x's
+    place, and receive(rows, x, w_gate_up) -> what call takes as x again (None: x's rows
+    travel as they are).
+  A form with no gradient (the fp8 inference form) has forward and backward None."""
   call: Any
   forward: Any
   backward: Any
+  send: Any = None
+  receive: Any = None
 
   def defvjp(self):
     """Makes `call` (a custom_vjp) differentiate through forward and backward."""

@@ -9,7 +9,8 @@ DeepEP's dispatch does); experts stay:
      T/n * n rows, one slice per device.
   2. the counts: every device's rows per destination, all-gathered ((n, n) int32s).
   3. exchange: each slice goes to its device, packed there by source; the token's k
-     weights and k global ids travel beside it (one array of 2k floats per row).
+     weights and k global ids travel beside it (one array of 2k floats per row). The
+     fp8 inference form sends the rows quantized, as bytes (`layer.Form.send`).
   4. each device runs the one-device layer (`layer.layer`) on the rows it received,
      their ids for other devices' experts routing nowhere: a partial sum per row of
      topk_weights times its experts' outputs here.
@@ -326,13 +327,14 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
   t, k = topk_ids.shape
-  experts_local = w_down.shape[0]
+  experts_local = jax.tree.leaves(w_down)[0].shape[0]
   if experts_local * n > 2 ** 24:
     raise ValueError(f"expert parallelism sends expert ids as float32, exact below 2^24;"
                      f" got E = {experts_local * n}")
   ids = topk_ids.astype(jnp.int32)
   wanted, d = destinations(ids, n, experts_local)                       # step 1
-  rows = layer.pair_rows(x, d, n)                          # (T_l * n, D), sent rows first
+  wire = x if form.send is None else form.send(x, w_gate_up)  # (T_l, D) or its fp8 bytes
+  rows = layer.pair_rows(wire, d, n)                       # (T_l * n, .), sent rows first
   # The receiver's routing travels with each row: the k weights and the k global ids
   # (exact in the float dtype: E < 2^24) in one array of 2k columns.
   meta_dtype = jnp.promote_types(topk_weights.dtype, jnp.float32)
@@ -345,8 +347,10 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   manual = tuple(sorted(sharding.varying_axes(rows) | {axis}))
   fresh = lambda a: sharding.cast_varying(a, manual)  # noqa: E731 - vary as rows do
   arriving = n * t  # every token of every device: nothing is ever dropped
-  received = move_fn(rows, fresh(jnp.zeros((arriving, x.shape[1]), x.dtype)), send_off,
-                     send_sizes, out_off, recv_sizes, axis_name=axis)    # step 3
+  received = move_fn(rows, fresh(jnp.zeros((arriving, rows.shape[1]), rows.dtype)),
+                     send_off, send_sizes, out_off, recv_sizes, axis_name=axis)  # step 3
+  if form.receive is not None:
+    received = form.receive(received, x, w_gate_up)
   # Rows past those received: weight 0, id -1 (route nowhere).
   empty = jnp.concatenate([jnp.zeros((arriving, k), meta_dtype),
                            jnp.full((arriving, k), -1, meta_dtype)], axis=1)
@@ -445,16 +449,17 @@ def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exch
   (if any) each device holds F_l of F and all of the device group's tokens: its partial
   sums, in the result's dtype, are added over the axis (one all-reduce of (T_l, D), as a
   row-parallel linear layer's; the backward all-reduces d x)."""
-  e, d, g, f = w_gate_up.shape
-  w_gate_up = w_gate_up.reshape(e, d, g * f)  # this device's [gate_l | up_l]
-  # Every operand typed as varying over every manual axis any of them varies over (and
-  # the model axis: the tokens are the same on each of its devices, the products not), as
-  # lax's binary ops do. A weight whole on the devices of a data axis (the tokens split
-  # over it) is then used by each; the cast's transpose sums its gradient over them.
+  if not isinstance(w_gate_up, tuple):  # fp8 pairs (values, scales) come as they are
+    e, d, g, f = w_gate_up.shape
+    w_gate_up = w_gate_up.reshape(e, d, g * f)  # this device's [gate_l | up_l]
+  e = jax.tree.leaves(w_down)[0].shape[0]
+  # One set of manual axes for every operand, the model axis included (the tokens are the
+  # same on each of its devices, the products not): a weight whole on the devices of a
+  # data axis (the tokens split over it) gets the sum of their gradients.
   operands = (x, weights, ids, w_gate_up, w_down)
-  manual = frozenset().union(*map(sharding.varying_axes, operands))
-  manual = tuple(sorted(manual | ({model_axis} if model_axis is not None else set())))
-  x, weights, ids, w_gate_up, w_down = (sharding.cast_varying(a, manual) for a in operands)
+  leaves, tree = jax.tree.flatten(operands)
+  x, weights, ids, w_gate_up, w_down = jax.tree.unflatten(tree, sharding.same_varying(
+      *leaves, also=() if model_axis is None else (model_axis,)))
   if axis is None:
     weights = layer.routed(weights, ids, e)
     out = form.call(plan, x, weights, w_gate_up, w_down, layer.dispatch(ids, e))
@@ -480,7 +485,9 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   names = (*data_axes, *(() if axis is None else (axis,)))
   split = tuple(a for a in (axis, model_axis) if a is not None)
   mesh = _mesh_with(names + (() if model_axis is None else (model_axis,)),
-                    (w_down, w_gate_up, x))
+                    (*jax.tree.leaves(w_down), *jax.tree.leaves(w_gate_up), x))
+  pairs = isinstance(w_gate_up, tuple)  # fp8 (values, scales): E split, nothing else
+  e = jax.tree.leaves(w_down)[0].shape[0]
   manual = [a for a in split if a in mesh.manual_axes]
   if manual:
     if len(manual) != len(split):
@@ -494,9 +501,9 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     return _sharded(plan, x, topk_weights, topk_ids, w_gate_up, w_down, axis=axis,
                     model_axis=model_axis, exchange=exchange, chunks=chunks,
                     form=form)
-  if axis is not None and w_down.shape[0] % mesh.shape[axis]:
+  if axis is not None and e % mesh.shape[axis]:
     raise ValueError(f"expert parallelism over {axis!r} ({mesh.shape[axis]} devices)"
-                     f" splits the experts evenly; got E = {w_down.shape[0]}")
+                     f" splits the experts evenly; got E = {e}")
   if model_axis is not None and w_down.shape[1] % (mesh.shape[model_axis] * f_multiple):
     what = "F evenly" if f_multiple == 1 else f"F in multiples of {f_multiple} (fp8 blocks)"
     raise ValueError(f"tensor parallelism over {model_axis!r} ({mesh.shape[model_axis]}"
@@ -511,12 +518,13 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
   P = jax.sharding.PartitionSpec
   tokens = P(sharding.entry(names))
-  specs = (tokens, tokens, tokens, P(axis, None, None, model_axis), P(axis, model_axis))
+  specs = (tokens, tokens, tokens) + (((P(axis),) * 2,) * 2 if pairs else (
+      P(axis, None, None, model_axis), P(axis, model_axis)))
   args = (x, topk_weights, topk_ids, w_gate_up, w_down)
   explicit = bool((set(names) | set(split)) & set(getattr(mesh, "explicit_axes", ())))
   if explicit:  # Explicit axes type every value: move them to the split they need
-    args = tuple(jax.sharding.reshard(a, jax.sharding.NamedSharding(mesh, spec))
-                 for a, spec in zip(args, specs))
+    args = jax.tree.map(lambda a, spec: jax.sharding.reshard(
+        a, jax.sharding.NamedSharding(mesh, spec)), args, specs)
   def body(x, weights, ids, w_gate_up, w_down):
     return _sharded(plan, x, weights, ids, w_gate_up, w_down, axis=axis,
                     model_axis=model_axis, exchange=exchange, chunks=chunks,
