@@ -25,7 +25,12 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
   moe_mlp/tp      tensor parallel instead: every device all the tokens and F/n of every
                   expert (w_gate_up as (E, D, 2, F) split on F, w_down on F), the partial
                   sums all-reduced; strong scaling only (not in the default list)
-On one device the variants are moe_mlp without an axis and "lax".
+  infer           the forward alone (an inference step), bf16 weights (not in the default
+                  list; its x one device is against its own one-device run)
+  infer/fp8       the forward with `quantize_experts` weights (quantized once, outside the
+                  step), rows exchanged as fp8 bytes; its speedup column is fp8's over
+                  "infer" (not in the default list)
+On one device the variants are moe_mlp without an axis, "lax" and the inference ones.
 Figures: ms per step (wall clock of back-to-back steps, rounds in rotated order, median),
 per-device tokens per second, weak efficiency t(1) / t(n) and strong speedup t(1) / t(n)
 (same per-device work for weak; the same problem for strong), moe_mlp's speedup over
@@ -53,8 +58,18 @@ from pallas_gemm import moe_mlp
 DTYPE = jnp.bfloat16
 AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
+INFERENCE = ("infer", "infer/fp8")
 VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp", "moe_mlp/all-slots") + tuple(
-    f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged"))
+    f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged")) + INFERENCE
+
+
+def baseline(variant: str) -> str | None:
+  """The variant a variant's speedup is taken against: moe_mlp's training step for the
+  training variants, "infer" for "infer/fp8" (reported as fp8's speedup), none for
+  "infer" and moe_mlp itself."""
+  if variant in ("moe_mlp", "infer"):
+    return None
+  return "infer" if variant == "infer/fp8" else "moe_mlp"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +91,7 @@ CONFIGS = {c.name: c for c in (
                   " experts XLA's autotuner runs out of memory (24-32 GiB asks) and the"
                   " call takes minutes to fail"),
 )}
-TINY = dict(tokens_per_device=32, d_model=64, d_ff=32, experts=8, top_k=2)
+TINY = dict(tokens_per_device=32, d_model=128, d_ff=128, experts=8, top_k=2)  # fp8: 128s
 
 
 def parse_args(argv):
@@ -145,8 +160,21 @@ def _all_slots(layer, *args):
     parallel.PAIR_HEADROOM = headroom
 
 
+def quantized(args, mesh):
+  """args with the expert weights as `quantize_experts` pairs, split as the weights were."""
+  from pallas_gemm.moe import quantize_experts  # noqa: PLC0415
+  params, *rest = args
+  pairs = jax.jit(quantize_experts)(*params)
+  if mesh is not None:
+    pairs = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P(AXIS))), pairs)
+  return (pairs, *rest)
+
+
 def step_fn(variant: str):
-  """One training step of the layer: value, gradients, SGD on the expert weights."""
+  """One training step of the layer: value, gradients, SGD on the expert weights. The
+  inference variants: the forward alone."""
+  if variant in INFERENCE:
+    return jax.jit(lambda params, x, weights, ids, ct: moe_mlp(x, weights, ids, *params))
   backend = "xla" if variant == "lax" else "auto"
   parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
   exchange = parts[1] if len(parts) > 1 and parts[1] in ("padded", "ragged") else "auto"
@@ -188,6 +216,8 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
       failed["moe_mlp/tp"] = "left out: every device runs all the tokens (strong scaling only)"
     else:
       arguments["moe_mlp/tp"] = tensor_parallel(args, n)
+  if "infer/fp8" in variants:
+    arguments["infer/fp8"] = quantized(args, mesh)
   if n == 1:  # one device: no exchange, one program
     variants = [v for v in variants if not v.startswith("moe_mlp/")]
   elif jax.default_backend() != "gpu":
@@ -210,8 +240,12 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
   for v, t in times.items():
     out[v] = dict(status="ok", ms=statistics.median(t), rounds_ms=t,
                   tokens_per_s_per_device=tokens / n / statistics.median(t) * 1e3)
-    if v != "moe_mlp" and "moe_mlp" in times:
-      r = ratio_stats(t, times["moe_mlp"])  # > 1: moe_mlp is faster
+    base = baseline(v)
+    if base == "infer" and base in times:
+      r = ratio_stats(times[base], t)  # > 1: fp8 is faster
+      out[v]["fp8_speedup"] = dict(median=r.median, spread=r.spread, verdict=r.verdict)
+    elif base is not None and base in times:
+      r = ratio_stats(t, times[base])  # > 1: moe_mlp is faster
       out[v]["moe_mlp_speedup"] = dict(median=r.median, spread=r.spread, verdict=r.verdict)
   return out
 
@@ -345,7 +379,7 @@ def main(args=None) -> int:
             one = row
         if one is not None:
           for v, r in row["variants"].items():
-            base = one["variants"].get("lax" if v == "lax" else "moe_mlp", {})
+            base = one["variants"].get(v if v == "lax" or v in INFERENCE else "moe_mlp", {})
             if r["status"] == "ok" and base.get("status") == "ok":
               r["vs_one_device"] = base["ms"] / r["ms"]  # weak: efficiency; strong: speedup
         results.append(row)
@@ -378,9 +412,13 @@ def markdown(results: list[dict], header: bool = True) -> str:
                      f" {v} | failed: {r['reason']} | | | |")
         continue
       sp = r.get("moe_mlp_speedup")
+      fp8 = r.get("fp8_speedup")
+      speedup = ("" if sp is None and fp8 is None else
+                 f"{sp['median']:.2f} ± {sp['spread']:.2f}" if sp is not None else
+                 f"fp8 {fp8['median']:.2f}x ± {fp8['spread']:.2f}")
       lines.append(
           f"| {label} | {row['scaling']} | {row['devices']} | {row['tokens']} | {v} |"
           f" {r['ms']:.3f} | {r['tokens_per_s_per_device']:.3g} |"
           f" {r.get('vs_one_device', float('nan')):.2f} |"
-          f" {'' if sp is None else f'{sp['median']:.2f} ± {sp['spread']:.2f}'} |")
+          f" {speedup} |")
   return "\n".join(lines)
