@@ -314,6 +314,25 @@ def test_receiver_branch_keeps_the_weights_out(rng):
   assert local_weights <= backward, backward
 
 
+def test_fp8_training_keeps_quantized_weights_for_the_backward(rng):
+  # precision="fp8" expert-parallel, the bf16 weights cast inside the step from float32
+  # masters: what the backward keeps of them is their fp8 copies (values and scales), not
+  # the bf16 casts, in both of step 4's branches (the full one recomputes its forward
+  # from the fp8 copies).
+  mesh = _mesh(4)
+  x, weights, ids, wgu, wd = _put(mesh, _problem(rng, 32, 128, 128, 8, 2,
+                                                  dtype=jnp.bfloat16))
+  masters = [jax.device_put(w.astype(jnp.float32), NamedSharding(mesh, P(AXIS)))
+             for w in (wgu, wd)]
+  layer = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend())
+  f = lambda a, b: layer(x, weights, ids, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16))  # noqa: E731
+  _, vjp = jax.vjp(f, *masters)
+  kept = [(a.dtype, tuple(a.shape)) for a in jax.tree.leaves(vjp)]
+  assert not {(jnp.dtype(jnp.bfloat16), tuple(w.shape)) for w in (wgu, wd)} & set(kept), kept
+  fp8 = {shape for dtype, shape in kept if dtype == jnp.float8_e4m3fn}
+  assert {(8, 256, 128), (8, 128, 128)} <= fp8, kept
+
+
 def test_chunks_exchange_on_their_own(rng):
   # Each chunk has its own exchanges (two per forward): the program of 3 chunks holds
   # three times one chunk's all-to-alls of rows, each of a third of the rows. Read from

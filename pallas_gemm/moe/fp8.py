@@ -147,19 +147,36 @@ def _infer(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispat
 INFER = layer.Form(_infer, None, None, send=send8, receive=receive8)
 
 
-def _quantize_k_major(w):
-  """(values, scales) of a weight w (E, K, N), K the forward's contraction: e4m3 values
-  K-major, (E, N, K), with 128x128 block scales (E, N/128, K/128), as quantize_experts
-  makes them."""
-  return _quantize_weight(jnp.swapaxes(w, 1, 2), jnp.float8_e4m3fn)
+@dataclasses.dataclass(frozen=True)
+class Weights8:
+  """A bf16 weight w (E, K, N), K the forward's contraction, as the training form reads
+  it: quantized once per call, e4m3 values K-major (E, N, K) with 128x128 block scales
+  (E, N/128, K/128), as `quantize_experts` makes them, and the weight's dtype (its
+  gradient's). The backward reads these instead of the weight: half its bytes kept."""
+  values: jax.Array
+  scales: jax.Array
+  dtype: Any
+
+  @classmethod
+  def of(cls, w):
+    values, scales = _quantize_weight(jnp.swapaxes(w, 1, 2), jnp.float8_e4m3fn)
+    return cls(values, scales, np.dtype(w.dtype))
+
+  def pair(self, transposed: bool = False):
+    """(values, scales); transposed, the same fp8 numbers and block scales read along
+    the other axis, for rows @ w[e]^T (a 128x128 block's amax does not depend on the
+    direction it is read in)."""
+    if not transposed:
+      return self.values, self.scales
+    return jnp.swapaxes(self.values, 1, 2), jnp.swapaxes(self.scales, 1, 2)
 
 
-def _transposed(q):
-  """A quantized weight read along its other axis, for rows @ w[e]^T: the same fp8
-  numbers and block scales, swapped (a 128x128 block's amax does not depend on the
-  direction it is read in)."""
-  values, scales = q
-  return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
+jax.tree_util.register_dataclass(Weights8, data_fields=["values", "scales"],
+                                 meta_fields=["dtype"])
+
+
+def _prepare8(w_gate_up, w_down):
+  return Weights8.of(w_gate_up), Weights8.of(w_down)
 
 
 def _product(plan: layer.Plan, group_sizes, dtype):
@@ -167,30 +184,25 @@ def _product(plan: layer.Plan, group_sizes, dtype):
   return lambda rows, q: _gemm(plan, rows, *q, group_sizes, dtype)
 
 
-def _forward8(plan, rows8, w_gate_up, w_down, group_sizes, dtype):
-  """(y, h, qs): the experts' forward on the quantized rows' pair (values, scales) with
-  the fp8 products, h and y in dtype; qs the weights' quantized copies, which the
-  backward reads instead of the weights."""
-  qs = _quantize_k_major(w_gate_up), _quantize_k_major(w_down)
-  y, h, _ = layer.experts_forward(plan, rows8, *qs, group_sizes,
-                                  _product(plan, group_sizes, dtype))
-  return y, h, qs
+def _train_forward(plan: layer.Plan, x, topk_weights, gate_up: Weights8, down: Weights8,
+                   d: layer.Dispatch):
+  """(out, (h, y)): the experts' forward on x's rows quantized with the fp8 products, h
+  and y in x's dtype."""
+  y, h, _ = layer.experts_forward(plan, _pair_rows8(x, d, jnp.float8_e4m3fn),
+                                  gate_up.pair(), down.pair(), d.group_sizes,
+                                  _product(plan, d.group_sizes, x.dtype))
+  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
-def _train_forward(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
-  y, h, qs = _forward8(plan, _pair_rows8(x, d, jnp.float8_e4m3fn), w_gate_up, w_down,
-                       d.group_sizes, x.dtype)
-  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y, qs)
-
-
-def _train_backward(plan, x, topk_weights, w_gate_up, w_down, d, saved, g):
-  """The gradients, the input gradients in fp8 on the forward's quantized weights (the
-  weights' values are not read; the weight gradients take their dtypes)."""
-  h, y, qs = saved
+def _train_backward(plan, x, topk_weights, gate_up: Weights8, down: Weights8, d, saved, g):
+  """The gradients, the input gradients in fp8 on the forward's quantized weights; the
+  weight gradients in the weights' dtypes."""
+  h, y = saved
   dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
   dxs, dw_gate_up, dw_down = layer.experts_backward(
-      plan, x[d.token], h, *(_transposed(q) for q in qs), d.group_sizes, dy,
-      _product(plan, d.group_sizes, x.dtype), w_dtypes=(w_gate_up.dtype, w_down.dtype))
+      plan, x[d.token], h, gate_up.pair(transposed=True), down.pair(transposed=True),
+      d.group_sizes, dy, _product(plan, d.group_sizes, x.dtype),
+      w_dtypes=(gate_up.dtype, down.dtype))
   dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down
 
@@ -199,7 +211,8 @@ def _train_backward(plan, x, topk_weights, w_gate_up, w_down, d, saved, g):
 def layer_fp8_train(plan: layer.Plan, x, topk_weights, w_gate_up, w_down,
                     d: layer.Dispatch):
   """out (T, D) of x (T, D) and bf16 experts, GEMMs in fp8 (module docstring)."""
-  return _train_forward(plan, x, topk_weights, w_gate_up, w_down, d)[0]
+  return _train_forward(plan, x, topk_weights, *_prepare8(w_gate_up, w_down), d)[0]
 
 
-TRAIN = layer.Form(layer_fp8_train, _train_forward, _train_backward).defvjp()
+TRAIN = layer.Form(layer_fp8_train, _train_forward, _train_backward,
+                   prepare=_prepare8).defvjp()

@@ -239,8 +239,12 @@ class Form:
   """A one-device layer and its two halves, for dataflows that pick between dispatches
   at run time and keep the residuals themselves (`parallel.py`):
     call(plan, x, topk_weights, w_gate_up, w_down, d) -> out, differentiable;
-    forward(same) -> (out, saved): saved, what the backward reads besides the operands;
-    backward(plan, x, topk_weights, w_gate_up, w_down, d, saved, g)
+    prepare(w_gate_up, w_down) -> what the halves read in the weights' place, made once
+      per call (the fp8 form's quantized copies, with the weights' dtypes; None: the
+      weights), and kept for the backward instead of the weights;
+    forward(plan, x, topk_weights, gate_up, down, d) -> (out, saved), gate_up and down
+      as prepared: saved, what the backward reads besides its arguments;
+    backward(plan, x, topk_weights, gate_up, down, d, saved, g)
       -> (dx, d topk_weights, d w_gate_up, d w_down);
     send(x, w_gate_up) -> the (T, W) array whose rows travel to other devices in x's
     place, and receive(rows, x, w_gate_up) -> what call takes as x again (None: x's rows
@@ -249,14 +253,20 @@ class Form:
   call: Any
   forward: Any
   backward: Any
+  prepare: Any = None
   send: Any = None
   receive: Any = None
+
+  def prepared(self, w_gate_up, w_down):
+    """(gate_up, down): the weights as forward and backward read them."""
+    return (w_gate_up, w_down) if self.prepare is None else self.prepare(w_gate_up, w_down)
 
   def defvjp(self):
     """Makes `call` (a custom_vjp) differentiate through forward and backward."""
     def fwd(plan, x, topk_weights, w_gate_up, w_down, d):
-      out, saved = self.forward(plan, x, topk_weights, w_gate_up, w_down, d)
-      return out, (x, topk_weights, w_gate_up, w_down, d, saved)
+      gate_up, down = self.prepared(w_gate_up, w_down)
+      out, saved = self.forward(plan, x, topk_weights, gate_up, down, d)
+      return out, (x, topk_weights, gate_up, down, d, saved)
 
     def bwd(plan, residuals, g):  # the dispatch is integer: no cotangent
       return (*self.backward(plan, *residuals, g), None)

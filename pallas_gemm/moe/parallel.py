@@ -30,8 +30,8 @@ per-pair passes would run over, n times a device's share of the pairs under even
 routing; so step 4 keeps the pairs of this device's experts in PAIR_HEADROOM times that
 share where they fit, and runs every slot where they do not (a branch each device takes
 on its own count; the full branch recomputes its forward in the backward rather than
-store it, from the weights, which therefore stay alive until the backward even for the
-fp8 form): the same values either way, dropless.
+store it, from the weights as the form prepares them outside the branch: the fp8
+form's quantized copies, not the bf16 weights): the same values either way, dropless.
 
 Two exchanges do steps 3 and 5 (the `exchange` argument):
 - "ragged": `jax.lax.ragged_all_to_all`, which moves exactly the rows routed (XLA:GPU; XLA's
@@ -267,37 +267,39 @@ def _capped(form, plan, cap, x, weights, w_gate_up, w_down, d):
 
 
 def _capped_fwd(form, plan, cap, x, weights, w_gate_up, w_down, d):
-  # The residuals are the operands and what the capped forward saved, kept outside the
-  # branch (a cond's outputs are copies: the weights would be copied every step). The
-  # full path saves nothing (zeros in the capped path's shapes): its backward recomputes.
+  # The residuals are the operands (the weights as the form prepares them: the fp8 form's
+  # quantized copies) and what the capped forward saved, kept outside the branch (a
+  # cond's outputs are copies: the weights would be copied every step). The full path
+  # saves nothing (zeros in the capped path's shapes): its backward recomputes.
   fits, small = _fits(d, cap), _cut(d, cap)
+  gate_up, down = form.prepared(w_gate_up, w_down)
   saved_shapes = jax.eval_shape(lambda *a: form.forward(plan, *a, small)[1],
-                                x, weights, w_gate_up, w_down)
+                                x, weights, gate_up, down)
   vary = frozenset().union(*(sharding.varying_axes(a) for a in (x, weights, w_gate_up,
                                                                   w_down, d.inverse)))
   typed = lambda tree: jax.tree.map(  # noqa: E731 - one type for both branches' outputs
       lambda a: sharding.cast_varying(a, tuple(sorted(vary))), tree)
 
   def capped():
-    return typed(form.forward(plan, x, weights, w_gate_up, w_down, small))
+    return typed(form.forward(plan, x, weights, gate_up, down, small))
 
   def full():
-    out = form.call(plan, x, weights, w_gate_up, w_down, d)
+    out = form.forward(plan, x, weights, gate_up, down, d)[0]
     return typed((out, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), saved_shapes)))
 
   out, saved = jax.lax.cond(fits, capped, full)
-  return out, (x, weights, w_gate_up, w_down, d, saved)
+  return out, (x, weights, gate_up, down, d, saved)
 
 
 def _capped_bwd(form, plan, cap, residuals, g):
-  x, weights, w_gate_up, w_down, d, saved = residuals
+  x, weights, gate_up, down, d, saved = residuals
 
   def capped():
-    return form.backward(plan, x, weights, w_gate_up, w_down, _cut(d, cap), saved, g)
+    return form.backward(plan, x, weights, gate_up, down, _cut(d, cap), saved, g)
 
-  def full():
-    _, vjp = jax.vjp(lambda *a: form.call(plan, *a, d), x, weights, w_gate_up, w_down)
-    return vjp(g)
+  def full():  # the forward again, from the prepared weights
+    again = form.forward(plan, x, weights, gate_up, down, d)[1]
+    return form.backward(plan, x, weights, gate_up, down, d, again, g)
 
   return (*jax.lax.cond(_fits(d, cap), capped, full), None)
 
