@@ -17,6 +17,11 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
   moe_mlp/padded/2, moe_mlp/ragged/2, .../4  the same with each device's tokens in 2 (4)
                   chunks (exchange_chunks), each exchanged on its own so that one chunk's
                   exchanges can run under another's GEMMs (not in the default list)
+  moe_mlp/lhs, moe_mlp/lhs/2, moe_mlp/lhs/4  the step compiled with XLA's latency-hiding
+                  scheduler (jax.jit(compiler_options=
+                  {"xla_gpu_enable_latency_hiding_scheduler": True}); off by default in
+                  XLA:GPU), which may move a collective under independent compute: one
+                  chunk, 2, 4 (not in the default list)
   lax             moe_mlp's layout and exchange with jax.lax.ragged_dot as the grouped
                   GEMM (backend="xla")
   moe_mlp/all-slots  step 4's per-pair passes over every slot of the receive buffer
@@ -60,7 +65,10 @@ AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
 INFERENCE = ("infer", "infer/fp8")
 VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp", "moe_mlp/all-slots") + tuple(
-    f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged")) + INFERENCE
+    f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged")) + (
+    "moe_mlp/lhs", "moe_mlp/lhs/2", "moe_mlp/lhs/4") + INFERENCE
+# The option of the "lhs" variants: XLA:GPU schedules collectives without it by default.
+LATENCY_HIDING = {"xla_gpu_enable_latency_hiding_scheduler": True}
 
 
 def baseline(variant: str) -> str | None:
@@ -176,9 +184,10 @@ def step_fn(variant: str):
   if variant in INFERENCE:
     return jax.jit(lambda params, x, weights, ids, ct: moe_mlp(x, weights, ids, *params))
   backend = "xla" if variant == "lax" else "auto"
-  parts = variant.split("/")  # moe_mlp[/exchange[/chunks]]
-  exchange = parts[1] if len(parts) > 1 and parts[1] in ("padded", "ragged") else "auto"
-  chunks = int(parts[2]) if len(parts) > 2 else 1
+  parts = variant.split("/")[1:]  # moe_mlp[/exchange][/lhs][/chunks]
+  exchange = next((p for p in parts if p in ("padded", "ragged")), "auto")
+  chunks = next((int(p) for p in parts if p.isdigit()), 1)
+  options = LATENCY_HIDING if "lhs" in parts else None
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
   if variant == "moe_mlp/all-slots":
@@ -193,7 +202,7 @@ def step_fn(variant: str):
     params = jax.tree.map(lambda p, gp: (p - 1e-3 * gp).astype(p.dtype), params, g)
     return params, value, dx, dw
 
-  return jax.jit(step)
+  return jax.jit(step, compiler_options=options)
 
 
 def _reason(e: Exception) -> str:
