@@ -134,6 +134,21 @@ def test_inside_shard_map(rng):
   _compare(rng, _problem(rng, 16, 16, 8, 8, 2), mesh, exchange="auto", layer=sharded)
 
 
+def test_inside_shard_map_over_data_only(rng):
+  # A user's shard_map over a data axis, every expert whole on every device: the
+  # one-device layer on each device's tokens, the weight gradients summed over the axis.
+  mesh = _mesh((4,), ("data",))
+  layer = functools.partial(pallas_gemm.moe_mlp, precision=jax.lax.Precision.HIGHEST,
+                            backend=_backend())
+
+  def sharded(x, w, ids, a, b):
+    return jax.shard_map(layer, mesh=mesh, in_specs=(P("data"),) * 3 + (P(),) * 2,
+                         out_specs=P("data"))(x, w, ids, a, b)
+
+  _compare(rng, _problem(rng, 32, 16, 8, 8, 2), mesh, exchange="auto", layer=sharded,
+           tokens=P("data"), experts=P())
+
+
 @pytest.mark.parametrize("skewed", [False, True])
 def test_inside_shard_map_over_data_and_expert(rng, skewed):
   # A user's shard_map over (data, expert): tokens split over both axes, each expert's
@@ -474,6 +489,17 @@ def test_fp8_experts_data_axes(rng):
     got = jax.jit(functools.partial(pallas_gemm.moe_mlp, backend=_backend(),
                                     data_axes="data"))(*args)
   _fp8_check(got, want, args)
+
+
+@pytest.mark.parametrize("argnum", [0, 1])
+def test_fp8_experts_expert_parallel_have_no_gradient(rng, argnum):
+  # As on one device: a TypeError, not zeros (the rows travel as bytes, which carry none).
+  mesh = _mesh(4)
+  args, _ = _fp8_problem(rng)
+  x, weights, ids, gu8, dn8 = _split_experts(mesh, args)
+  loss = lambda x, w: jnp.sum(pallas_gemm.moe_mlp(x, w, ids, gu8, dn8, backend=_backend()))  # noqa: E731
+  with pytest.raises(TypeError, match="inference only"):
+    jax.jit(jax.grad(loss, argnums=argnum))(x, weights)
 
 
 def test_fp8_experts_tensor_parallel_is_refused(rng):

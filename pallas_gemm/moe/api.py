@@ -50,13 +50,14 @@ The dataflow and why it never scatters: `layer.py`.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.core import checks
+from pallas_gemm.core import checks, sharding
 from pallas_gemm.grouped import BACKENDS
 from pallas_gemm.moe import fp8, layer, parallel
 
@@ -256,10 +257,13 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
             " local (E, D, 2F/n) cannot be told apart from one); give it as (E, D, 2, F),"
             " w_gate_up.reshape(E, D, 2, F), split on its last dim")
       w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 if gated else 1, f))
-    out = parallel.run(plan, x2, weights2, ids2, w_gate_up, w_down, axis=axis,
-                       data_axes=data, model_axis=model, exchange=exchange,
-                       chunks=int(exchange_chunks), form=form,
-                       f_multiple=fp8.BLOCK if fp8_training else 1)
+    run = functools.partial(parallel.run, plan, axis=axis, data_axes=data,
+                            model_axis=model, exchange=exchange,
+                            chunks=int(exchange_chunks), form=form,
+                            f_multiple=fp8.BLOCK if fp8_training else 1)
+    if quantized:
+      run = fp8.inference_only(run)
+    out = run(x2, weights2, ids2, w_gate_up, w_down)
     return out.reshape((*lead, d))
   if pair_axis:
     w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 * f))
@@ -267,5 +271,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   d_ = layer.dispatch(ids2, e)
   if quantized:
     w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
+  # Inside a user's jax.shard_map (tokens split over an axis the weights are whole on):
+  # one set of manual axes for every operand, so a weight's gradient is summed over them.
+  leaves, tree = jax.tree.flatten((x2, weights2, w_gate_up, w_down, d_))
+  x2, weights2, w_gate_up, w_down, d_ = jax.tree.unflatten(
+      tree, sharding.same_varying(*leaves))
   out = form.call(plan, x2, weights2, w_gate_up, w_down, d_)
   return out.reshape((*lead, d))

@@ -19,8 +19,8 @@ treats quantization as the identity in its gradients (straight through):
 - input gradients: both in fp8, the cotangents quantized to e4m3 in 1x128 blocks, the
   weights the forward's fp8 copies transposed: a 128x128 block holds the same values
   read either way, so its scale is the same too, and each weight is quantized once per
-  step (as `fp8_dot_general` does), its fp8 copy kept for the backward (half the
-  weight's bytes in bf16);
+  call of the layer (as `fp8_dot_general` does; expert-parallel with exchange_chunks,
+  once per chunk), its fp8 copy kept for the backward (half the weight's bytes in bf16);
 - weight gradients: in the weights' dtype on the bf16 weight-gradient kernel, as
   `fp8_dot_general(wgrad="input")`, the faster dense step.
 D and F must be multiples of 128, the scale blocks along every contraction.
@@ -129,12 +129,21 @@ def _fwd(plan, *args):
   return layer_fp8(plan, *args), None
 
 
-def _bwd(plan, residuals, g):
+def _no_gradient(*_):
   raise TypeError("moe_mlp with quantized expert weights (quantize_experts) is inference"
                   " only: it has no gradient; differentiate the bf16 form instead")
 
 
-layer_fp8.defvjp(_fwd, _bwd)
+layer_fp8.defvjp(_fwd, _no_gradient)
+
+
+def inference_only(fn):
+  """fn, whose gradient is the TypeError of `layer_fp8`'s: for dataflows around the fp8
+  inference form that would otherwise differentiate its other steps (the rows travel as
+  bytes, which carry no gradient: d x would be zeros)."""
+  f = jax.custom_vjp(fn)
+  f.defvjp(lambda *args: (fn(*args), None), _no_gradient)
+  return f
 
 
 def _infer(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
@@ -150,7 +159,7 @@ INFER = layer.Form(_infer, None, None, send=send8, receive=receive8)
 @dataclasses.dataclass(frozen=True)
 class Weights8:
   """A bf16 weight w (E, K, N), K the forward's contraction, as the training form reads
-  it: quantized once per call, e4m3 values K-major (E, N, K) with 128x128 block scales
+  it: quantized once per layer call, e4m3 values K-major (E, N, K) with 128x128 block scales
   (E, N/128, K/128), as `quantize_experts` makes them, and the weight's dtype (its
   gradient's). The backward reads these instead of the weight: half its bytes kept."""
   values: jax.Array

@@ -283,8 +283,8 @@ def _capped_fwd(form, plan, cap, x, weights, w_gate_up, w_down, d):
   def capped():
     return typed(form.forward(plan, x, weights, gate_up, down, small))
 
-  def full():
-    out = form.forward(plan, x, weights, gate_up, down, d)[0]
+  def full():  # the primal alone (the bf16 layer's kernels then write no h)
+    out = form.call(plan, x, weights, w_gate_up, w_down, d)
     return typed((out, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), saved_shapes)))
 
   out, saved = jax.lax.cond(fits, capped, full)
@@ -317,7 +317,8 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   through the steps on its own: no chunk's values depend on another's, so XLA may run one
   chunk's exchanges while another's GEMMs run. The weight gradients are the sum of the
   chunks'. form: the one-device layer each device runs on the rows it received
-  (`layer.LAYER`, or the fp8 training form `fp8.TRAIN`)."""
+  (`layer.LAYER`, the fp8 training form `fp8.TRAIN`, or the fp8 inference form
+  `fp8.INFER`, whose rows travel quantized)."""
   t = x.shape[0]
   chunks = max(1, min(chunks, t))
   if chunks > 1:
@@ -447,10 +448,11 @@ def _mesh_with(names: tuple[str, ...], arrays):
 def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exchange,
              chunks, form):
   """One device's layer inside the manual axes: w_gate_up (E_l, D, G, F_l), G = 2 for
-  [gate | up] and 1 otherwise. Expert-parallel over `axis` (if any); over `model_axis`
-  (if any) each device holds F_l of F and all of the device group's tokens: its partial
-  sums, in the result's dtype, are added over the axis (one all-reduce of (T_l, D), as a
-  row-parallel linear layer's; the backward all-reduces d x)."""
+  [gate | up] and 1 otherwise (or, fp8 inference, the pairs of E_l experts).
+  Expert-parallel over `axis` (if any); over `model_axis` (if any) each device holds F_l
+  of F and all of the device group's tokens: its partial sums, in the result's dtype,
+  are added over the axis (one all-reduce of (T_l, D), as a row-parallel linear layer's;
+  the backward all-reduces d x)."""
   if not isinstance(w_gate_up, tuple):  # fp8 pairs (values, scales) come as they are
     e, d, g, f = w_gate_up.shape
     w_gate_up = w_gate_up.reshape(e, d, g * f)  # this device's [gate_l | up_l]
@@ -478,12 +480,13 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   """The layer on x (T, D) with its tokens split over data_axes + (axis,), with an
   expert axis the experts over it, and with a model axis F over it (tensor parallel).
   w_gate_up comes as (E, D, G, F): G = 2 for [gate | up], 1 otherwise, so that a split
-  of F keeps each device's gate and up columns together. Inside a manual `axis` or
-  `model_axis` (a user's jax.shard_map): this device's shard. Otherwise a
-  `jax.shard_map` over those axes: expert-parallel over `axis`, each group of devices
-  along data_axes on its own tokens (no communication), and without an expert axis each
-  device runs form (`layer.LAYER` or `fp8.TRAIN`), whose F must be a multiple of
-  f_multiple on each device."""
+  of F keeps each device's gate and up columns together; for the fp8 inference form
+  (`fp8.INFER`) both weights are `quantize_experts` pairs, split on E only. Inside a
+  manual `axis` or `model_axis` (a user's jax.shard_map): this device's shard.
+  Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`, each group
+  of devices along data_axes on its own tokens (no communication), and without an
+  expert axis each device runs form (`layer.LAYER`, `fp8.TRAIN` or `fp8.INFER`), whose
+  F must be a multiple of f_multiple on each device."""
   names = (*data_axes, *(() if axis is None else (axis,)))
   split = tuple(a for a in (axis, model_axis) if a is not None)
   mesh = _mesh_with(names + (() if model_axis is None else (model_axis,)),
