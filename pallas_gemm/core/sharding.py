@@ -48,12 +48,14 @@ def cast_varying(a, axes):
 
 
 def same_varying(*operands, also=()) -> list:
-  """The operands typed as varying over every manual axis any of them varies over (and
-  the axes `also`), as lax's binary ops make theirs: one set for a kernel or a custom
-  derivative. A value invariant over an axis is then used on each of its devices; the
-  cast's transpose sums its gradient over them."""
-  axes = frozenset(also).union(*map(varying_axes, operands))
-  return [cast_varying(a, tuple(sorted(axes))) for a in operands]
+  """The operands (arrays or pytrees of them) with every array typed as varying over
+  every manual axis any of them varies over (and the axes `also`), as lax's binary ops
+  make theirs: one set for a kernel or a custom derivative. A value invariant over an
+  axis is then used on each of its devices; the cast's transpose sums its gradient over
+  them."""
+  leaves, tree = jax.tree.flatten(list(operands))
+  axes = tuple(sorted(frozenset(also).union(*map(varying_axes, leaves))))
+  return jax.tree.unflatten(tree, [cast_varying(a, axes) for a in leaves])
 
 
 def auto_axes() -> tuple[str, ...]:

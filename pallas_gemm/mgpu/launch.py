@@ -82,9 +82,9 @@ def call(kernel, *operands, interpret):
     params = (interpret if isinstance(interpret, plgpu.InterpretGPUParams)
               else plgpu.InterpretGPUParams())
     kernel = _interpreted(kernel, params)
-  if not frozenset().union(*map(sharding.varying_axes, operands)):
-    return kernel(*operands)
   operands = sharding.same_varying(*operands)
+  if not sharding.varying_axes(operands[0]):  # outside shard_map: one set, empty
+    return kernel(*operands)
   plain = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in operands]
   # One trace on plain avals gives the results' types and, in interpret mode, the
   # interpreter's effects (a GPU kernel has none to declare).

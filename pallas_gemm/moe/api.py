@@ -273,8 +273,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
   # Inside a user's jax.shard_map (tokens split over an axis the weights are whole on):
   # one set of manual axes for every operand, so a weight's gradient is summed over them.
-  leaves, tree = jax.tree.flatten((x2, weights2, w_gate_up, w_down, d_))
-  x2, weights2, w_gate_up, w_down, d_ = jax.tree.unflatten(
-      tree, sharding.same_varying(*leaves))
+  x2, weights2, w_gate_up, w_down, d_ = sharding.same_varying(x2, weights2, w_gate_up,
+                                                              w_down, d_)
   out = form.call(plan, x2, weights2, w_gate_up, w_down, d_)
   return out.reshape((*lead, d))

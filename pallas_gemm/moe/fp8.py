@@ -72,29 +72,36 @@ def _gemm(plan: layer.Plan, rows, w8, w_scales, group_sizes, dtype):
 
 
 @dataclasses.dataclass(frozen=True)
-class Rows8:
-  """Rows quantized before they reach the layer (on another device: `send8`): fp8 values
-  (T, D), their 1x128 block scales (T, D/128), and the dtype the rows had, which the
-  layer's intermediates take. Has x's `dtype` and `shape`, so the layer reads either."""
+class Quantized:
+  """An array quantized before the layer's GEMMs read it, and the dtype it had:
+  - rows (`receive8`: quantized on the device that sent them): fp8 values (T, D) and
+    1x128 block scales (T, D/128); dtype, which the layer's intermediates take (x's);
+  - a weight w (E, K, N) of the training form (`_prepare8`), K the forward's
+    contraction: e4m3 values K-major (E, N, K) with 128x128 block scales (E, N/128,
+    K/128), as `quantize_experts` makes them, quantized once per layer call; dtype, its
+    gradient's. The backward reads these instead of the weight: half its bytes kept."""
   values: jax.Array
   scales: jax.Array
   dtype: Any
 
-  @property
-  def shape(self):
-    return self.values.shape
+  def pair(self, transposed: bool = False):
+    """(values, scales); transposed (a weight), the same fp8 numbers and block scales
+    read along the other axis, for rows @ w[e]^T (a 128x128 block's amax does not
+    depend on the direction it is read in)."""
+    if not transposed:
+      return self.values, self.scales
+    return jnp.swapaxes(self.values, 1, 2), jnp.swapaxes(self.scales, 1, 2)
 
 
-jax.tree_util.register_dataclass(Rows8, data_fields=["values", "scales"],
+jax.tree_util.register_dataclass(Quantized, data_fields=["values", "scales"],
                                  meta_fields=["dtype"])
 
 
 def _pair_rows8(x, d: layer.Dispatch, dtype):
   """quantize(x[d.token]) as x's T rows quantized, then gathered: a 1x128 block lies in one
   row, so the values and scales are the same, for a quantize of T rows instead of T * k
-  and a gather of fp8 bytes instead of x's. x: the rows, or `Rows8`."""
-  values, scales = ((x.values, x.scales) if isinstance(x, Rows8)
-                    else fp8_ops.quantize(x, dtype))
+  and a gather of fp8 bytes instead of x's. x: the rows, or their `Quantized`."""
+  values, scales = x.pair() if isinstance(x, Quantized) else fp8_ops.quantize(x, dtype)
   return values[d.token], scales[d.token]
 
 
@@ -108,12 +115,13 @@ def send8(x, w_gate_up):
   return jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), as_bytes], axis=1)
 
 
-def receive8(rows, x, w_gate_up) -> Rows8:
-  """The rows that `send8` packed from x's, as `Rows8`."""
+def receive8(rows, x, w_gate_up) -> Quantized:
+  """The rows that `send8` packed from x's, as `Quantized`."""
   d_model = x.shape[1]
   values = jax.lax.bitcast_convert_type(rows[:, :d_model], w_gate_up[0].dtype)
   scales = rows[:, d_model:].reshape(rows.shape[0], d_model // BLOCK, 4)
-  return Rows8(values, jax.lax.bitcast_convert_type(scales, jnp.float32), np.dtype(x.dtype))
+  return Quantized(values, jax.lax.bitcast_convert_type(scales, jnp.float32),
+                   np.dtype(x.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -148,7 +156,7 @@ def inference_only(fn):
 
 def _infer(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispatch):
   """`layer_fp8` as a `layer.Form` calls it: the weights as (values, scales) pairs; x the
-  rows, or `Rows8`."""
+  rows, or their `Quantized`."""
   return layer_fp8(plan, x, topk_weights, *w_gate_up, *w_down, d)
 
 
@@ -156,36 +164,13 @@ def _infer(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispat
 INFER = layer.Form(_infer, None, None, send=send8, receive=receive8)
 
 
-@dataclasses.dataclass(frozen=True)
-class Weights8:
-  """A bf16 weight w (E, K, N), K the forward's contraction, as the training form reads
-  it: quantized once per layer call, e4m3 values K-major (E, N, K) with 128x128 block scales
-  (E, N/128, K/128), as `quantize_experts` makes them, and the weight's dtype (its
-  gradient's). The backward reads these instead of the weight: half its bytes kept."""
-  values: jax.Array
-  scales: jax.Array
-  dtype: Any
-
-  @classmethod
-  def of(cls, w):
-    values, scales = _quantize_weight(jnp.swapaxes(w, 1, 2), jnp.float8_e4m3fn)
-    return cls(values, scales, np.dtype(w.dtype))
-
-  def pair(self, transposed: bool = False):
-    """(values, scales); transposed, the same fp8 numbers and block scales read along
-    the other axis, for rows @ w[e]^T (a 128x128 block's amax does not depend on the
-    direction it is read in)."""
-    if not transposed:
-      return self.values, self.scales
-    return jnp.swapaxes(self.values, 1, 2), jnp.swapaxes(self.scales, 1, 2)
-
-
-jax.tree_util.register_dataclass(Weights8, data_fields=["values", "scales"],
-                                 meta_fields=["dtype"])
-
-
 def _prepare8(w_gate_up, w_down):
-  return Weights8.of(w_gate_up), Weights8.of(w_down)
+  """The training form's weights, each quantized once (`Quantized`)."""
+  def of(w):
+    values, scales = _quantize_weight(jnp.swapaxes(w, 1, 2), jnp.float8_e4m3fn)
+    return Quantized(values, scales, np.dtype(w.dtype))
+
+  return of(w_gate_up), of(w_down)
 
 
 def _product(plan: layer.Plan, group_sizes, dtype):
@@ -193,7 +178,7 @@ def _product(plan: layer.Plan, group_sizes, dtype):
   return lambda rows, q: _gemm(plan, rows, *q, group_sizes, dtype)
 
 
-def _train_forward(plan: layer.Plan, x, topk_weights, gate_up: Weights8, down: Weights8,
+def _train_forward(plan: layer.Plan, x, topk_weights, gate_up: Quantized, down: Quantized,
                    d: layer.Dispatch):
   """(out, (h, y)): the experts' forward on x's rows quantized with the fp8 products, h
   and y in x's dtype."""
@@ -203,7 +188,7 @@ def _train_forward(plan: layer.Plan, x, topk_weights, gate_up: Weights8, down: W
   return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
-def _train_backward(plan, x, topk_weights, gate_up: Weights8, down: Weights8, d, saved, g):
+def _train_backward(plan, x, topk_weights, gate_up: Quantized, down: Quantized, d, saved, g):
   """The gradients, the input gradients in fp8 on the forward's quantized weights; the
   weight gradients in the weights' dtypes."""
   h, y = saved

@@ -330,7 +330,7 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   n = jax.lax.axis_size(axis)
   me = jax.lax.axis_index(axis)
   t, k = topk_ids.shape
-  experts_local = jax.tree.leaves(w_down)[0].shape[0]
+  experts_local = _experts(w_down)
   if experts_local * n > 2 ** 24:
     raise ValueError(f"expert parallelism sends expert ids as float32, exact below 2^24;"
                      f" got E = {experts_local * n}")
@@ -369,6 +369,11 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   back = move_fn(partial, fresh(jnp.zeros((t * n, x.shape[1]), partial.dtype)), recv_off,
                  recv_sizes, return_off, send_sizes, axis_name=axis)   # step 5
   return layer.combine_pairs(back, wanted.astype(jnp.float32), d, plan.out_dtype)  # step 6
+
+
+def _experts(w_down) -> int:
+  """E of w_down, an array or a `quantize_experts` pair (values, scales)."""
+  return jax.tree.leaves(w_down)[0].shape[0]
 
 
 def _dim_axes(a, dim: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -456,14 +461,12 @@ def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exch
   if not isinstance(w_gate_up, tuple):  # fp8 pairs (values, scales) come as they are
     e, d, g, f = w_gate_up.shape
     w_gate_up = w_gate_up.reshape(e, d, g * f)  # this device's [gate_l | up_l]
-  e = jax.tree.leaves(w_down)[0].shape[0]
+  e = _experts(w_down)
   # One set of manual axes for every operand, the model axis included (the tokens are the
   # same on each of its devices, the products not): a weight whole on the devices of a
   # data axis (the tokens split over it) gets the sum of their gradients.
-  operands = (x, weights, ids, w_gate_up, w_down)
-  leaves, tree = jax.tree.flatten(operands)
-  x, weights, ids, w_gate_up, w_down = jax.tree.unflatten(tree, sharding.same_varying(
-      *leaves, also=() if model_axis is None else (model_axis,)))
+  x, weights, ids, w_gate_up, w_down = sharding.same_varying(
+      x, weights, ids, w_gate_up, w_down, also=() if model_axis is None else (model_axis,))
   if axis is None:
     weights = layer.routed(weights, ids, e)
     out = form.call(plan, x, weights, w_gate_up, w_down, layer.dispatch(ids, e))
@@ -492,7 +495,7 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   mesh = _mesh_with(names + (() if model_axis is None else (model_axis,)),
                     (*jax.tree.leaves(w_down), *jax.tree.leaves(w_gate_up), x))
   pairs = isinstance(w_gate_up, tuple)  # fp8 (values, scales): E split, nothing else
-  e = jax.tree.leaves(w_down)[0].shape[0]
+  e = _experts(w_down)
   manual = [a for a in split if a in mesh.manual_axes]
   if manual:
     if len(manual) != len(split):
