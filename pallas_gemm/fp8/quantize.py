@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_gemm.core import primitive, sharding
 from pallas_gemm.fp8 import checks, mosaic_quantize, partition
@@ -154,7 +155,11 @@ def _quantize(x3, *, dtype, block):
   padded_m = scale_rows * rows
   if padded_m != m:  # a partial last block of rows: zeros do not change its amax
     x3 = jnp.pad(x3, ((0, 0), (0, padded_m - m), (0, 0)))
-  blocks = x3.reshape(b, scale_rows, rows, scale_cols, block_k)
+  # Under Explicit mesh axes the reshapes name their result's sharding: each block
+  # dimension keeps the split of the dimension it came from (a weight split over its
+  # experts stays split over them).
+  sb, sm, sk = jax.typeof(x3).sharding.spec
+  blocks = _reshape(x3, (b, scale_rows, rows, scale_cols, block_k), (sb, sm, None, sk, None))
   # The amax in x's own dtype (abs, max and isfinite are exact in any float type), so
   # that both passes read x as it is and convert inside their fusions: a float32 x read
   # by the reduction and by the scaled cast is one XLA materializes, twice a bf16 x's
@@ -167,4 +172,12 @@ def _quantize(x3, *, dtype, block):
   scaled = blocks.astype(jnp.float32) * inverse[:, :, None, :, None]
   limit = saturation(e, dtype)[:, :, None, :, None]
   values = jnp.clip(scaled, -limit, limit).astype(dtype)  # clip keeps NaN
-  return values.reshape(b, padded_m, k)[:, :m], scales
+  return _reshape(values, (b, padded_m, k), (sb, sm, sk))[:, :m], scales
+
+
+def _reshape(x, shape, spec):
+  """x.reshape(shape), typed with the given partition spec where x is explicitly sharded."""
+  if not sharding.explicitly_sharded(x):
+    return x.reshape(shape)
+  mesh = jax.typeof(x).sharding.mesh
+  return jax.lax.reshape(x, shape, out_sharding=NamedSharding(mesh, P(*spec)))
