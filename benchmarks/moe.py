@@ -10,10 +10,6 @@ Variants, each given the same routing (topk weights and ids: the router is not t
   moe_mlp/two-pass  the same layer with its first grouped GEMM and SwiGLU as two passes
                     (grouped GEMM writing h, then an elementwise pass) instead of the gated
                     kernel, where that runs
-  moe_mlp/y-kept    the same layer with the router weights' gradient taken as <y, g> from
-                    the expert outputs y (R, D) kept as a residual (a pass over R x D)
-                    instead of moe_mlp's <a, g w_down^T> (an (R, F) dot inside the
-                    activation's backward fusion)
   moe_mlp/fp8       moe_mlp's fp8 inference form (fwd only): expert weights quantized once
                     outside the timed call (`moe.quantize_experts`), activations in the call
   moe_mlp/fp8-train moe_mlp(precision="fp8"): bf16 master weights quantized in the call,
@@ -92,7 +88,7 @@ def parse_args(argv):
                  help=f"comma-separated names from {list(CONFIGS)}")
   p.add_argument("--modes", default=",".join(MODES), help="fwd, fwd+bwd")
   p.add_argument("--variants", default=None,
-                 help="comma-separated subset of moe_mlp, moe_mlp/two-pass, moe_mlp/y-kept, moe_mlp/fp8,"
+                 help="comma-separated subset of moe_mlp, moe_mlp/two-pass, moe_mlp/fp8,"
                       " moe_mlp/fp8-train,"
                       " unfused/pallas_gemm, unfused/tokamax, unfused/lax, dense (default: all"
                       " that can run)")
@@ -139,37 +135,6 @@ def two_pass(backend, x, topk_weights, topk_ids, w_gate_up, w_down):
                          moe_layer.dispatch(topk_ids, w_down.shape[0]))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _y_kept(plan, x, topk_weights, w_gate_up, w_down, d):
-  return moe_layer.layer(plan, x, topk_weights, w_gate_up, w_down, d)
-
-
-def _y_kept_forward(plan, x, topk_weights, w_gate_up, w_down, d):
-  y, h, a = moe_layer.experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes)
-  return moe_layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, a, y)
-
-
-def _y_kept_backward(plan, x, topk_weights, w_gate_up, w_down, d, saved, g):
-  h, a, y = saved
-  dy, dweights = moe_layer.combine_backward(y, topk_weights, d, g, x.dtype)
-  ones = jnp.ones(dy.shape[:1], jnp.float32)  # dy is weighted already
-  dxs, _, dw_gate_up, dw_down = moe_layer.experts_backward(
-      plan, x[d.token], h, w_gate_up, w_down, d.group_sizes, dy, ones, a=a)
-  return (moe_layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype), dweights,
-          dw_gate_up, dw_down)
-
-
-moe_layer.Form(_y_kept, _y_kept_forward, _y_kept_backward).defvjp()
-
-
-def y_kept(backend, x, topk_weights, topk_ids, w_gate_up, w_down):
-  """moe_mlp's layer (SwiGLU) with the router weights' gradient read from y (R, D)."""
-  plan = moe_layer.Plan(activation="swiglu", precision=None, out_dtype=x.dtype,
-                        backend=backend)
-  return _y_kept(plan, x, moe_layer.routed(topk_weights, topk_ids, w_down.shape[0]),
-                 w_gate_up, w_down, moe_layer.dispatch(topk_ids, w_down.shape[0]))
-
-
 def dense(x, topk_weights, topk_ids, w_gate_up, w_down):
   """x (T * k, D) through one expert's weights: the layer's FLOPs with no routing."""
   del topk_weights, topk_ids
@@ -197,7 +162,6 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
       "dense": dense,
   }
   fns["moe_mlp/two-pass"] = functools.partial(two_pass, backend)
-  fns["moe_mlp/y-kept"] = functools.partial(y_kept, backend)
   fns["moe_mlp/fp8-train"] = functools.partial(moe_mlp, backend=backend, precision="fp8")
   fns["moe_mlp/fp8"] = functools.partial(moe_mlp, backend=backend)  # on PREPARE's operands
   missing = {}

@@ -180,25 +180,25 @@ def _product(plan: layer.Plan, group_sizes, dtype):
 
 def _train_forward(plan: layer.Plan, x, topk_weights, gate_up: Quantized, down: Quantized,
                    d: layer.Dispatch):
-  """(out, (h,)): the experts' forward on x's rows quantized with the fp8 products, h in
-  x's dtype."""
+  """(out, (h, y)): the experts' forward on x's rows quantized with the fp8 products, h
+  and y in x's dtype."""
   y, h, _ = layer.experts_forward(plan, _pair_rows8(x, d, jnp.float8_e4m3fn),
                                   gate_up.pair(), down.pair(), d.group_sizes,
                                   _product(plan, d.group_sizes, x.dtype))
-  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h,)
+  return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
 def _train_backward(plan, x, topk_weights, gate_up: Quantized, down: Quantized, d, saved, g):
   """The gradients, the input gradients in fp8 on the forward's quantized weights; the
   weight gradients in the weights' dtypes."""
-  (h,) = saved
-  gs, ws = layer.pair_cotangents(topk_weights, d, g, x.dtype)
-  dxs, dws, dw_gate_up, dw_down = layer.experts_backward(
+  h, y = saved
+  dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
+  dxs, dw_gate_up, dw_down = layer.experts_backward(
       plan, x[d.token], h, gate_up.pair(transposed=True), down.pair(transposed=True),
-      d.group_sizes, gs, ws, _product(plan, d.group_sizes, x.dtype),
+      d.group_sizes, dy, _product(plan, d.group_sizes, x.dtype),
       w_dtypes=(gate_up.dtype, down.dtype))
   dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
-  return dx, layer.pair_weight_grads(dws, topk_weights, d), dw_gate_up, dw_down
+  return dx, dweights, dw_gate_up, dw_down
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

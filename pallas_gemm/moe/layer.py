@@ -14,18 +14,15 @@ Forward, for T tokens with k experts each (R = T * k rows, one per (token, slot)
   5. out[t] = sum_j topk_weights[t, j] * y[inverse[t, j]]: a gather and a k-term sum in
      f32 (one fusion), never a scatter-add into out.
 Backward, from g = d out (T, D), as gathers too:
-  gs[r] = g[token[r]] (a gather; unweighted) and ws[r] = topk_weights[order[r]];
-  ga = gs @ w_down[e]^T, the cotangent of a before the pair's weight;
-  in one fusion: da = ws * ga, dh = act'(gate) etc., and d topk_weights of the pair,
-  <y[r], g[t]> computed as <a[r], ga[r]> (y = a @ w_down[e]): an (R, F) dot, with
-  neither y kept nor a pass over (R, D);
-  dxs = dh @ w_gate_up[e]^T; the weight gradients on the ragged-contraction kernel:
-  a^T (ws gs) and xs^T dh per expert (ws applied to the narrower of a and gs);
+  d topk_weights[t, j] = <y[inverse[t, j]], g[t]>;
+  dy[r] = topk_weights[order[r]] * g[token[r]] (a gather);
+  da = dy @ w_down[e]^T and dh = act'(gate) etc. (one fusion); dxs = dh @ w_gate_up[e]^T;
+  the weight gradients on the ragged-contraction kernel: a^T dy and xs^T dh per expert;
   dx[t] = sum_j dxs[inverse[t, j]] (a gather and a k-term sum; autodiff of step 2 would
   scatter-add R rows into T).
-The residuals are h (bf16, R x 2F), a (R x F) where the gated kernel made it, and the
-dispatch's int32 vectors; xs is recomputed (a gather), and a elsewhere (an elementwise
-pass), never stored.
+The residuals are h and y (bf16, R x 2F and R x D), a (R x F) where the gated kernel made
+it, and the dispatch's int32 vectors; xs is recomputed (a gather), and a elsewhere (an
+elementwise pass), never stored.
 """
 
 from __future__ import annotations
@@ -129,24 +126,17 @@ def act(plan: Plan, h):
   return epilogue.gated(h, name) if gated else epilogue.activated(h, name)
 
 
-def _act_grad(plan: Plan, h, a, ga, ws, weigh_a: bool):
-  """(dh, dws, aw), in f32 from ga, the unweighted cotangent of a (R, F), and ws (R,),
-  the rows' weights: da = ws * ga and dh its gradient through `act` (rounded to h's
-  dtype); dws = <a, ga> per row, each pair's weight gradient; aw = ws * a (rounded to h's
-  dtype) where weigh_a, else None. a is the forward's, or recomputed from h if None."""
+def _act_grad(plan: Plan, h, da):
+  """dh from da = d a, through `_act` (f32, rounded to h's dtype)."""
   name, gated = ACTIVATIONS[plan.activation]
-  hf, gaf, wsf = h.astype(F32), ga.astype(F32), ws.astype(F32)[:, None]
-  daf = wsf * gaf
-  af = (act(plan, h) if a is None else a).astype(F32)
-  dws = jnp.sum(af * gaf, axis=1)
-  aw = (wsf * af).astype(h.dtype) if weigh_a else None
+  hf, daf = h.astype(F32), da.astype(F32)
   if not gated:
-    return (daf * epilogue.derivative(hf, name)).astype(h.dtype), dws, aw
+    return (daf * epilogue.derivative(hf, name)).astype(h.dtype)
   f = h.shape[-1] // 2
   gate, up = hf[:, :f], hf[:, f:]
   dgate = daf * up * epilogue.derivative(gate, name)
   dup = daf * epilogue.activate(gate, name)
-  return jnp.concatenate([dgate, dup], axis=1).astype(h.dtype), dws, aw
+  return jnp.concatenate([dgate, dup], axis=1).astype(h.dtype)
 
 
 def combine(rows, inverse, weights, out_dtype):
@@ -192,11 +182,9 @@ def experts_forward(plan: Plan, xs, w_gate_up, w_down, group_sizes, product=None
   return product(act(plan, h), w_down), h, None
 
 
-def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, gs, ws,
+def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, dy,
                      product_t=None, w_dtypes=None, a=None):
-  """(dxs, dws, dw_gate_up, dw_down) from gs (R, D), each row's cotangent before its
-  pair's weight (g[token]), and ws (R,), the pairs' weights: dws (R,) f32 is each pair's
-  weight gradient <y, g[token]>. a, the forward's, or else recomputed from h.
+  """(dxs, dw_gate_up, dw_down) from dy; a, the forward's, or else recomputed from h.
   product_t(rows, w) is rows @ w[e]^T per group (default: the grouped GEMM, w read
   transposed), w being w_gate_up or w_down as given (the fp8 training form passes its
   quantized copies); the weight gradients run on the ragged-contraction kernel in
@@ -204,33 +192,13 @@ def experts_backward(plan: Plan, xs, h, w_gate_up, w_down, group_sizes, gs, ws,
   product_t = product_t or (lambda rows, w: _gemm(plan, rows, w, group_sizes, _BACKWARD,
                                                   xs.dtype))
   gate_up_dtype, down_dtype = w_dtypes or (w_gate_up.dtype, w_down.dtype)
-  ga = product_t(gs, w_down)
-  # d w_down = a^T (ws gs): the weights go on the narrower operand, a (R, F) or gs (R, D),
-  # so the weighted copy written is the smaller one.
-  weigh_a = ga.shape[1] <= gs.shape[1]
-  dh, dws, aw = _act_grad(plan, h, a, ga, ws, weigh_a)
-  if weigh_a:
-    dw_down = _gemm(plan, aw, gs, group_sizes, _WEIGHT_GRAD, down_dtype)
-  else:
-    a = act(plan, h) if a is None else a
-    dy = (ws.astype(F32)[:, None] * gs.astype(F32)).astype(gs.dtype)
-    dw_down = _gemm(plan, a, dy, group_sizes, _WEIGHT_GRAD, down_dtype)
+  da = product_t(dy, w_down)
+  a = act(plan, h) if a is None else a
+  dw_down = _gemm(plan, a, dy, group_sizes, _WEIGHT_GRAD, down_dtype)
+  dh = _act_grad(plan, h, da)
   dxs = product_t(dh, w_gate_up)
   dw_gate_up = _gemm(plan, xs, dh, group_sizes, _WEIGHT_GRAD, gate_up_dtype)
-  return dxs, dws, dw_gate_up, dw_down
-
-
-def pair_cotangents(topk_weights, d: Dispatch, g, rows_dtype):
-  """(gs, ws): g[token] per sorted row in rows_dtype (a gather) and the rows' weights
-  topk_weights[order] (R,), what `experts_backward` takes."""
-  t, k = topk_weights.shape
-  return g.astype(rows_dtype)[d.token], topk_weights.reshape(t * k)[d.order]
-
-
-def pair_weight_grads(dws, topk_weights, d: Dispatch):
-  """d topk_weights (T, k) from dws, per sorted row (0 for a pair in no row)."""
-  t, k = topk_weights.shape
-  return _pick(dws, d.inverse).reshape(t, k).astype(topk_weights.dtype)
+  return dxs, dw_gate_up, dw_down
 
 
 def sum_pairs(rows, d: Dispatch, k: int, dtype):
@@ -254,16 +222,16 @@ def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
 def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, write_h=True):
   y, h, a = experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes,
                             write_h=write_h)
-  return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, a)
+  return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, a, y)
 
 
 def _backward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, saved, g):
-  h, a = saved
-  gs, ws = pair_cotangents(topk_weights, d, g, x.dtype)
-  dxs, dws, dw_gate_up, dw_down = experts_backward(plan, x[d.token], h, w_gate_up, w_down,
-                                                    d.group_sizes, gs, ws, a=a)
+  h, a, y = saved
+  dy, dweights = combine_backward(y, topk_weights, d, g, x.dtype)
+  dxs, dw_gate_up, dw_down = experts_backward(plan, x[d.token], h, w_gate_up, w_down,
+                                               d.group_sizes, dy, a=a)
   dx = sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
-  return dx, pair_weight_grads(dws, topk_weights, d), dw_gate_up, dw_down
+  return dx, dweights, dw_gate_up, dw_down
 
 
 @dataclasses.dataclass(frozen=True)
