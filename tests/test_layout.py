@@ -7,7 +7,9 @@
 - a family (`matmul`, `grouped`, `fp8`, `moe`) imports the shared layers (`core`, `mgpu`)
   and other families' public modules only; `core` imports nothing of the package and
   `mgpu` only `core`;
-- no module over 700 lines.
+- no module over 700 lines;
+- the dated results records (benchmarks/results) hold at most 2 MB: summaries, small JSON
+  and plots travel with every clone; raw logs stay out (.gitignore).
 """
 
 import ast
@@ -147,3 +149,17 @@ def test_rules_see_the_package():
   families = {_family(m) for m in MODULES}
   assert {"core", "mgpu", "matmul", "grouped", "fp8"} <= families, families
   assert any(name for m in MODULES for _, name, _ in _imports(m))
+
+
+RESULTS = PACKAGE.parent / "benchmarks" / "results"
+RESULTS_MAX_BYTES = 2_000_000
+# What .gitignore keeps out of the records (raw device output), left out of the count here too.
+RAW = (".log", ".hlo.txt", ".tgz", ".ncu-rep", ".tmp")
+
+
+def test_results_records_stay_small():
+  files = [f for f in RESULTS.rglob("*") if f.is_file() and not f.name.endswith(RAW)]
+  total = sum(f.stat().st_size for f in files)
+  assert files and total <= RESULTS_MAX_BYTES, (
+      f"benchmarks/results holds {total} bytes (at most {RESULTS_MAX_BYTES}); the largest:"
+      f" {sorted(files, key=lambda f: -f.stat().st_size)[:5]}")
