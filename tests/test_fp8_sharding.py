@@ -344,3 +344,26 @@ def test_batched_quantize_under_explicit_axes(rng, block_shape, spec):
                                 np.asarray(want_values, np.float32))
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
   assert tuple(jax.typeof(values).sharding.spec) == tuple(spec) + (None,) * (3 - len(spec))
+
+
+@pytest.mark.parametrize("lhs_spec, rhs_spec", [(P("y"), P()), (P(), P("x")), (P("y"), P("x"))])
+def test_scaled_ragged_dot_under_explicit_axes(rng, lhs_spec, rhs_spec):
+  # lax infers no sharding for ragged_dot under Explicit axes; the XLA path names its
+  # result's (whole on every device, as ragged_dot's), with the unsharded call's numbers.
+  if len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:8])
+  x = jnp.asarray(random(rng, (256, 256), np.float32)).astype(jnp.bfloat16)
+  w = jnp.asarray(random(rng, (4, 128, 256), np.float32)).astype(jnp.bfloat16)
+  sizes = jnp.asarray([100, 50, 0, 97], jnp.int32)
+
+  def f(x, w):
+    x8, xs = pallas_gemm.quantize(x, E4M3)
+    w8, ws = pallas_gemm.quantize(w, E4M3, block_shape=(128, 128))
+    return pallas_gemm.scaled_ragged_dot(x8, w8, sizes, xs, ws, jnp.float32)
+
+  got = jax.jit(f)(jax.device_put(x, NamedSharding(mesh, lhs_spec)),
+                   jax.device_put(w, NamedSharding(mesh, rhs_spec)))
+  assert tuple(jax.typeof(got).sharding.spec) in ((), (None, None))
+  _same_sums(got, f(x, w), x.shape[1])
