@@ -926,3 +926,23 @@ def test_weights_split_as_storage_are_not_tensor_parallel(rng):
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
   got = layer(x, weights, ids, put(wgu.reshape(4, 16, 2, 8), None, None, None, "fsdp"), wd)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_operands_split_on_no_layer_axis_run_whole(rng):
+  # x split over D and w_down over F on Explicit axes (neither a token, expert nor tensor-
+  # parallel split): the layer runs them whole, and every gradient comes back typed as
+  # its operand, with the one-device numbers.
+  mesh = _mesh(2, ("d",))
+  x, weights, ids, wgu, wd = _problem(rng, 24, 64, 32, 4, 2)
+  layer = functools.partial(pallas_gemm.moe_mlp, backend=_backend())
+
+  def loss(x, weights, wgu, wd):
+    return jnp.sum(layer(x, weights, ids, wgu, wd) ** 2)
+
+  grads = jax.grad(loss, argnums=(0, 1, 2, 3))
+  placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
+            ((x, P(None, "d")), (weights, P()), (wgu, P()), (wd, P(None, "d")))]
+  got = jax.jit(grads)(*placed)
+  for g, w, primal in zip(got, grads(x, weights, wgu, wd), placed):
+    assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

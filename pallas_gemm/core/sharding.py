@@ -91,6 +91,26 @@ def explicitly_sharded(x) -> bool:
   return any(axes is not None for axes in jax.typeof(x).sharding.spec)
 
 
+def typed_like(value, aval):
+  """value resharded to aval's sharding where aval is sharded over Explicit mesh axes
+  (a cotangent must have its primal's type, sharding included); value otherwise."""
+  spec = getattr(aval.sharding, "spec", None)
+  if spec is None or all(axes is None for axes in spec):
+    return value
+  if tuple(jax.typeof(value).sharding.spec) == tuple(spec):
+    return value
+  return jax.sharding.reshard(value, aval.sharding)
+
+
+def whole(*arrays) -> list:
+  """Each array resharded whole onto every device where it is sharded over Explicit mesh
+  axes, for a computation that splits none of them: its gradient comes back split as
+  the array was (reshard's transpose)."""
+  return [jax.sharding.reshard(a, NamedSharding(jax.typeof(a).sharding.mesh,
+                                                jax.sharding.PartitionSpec()))
+          if explicitly_sharded(a) else a for a in arrays]
+
+
 def explicit_reason(*operands) -> str | None:
   """Why a Pallas kernel cannot take these operands as they are typed, or None: under
   Explicit mesh axes sharding is part of the type, and a kernel traced on sharded Refs

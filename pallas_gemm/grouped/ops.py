@@ -233,7 +233,7 @@ def _transpose(ct, lhs, rhs, group_sizes, *offset, plan):
     p = dataclasses.replace(plan, form=form, transpose_rhs=transpose_rhs, backend=backend,
                             out_dtype=out_dtype, config=None,
                             interpret=plan.interpret and backend != "xla")
-    return bind(p, x, y, group_sizes, *offset).astype(aval.dtype)
+    return sharding.typed_like(bind(p, x, y, group_sizes, *offset).astype(aval.dtype), aval)
 
   if plan.form == "forward":
     if lhs_lin:  # dlhs (M, K) = ct (M, N) @ rhs[g]^T: the forward kernel, rhs read transposed

@@ -265,12 +265,17 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       run = fp8.inference_only(run)
     out = run(x2, weights2, ids2, w_gate_up, w_down)
     return out.reshape((*lead, d))
+  # No axis splits tokens or experts here: an operand split over Explicit axes some other
+  # way (x over D, say) runs whole, and its gradient comes back split as it was.
+  x2, weights2, ids2, w_gate_up, w_down = sharding.whole(x2, weights2, ids2, w_gate_up,
+                                                         w_down)
   if pair_axis:
     w_gate_up = jnp.reshape(w_gate_up, (e, d, 2 * f))
+  if quantized:
+    gate_up_scales, down_scales = sharding.whole(gate_up_scales, down_scales)
+    w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
   weights2 = layer.routed(weights2, ids2, e)
   d_ = layer.dispatch(ids2, e)
-  if quantized:
-    w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
   # Inside a user's jax.shard_map (tokens split over an axis the weights are whole on):
   # one set of manual axes for every operand, so a weight's gradient is summed over them.
   x2, weights2, w_gate_up, w_down, d_ = sharding.same_varying(x2, weights2, w_gate_up,
