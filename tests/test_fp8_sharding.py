@@ -367,3 +367,31 @@ def test_scaled_ragged_dot_under_explicit_axes(rng, lhs_spec, rhs_spec):
                    jax.device_put(w, NamedSharding(mesh, rhs_spec)))
   assert tuple(jax.typeof(got).sharding.spec) in ((), (None, None))
   _same_sums(got, f(x, w), x.shape[1])
+
+
+@pytest.mark.parametrize("in_context", [False, True])
+@pytest.mark.parametrize("spec", [P("y"), P(None, "y")])
+def test_fp8_dot_general_gradients_under_explicit_axes(rng, spec, in_context):
+  # x split on its rows or on K (K = 256: two 1x128 blocks, which 4 devices do not
+  # divide: that split is not kept), with the mesh in context (jax.set_mesh) or only in
+  # the types: the step runs, x's gradient comes back typed as x, the numbers are the
+  # unsharded call's.
+  if len(jax.devices()) < 8:
+    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
+  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:8])
+  x = jnp.asarray(random(rng, (256, 256), np.float32)).astype(jnp.bfloat16)
+  w = jnp.asarray(random(rng, (256, 384), np.float32)).astype(jnp.bfloat16)
+  dims = (((1,), (0,)), ((), ()))
+  loss = lambda x, w: jnp.sum(pallas_gemm.fp8_dot_general(x, w, dims).astype(jnp.float32))  # noqa: E731
+  grads = jax.grad(loss, argnums=(0, 1))
+  placed = (jax.device_put(x, NamedSharding(mesh, spec)),
+            jax.device_put(w, NamedSharding(mesh, P())))
+  if in_context:
+    with jax.set_mesh(mesh):
+      got = jax.jit(grads)(*placed)
+  else:
+    got = jax.jit(grads)(*placed)
+  assert jax.typeof(got[0]).sharding.spec == jax.typeof(placed[0]).sharding.spec
+  for g, want in zip(got, grads(x, w)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(want, np.float32))

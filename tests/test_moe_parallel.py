@@ -928,13 +928,14 @@ def test_weights_split_as_storage_are_not_tensor_parallel(rng):
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
-def test_operands_split_on_no_layer_axis_run_whole(rng):
+@pytest.mark.parametrize("precision", [None, "fp8"])
+def test_operands_split_on_no_layer_axis_run_whole(rng, precision):
   # x split over D and w_down over F on Explicit axes (neither a token, expert nor tensor-
   # parallel split): the layer runs them whole, and every gradient comes back typed as
-  # its operand, with the one-device numbers.
+  # its operand, with the one-device numbers (bf16 and the fp8 training form).
   mesh = _mesh(2, ("d",))
-  x, weights, ids, wgu, wd = _problem(rng, 24, 64, 32, 4, 2)
-  layer = functools.partial(pallas_gemm.moe_mlp, backend=_backend())
+  x, weights, ids, wgu, wd = _problem(rng, 24, 128, 128, 4, 2)
+  layer = functools.partial(pallas_gemm.moe_mlp, backend=_backend(), precision=precision)
 
   def loss(x, weights, wgu, wd):
     return jnp.sum(layer(x, weights, ids, wgu, wd) ** 2)

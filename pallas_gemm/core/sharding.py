@@ -92,14 +92,15 @@ def explicitly_sharded(x) -> bool:
 
 
 def typed_like(value, aval):
-  """value resharded to aval's sharding where aval is sharded over Explicit mesh axes
-  (a cotangent must have its primal's type, sharding included); value otherwise."""
-  spec = getattr(aval.sharding, "spec", None)
-  if spec is None or all(axes is None for axes in spec):
+  """value resharded to aval's sharding where aval's mesh has Explicit axes (a cotangent
+  must have its primal's type, sharding included); value otherwise."""
+  target = aval.sharding
+  mesh = getattr(target, "mesh", None)
+  if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
     return value
-  if tuple(jax.typeof(value).sharding.spec) == tuple(spec):
+  if tuple(jax.typeof(value).sharding.spec) == tuple(target.spec):
     return value
-  return jax.sharding.reshard(value, aval.sharding)
+  return jax.sharding.reshard(value, target)
 
 
 def whole(*arrays) -> list:
@@ -109,6 +110,15 @@ def whole(*arrays) -> list:
   return [jax.sharding.reshard(a, NamedSharding(jax.typeof(a).sharding.mesh,
                                                 jax.sharding.PartitionSpec()))
           if explicitly_sharded(a) else a for a in arrays]
+
+
+def explicit_mesh(*operands):
+  """The mesh whose Explicit axes type these operands (theirs, else the one in context),
+  or None: where lax infers no sharding for an op (ragged_dot's), its result must be
+  named on it."""
+  explicit = jax.sharding.AxisType.Explicit
+  meshes = [jax.typeof(a).sharding.mesh for a in operands] + [jax.sharding.get_abstract_mesh()]
+  return next((m for m in meshes if not m.empty and explicit in m.axis_types), None)
 
 
 def explicit_reason(*operands) -> str | None:

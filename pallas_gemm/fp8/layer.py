@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_gemm.core import sharding
 from pallas_gemm.fp8 import api
 from pallas_gemm.fp8 import checks, scales
 from pallas_gemm.fp8.quantize import quantize
@@ -90,8 +91,9 @@ def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
   w8, sw = quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
   x8, sx = quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
   y = api.scaled_matmul(x8, w8[:, :n], sx, sw, out_dtype, backend=backend)
-  # An empty array of w's dtype: residuals are arrays, and dW must come back in it.
-  return y, (x, w8, sw, jnp.zeros((0,), w.dtype))
+  # An empty slice of w: residuals are arrays, and dW must come back in w's dtype and
+  # type (its sharding, under Explicit mesh axes).
+  return y, (x, w8, sw, w[tuple(slice(0, 0) for _ in w.shape)])
 
 
 def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
@@ -103,6 +105,7 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
   dy8, sdy = quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
   wt8, swt = jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2)
   dx = api.scaled_matmul(dy8, wt8, sdy, swt, x.dtype, backend=backend)[:, :, :k]
+  dx = sharding.typed_like(dx, jax.typeof(x))  # x's type, under Explicit axes too
   # wgrad: dW^T (K, N) = x^T (K, M) @ dy (M, N), both contracted over M, so both are
   # quantized 1x128 along M. Computed as (K, N), the layout of a (K, N) kernel such as
   # nn.Dense's: fp8_dot_general transposes that kernel into w (N, K), so the transpose
@@ -111,10 +114,10 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
   if wgrad == "input":  # x^T @ dy as the stock layer computes it, in x's and dy's dtype
     dwt = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,))), precision=precision)
     dwt = dwt.astype(w_like.dtype)
-    return dx, jnp.swapaxes(dwt, 1, 2)
+    return dx, sharding.typed_like(jnp.swapaxes(dwt, 1, 2), jax.typeof(w_like))
   dwt = _gemm(jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy, 1, 2), (1, _BLOCK), (1, _BLOCK),
               (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
-  return dx, jnp.swapaxes(dwt, 1, 2)
+  return dx, sharding.typed_like(jnp.swapaxes(dwt, 1, 2), jax.typeof(w_like))
 
 
 fp8_matmul.defvjp(_forward, _backward)

@@ -159,6 +159,14 @@ def _quantize(x3, *, dtype, block):
   # dimension keeps the split of the dimension it came from (a weight split over its
   # experts stays split over them).
   sb, sm, sk = jax.typeof(x3).sharding.spec
+  if sharding.explicitly_sharded(x3):
+    # A split of M or K that does not divide its blocks is not kept (x3 gathered on it).
+    mesh = jax.typeof(x3).sharding.mesh
+    keep = lambda axes, blocks: axes if blocks % sharding.size(  # noqa: E731
+        mesh, sharding.axes(axes)) == 0 else None
+    if (keep(sm, scale_rows), keep(sk, scale_cols)) != (sm, sk):
+      sm, sk = keep(sm, scale_rows), keep(sk, scale_cols)
+      x3 = jax.sharding.reshard(x3, NamedSharding(mesh, P(sb, sm, sk)))
   blocks = _reshape(x3, (b, scale_rows, rows, scale_cols, block_k), (sb, sm, None, sk, None))
   # The amax in x's own dtype (abs, max and isfinite are exact in any float type), so
   # that both passes read x as it is and convert inside their fusions: a float32 x read

@@ -91,10 +91,8 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
     b = scales.dequantize(rhs, rs)
     # Under Explicit mesh axes lax infers no sharding for ragged_dot: the result is
     # whole on every device, as `ragged_dot`'s is there.
-    whole = None
-    if sharding.explicitly_sharded(a) or sharding.explicitly_sharded(b):
-      mesh = jax.typeof(a if sharding.explicitly_sharded(a) else b).sharding.mesh
-      whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    mesh = sharding.explicit_mesh(a, b, sizes)
+    whole = None if mesh is None else jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     out = jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), sizes,
                              precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32, out_sharding=whole)
