@@ -23,11 +23,10 @@ from conftest import random
 E4M3 = jnp.float8_e4m3fn
 
 
-def _mesh():
+def _mesh(kind=jax.sharding.AxisType.Auto):
   if len(jax.devices()) < 8:
     pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
-  return jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
-                       devices=jax.devices()[:8])
+  return jax.make_mesh((2, 4), ("x", "y"), axis_types=(kind,) * 2, devices=jax.devices()[:8])
 
 
 def _same_sums(got, want, k):
@@ -256,10 +255,7 @@ def test_explicit_mesh_axes_take_the_xla_path(rng, monkeypatch):
   # for by name is a ValueError that says so.
   from pallas_gemm.mgpu import hw  # noqa: PLC0415
   monkeypatch.setattr(hw, "on_gpu", lambda: True)
-  if len(jax.devices()) < 8:
-    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
-  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:8])
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
   x = jnp.asarray(random(rng, (64, 256), np.float32)).astype(jnp.bfloat16)
   w = jnp.asarray(random(rng, (128, 256), np.float32)).astype(jnp.bfloat16)
   x = jax.device_put(x, NamedSharding(mesh, P("y")))
@@ -330,10 +326,7 @@ def test_batched_quantize_under_explicit_axes(rng, block_shape, spec):
   # A (B, M, K) x split over Explicit axes, as expert weights split over their experts
   # are (`quantize_experts`): the XLA path's block reshapes keep each dimension's split,
   # and the numbers are the unsharded call's.
-  if len(jax.devices()) < 8:
-    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
-  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:8])
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
   x = jnp.asarray(random(rng, (4, 1024, 1024), np.float32)).astype(jnp.bfloat16)
   placed = jax.device_put(x, NamedSharding(mesh, spec))
   values, scales = jax.jit(lambda x: pallas_gemm.quantize(x, E4M3, block_shape=block_shape))(
@@ -350,10 +343,7 @@ def test_batched_quantize_under_explicit_axes(rng, block_shape, spec):
 def test_scaled_ragged_dot_under_explicit_axes(rng, lhs_spec, rhs_spec):
   # lax infers no sharding for ragged_dot under Explicit axes; the XLA path names its
   # result's (whole on every device, as ragged_dot's), with the unsharded call's numbers.
-  if len(jax.devices()) < 8:
-    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
-  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:8])
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
   x = jnp.asarray(random(rng, (256, 256), np.float32)).astype(jnp.bfloat16)
   w = jnp.asarray(random(rng, (4, 128, 256), np.float32)).astype(jnp.bfloat16)
   sizes = jnp.asarray([100, 50, 0, 97], jnp.int32)
@@ -376,10 +366,7 @@ def test_fp8_dot_general_gradients_under_explicit_axes(rng, spec, in_context):
   # divide: that split is not kept), with the mesh in context (jax.set_mesh) or only in
   # the types: the step runs, x's gradient comes back typed as x, the numbers are the
   # unsharded call's.
-  if len(jax.devices()) < 8:
-    pytest.skip(f"needs 8 devices; this process has {len(jax.devices())}")
-  mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
-                       devices=jax.devices()[:8])
+  mesh = _mesh(jax.sharding.AxisType.Explicit)
   x = jnp.asarray(random(rng, (256, 256), np.float32)).astype(jnp.bfloat16)
   w = jnp.asarray(random(rng, (256, 384), np.float32)).astype(jnp.bfloat16)
   dims = (((1,), (0,)), ((), ()))
