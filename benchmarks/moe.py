@@ -12,6 +12,8 @@ Variants, each given the same routing (topk weights and ids: the router is not t
                     kernel, where that runs
   moe_mlp/fp8       moe_mlp's fp8 inference form (fwd only): expert weights quantized once
                     outside the timed call (`moe.quantize_experts`), activations in the call
+  moe_mlp/fp8-3pass the same fp8 form with its first GEMM, activation and quantize of a as
+                    three passes instead of the fused fp8 gated kernel, where that runs
   moe_mlp/fp8-train moe_mlp(precision="fp8"): bf16 master weights quantized in the call,
                     forward and input gradients in fp8, weight gradients in bf16
   unfused/<gemm>    MaxText-style: argsort by expert, x repeated and permuted, three grouped
@@ -44,7 +46,7 @@ import jax.numpy as jnp
 from benchmarks.ragged import import_tokamax
 from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
 from pallas_gemm import moe_mlp, ragged_dot
-from pallas_gemm.moe import layer as moe_layer, quantize_experts, softmax_topk
+from pallas_gemm.moe import fp8 as moe_fp8, layer as moe_layer, quantize_experts, softmax_topk
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE = jnp.bfloat16
@@ -89,7 +91,7 @@ def parse_args(argv):
   p.add_argument("--modes", default=",".join(MODES), help="fwd, fwd+bwd")
   p.add_argument("--variants", default=None,
                  help="comma-separated subset of moe_mlp, moe_mlp/two-pass, moe_mlp/fp8,"
-                      " moe_mlp/fp8-train,"
+                      " moe_mlp/fp8-3pass, moe_mlp/fp8-train,"
                       " unfused/pallas_gemm, unfused/tokamax, unfused/lax, dense (default: all"
                       " that can run)")
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
@@ -135,6 +137,15 @@ def two_pass(backend, x, topk_weights, topk_ids, w_gate_up, w_down):
                          moe_layer.dispatch(topk_ids, w_down.shape[0]))
 
 
+def fp8_three_pass(backend, x, topk_weights, topk_ids, w_gate_up, w_down):
+  """moe_mlp's fp8 inference form (quantize_experts weights) with its first GEMM, SwiGLU
+  and the quantize of a as three passes."""
+  plan = moe_layer.Plan(activation="swiglu", precision=None, out_dtype=x.dtype,
+                        backend=backend, fuse_gate=False)
+  return moe_fp8.layer_fp8(plan, x, topk_weights, *w_gate_up, *w_down,
+                           moe_layer.dispatch(topk_ids, w_down[0].shape[0]))
+
+
 def dense(x, topk_weights, topk_ids, w_gate_up, w_down):
   """x (T * k, D) through one expert's weights: the layer's FLOPs with no routing."""
   del topk_weights, topk_ids
@@ -145,10 +156,11 @@ def dense(x, topk_weights, topk_ids, w_gate_up, w_down):
 
 # variant -> how its operands are made from the shared ones, once per config and mode:
 # moe_mlp/fp8's weights are quantized once, before timing, as a served model holds them.
-PREPARE = {"moe_mlp/fp8": lambda x, w, ids, wgu, wd, *rest: (x, w, ids,
-                                                            *quantize_experts(wgu, wd), *rest)}
+_QUANTIZED = lambda x, w, ids, wgu, wd, *rest: (x, w, ids, *quantize_experts(wgu, wd),  # noqa: E731
+                                               *rest)
+PREPARE = {"moe_mlp/fp8": _QUANTIZED, "moe_mlp/fp8-3pass": _QUANTIZED}
 # variants that have no backward pass
-FORWARD_ONLY = ("moe_mlp/fp8",)
+FORWARD_ONLY = ("moe_mlp/fp8", "moe_mlp/fp8-3pass")
 
 
 def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
@@ -164,6 +176,7 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
   fns["moe_mlp/two-pass"] = functools.partial(two_pass, backend)
   fns["moe_mlp/fp8-train"] = functools.partial(moe_mlp, backend=backend, precision="fp8")
   fns["moe_mlp/fp8"] = functools.partial(moe_mlp, backend=backend)  # on PREPARE's operands
+  fns["moe_mlp/fp8-3pass"] = functools.partial(fp8_three_pass, backend)
   missing = {}
   tokamax, why = import_tokamax()
   if tokamax is None:

@@ -481,3 +481,17 @@ def test_wide_scales_and_nan_on_the_gpu(rng):
   assert np.isnan(np.asarray(out[0, 7])).all()
   _check(rng, 1, 1000, 2000, 1536, dtypes=(E5M2, E4M3), rhs_kind="step", exps=(-20, 20),
          interpret=False)
+
+
+@pytest.mark.parametrize("m, k, f, g", [(4096, 2048, 768, 16), (100, 128, 128, 3)])
+def test_gated_kernel_lowers_for_cuda(m, k, f, g):
+  # moe_mlp's fp8 first GEMM + SwiGLU + quantize of a (two accumulators per half).
+  from pallas_gemm.fp8 import mosaic_gated  # noqa: PLC0415
+  fn = lambda *a: mosaic_gated.gated_ragged_gemm(*a, activation="silu",  # noqa: E731
+                                                 num_sms=132)
+  args = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((g, 2 * f, k), E4M3),
+          jax.ShapeDtypeStruct((g,), jnp.int32),
+          jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
+          jax.ShapeDtypeStruct((g, 2 * f // 128, k // 128), jnp.float32))
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "pallas_gemm_scaled_gated_fp8" in text

@@ -769,3 +769,80 @@ def test_error_vs_cublaslt_pattern_gpu(rng, family):
       f"XLA did not rewrite the per-tensor pattern to {sm_xla.CUBLASLT_FP8_TARGET}")
   cublaslt = pattern(*args)
   assert reference.relative_error(ours, ref) <= reference.relative_error(cublaslt, ref)
+
+
+# ----------------------------------------------------------------------------- gated_quantized
+# moe_mlp's fp8 inference form between its two GEMMs: a = silu(gate) * up of the grouped
+# fp8 product, quantized in 1x128 blocks (`pallas_gemm.fp8.gated`).
+
+
+def _gated_reference(x8, w8, sizes, sx, sw, activation):
+  """a (M, F) in float64 from the dequantized operands."""
+  h = reference.scaled_ragged_reference(x8, w8, sizes, sx, sw)
+  f = h.shape[1] // 2
+  with jax.enable_x64(True):
+    gate = np.asarray(reference.ACTIVATIONS[activation](jnp.asarray(h[:, :f])))
+  return gate * h[:, f:]
+
+
+# (M, K, F, group sizes): an empty group, 1-row groups, groups no multiple of 8 or of the
+# 128-row tile, rows past the groups; one K step; several 128-column blocks of F.
+_GATED_CASES = [(300, 256, 128, (50, 0, 130, 97)),
+                (261, 128, 256, (1, 1, 200, 0, 59)),
+                (40, 384, 384, (3, 0, 30))]
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+@pytest.mark.parametrize("m, k, f, sizes", _GATED_CASES)
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gated_quantized(rng, backend, m, k, f, sizes, activation):
+  from pallas_gemm.fp8 import gated  # noqa: PLC0415
+  if backend == "mosaic" and (why := gated.mosaic_reason(jnp.zeros((8, k), E4M3),
+                                                          jnp.zeros((1, 2 * f, k), E4M3),
+                                                          E4M3)) is not None:
+    pytest.skip(f"mosaic unavailable: {why}")
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, m, k, 2 * f, sizes)
+  values, scales_ = gated.gated_quantized(x8, w8, jnp.asarray(sizes), sx, sw, activation,
+                                          backend=backend)
+  assert values.shape == (m, f) and values.dtype == E4M3
+  assert scales_.shape == (m, f // 128) and scales_.dtype == np.float32
+  ref = _gated_reference(x8, w8, sizes, sx, sw, activation)
+  out = np.asarray(sm.dequantize(values, scales_), np.float64)
+  tol = reference.tolerance(E4M3, None, k, E4M3)
+  err = reference.relative_error(out, ref)
+  assert err <= tol, f"relative error {err:.3g} > {tol:.3g}"
+  # Every row is written: rows in no group are zeros.
+  assert np.all(out[int(np.sum(sizes)):] == 0)
+  # The scales are quantize's for a's blocks (from a's f32 value; the reference's a
+  # differs from it by the f32 sums' rounding, far from the powers of two here).
+  _, want = sm.quantize(jnp.asarray(ref, np.float32), E4M3, backend="xla")
+  np.testing.assert_array_equal(np.asarray(scales_), np.asarray(want))
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_gated_quantized_nan_stays_in_its_row(rng, backend):
+  from pallas_gemm.fp8 import gated  # noqa: PLC0415
+  if backend == "mosaic" and (why := gated.mosaic_reason(jnp.zeros((8, 256), E4M3),
+                                                          jnp.zeros((1, 256, 256), E4M3),
+                                                          E4M3)) is not None:
+    pytest.skip(f"mosaic unavailable: {why}")
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, 200, 256, 256, (70, 0, 100))
+  x_nan = x8.at[75, 3].set(jnp.nan)
+  values, scales_ = gated.gated_quantized(x_nan, w8, jnp.asarray(sizes), sx, sw, "silu",
+                                          backend=backend)
+  out = np.asarray(sm.dequantize(values, scales_), np.float32)
+  assert np.isnan(out[75]).all() and np.isfinite(np.delete(out, 75, axis=0)).all()
+
+
+def test_gated_quantized_bad_input(rng):
+  from pallas_gemm.fp8 import gated  # noqa: PLC0415
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, 16, 256, 256, (8, 8))
+  gs = jnp.asarray(sizes)
+  with pytest.raises(ValueError, match="activation must be one of"):
+    gated.gated_quantized(x8, w8, gs, sx, sw, "relu")
+  with pytest.raises(ValueError, match=r"rhs must be \(G, 2F, K\) with F a multiple of 128"):
+    gated.gated_quantized(x8, w8[:, :128], gs, sx, sw[:, :1], "silu")
+  with pytest.raises(ValueError, match="backend must be"):
+    gated.gated_quantized(x8, w8, gs, sx, sw, "silu", backend="cuda")
+  with pytest.raises(ValueError, match=r"lhs_scales must be \(16, 2\)"):
+    gated.gated_quantized(x8, w8, gs, sx[:, :1], sw, "silu", backend="xla")

@@ -58,7 +58,7 @@ def supports(shape, x_dtype, block_rows: int = 1) -> bool:
           and r % max(8, block_rows) == 0 and k > 0 and k % BLOCK == 0)
 
 
-def _row_scales(x, dtype, whole_tile: bool):
+def row_scales(x, dtype, whole_tile: bool):
   """(scale exponent e per row, x scaled and clipped) for x (rows, 128) float32, with
   `quantize._quantize`'s arithmetic (its `scale_exponent` and `saturation`): one block
   per row, or with whole_tile one block of all of x (every row gets its exponent)."""
@@ -132,7 +132,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, k_blocks: int
         plgpu.barrier_wait(produced.at[slot])
         x = plgpu.load(x_smem.at[slot, my_rows], layout=plgpu.Layout.WGMMA)
         plgpu.barrier_arrive(consumed.at[slot])
-        e, q = _row_scales(x.astype(jnp.float32), dtype, whole_tile=block_rows > 1)
+        e, q = row_scales(x.astype(jnp.float32), dtype, whole_tile=block_rows > 1)
         # The stores from OUT_SLOTS tiles ago must have read this slot.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         values_smem[wg, out] = q.astype(dtype)

@@ -22,7 +22,7 @@ from pallas_gemm.mgpu import hw
 BLOCK = 128  # the scale block along K, and a weight block's rows
 
 
-def _validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales) -> tuple[int, int, int, int]:
+def validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales) -> tuple[int, int, int, int]:
   """(M, K, N, G); TypeError / ValueError naming the argument and what it takes."""
   checks.operand(lhs, "lhs")
   checks.operand(rhs, "rhs")
@@ -77,7 +77,7 @@ def scaled_ragged_dot(lhs, rhs, group_sizes, lhs_scales, rhs_scales,
 
   Returns (M, N) in preferred_element_type. Forward only (no derivative rule).
   """
-  m, k, n, g = _validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales)
+  m, k, n, g = validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales)
   out_dtype = checks.out_dtype(preferred_element_type)
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   backend = checks.choose(backend, config, sharding.explicit_reason(
