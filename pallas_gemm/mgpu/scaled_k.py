@@ -24,7 +24,7 @@ def block_pieces(wg_n: int) -> int:
 
 def promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consumed,
                    lhs_scale_smem, rhs_scale_smem, rhs_step_gmem, *, plan, wg_m,
-                   wg_n, k_iters, accs: int = 1):
+                   wg_n, k_iters):
   """plan: has lhs_step (bool) and rhs_step (None, "column" or "block"), as the fp8
   kernel's Plan. Each 128 of K: products into a zeroed accumulator, times the step's scale, added
   to an f32 register sum (IEEE adds); returns the (wg_m, wg_n) sum. k_iters may be
@@ -37,28 +37,31 @@ def promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consum
   A step waits for its stage before the block accumulator is allocated (zeroed), so
   no barrier spin loop lies between the accumulator's definition and its wgmma.
 
-  accs > 1 (the gated kernel's gate and up): that many accumulators share each step's
-  lhs tile and row scales; col0 is then a tuple of their rhs column origins (their block
-  scales), wgmma(refs, slot) gets a tuple of refs, and a tuple of sums is returned.
+  col0: the warpgroup tile's first rhs column, or a tuple of origins of equal column
+  pieces that need not be adjacent (the gated kernel's tile: 64 gate columns, then the
+  64 up columns F further on), each inside one 128-column block.
   """
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a (wg_m,) vector, one value per acc row
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (wg_n,) vector, one per acc column
-  pieces = block_pieces(wg_n) if plan.rhs_step == "block" else 1
+  if isinstance(col0, tuple):
+    origins = col0
+  else:
+    count = block_pieces(wg_n) if plan.rhs_step == "block" else 1
+    origins = tuple(col0 + p * (wg_n // count) for p in range(count))
+  pieces = len(origins) if plan.rhs_step == "block" else 1
   piece_n = wg_n // pieces
   slot_of = lambda kk: lax.rem(first + kk, stages)  # noqa: E731
-  origins = tuple(col0) if accs > 1 else (col0,)
 
-  def scales(kk):  # step kk's (rows, cols, block numbers per accumulator)
+  def scales(kk):  # step kk's (rows, cols, block numbers), read from its stage / L2
     slot = slot_of(kk)
     rows = cols = None
-    blocks = [[] for _ in origins]
+    blocks = []
     if plan.lhs_step:
       rows = plgpu.load(lhs_scale_smem.at[slot, wg_ms], layout=row_layout, optimized=False)
     if plan.rhs_step == "column":
       cols = plgpu.load(rhs_scale_smem.at[slot, wg_ns], layout=col_layout, optimized=False)
     elif plan.rhs_step == "block":  # one number per column piece
-      blocks = [[rhs_step_gmem[bb, kk, lax.div(c0 + p * piece_n, 128)]
-                 for p in range(pieces)] for c0 in origins]
+      blocks = [rhs_step_gmem[bb, kk, lax.div(origin, 128)] for origin in origins]
     return rows, cols, blocks
 
   def promote(total, blk, rows, cols, blocks):
@@ -80,23 +83,20 @@ def promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consum
         [scaled(blk[:, p * piece_n:(p + 1) * piece_n], number)
          for p, number in enumerate(blocks)], axis=1)
 
-  zeros = tuple(jnp.zeros((wg_m, wg_n), jnp.float32) for _ in origins)
+  zeros = jnp.zeros((wg_m, wg_n), jnp.float32)
 
-  def step(kk, totals):
+  def step(kk, total):
     slot = slot_of(kk)
     plgpu.barrier_wait(produced.at[slot])
 
-    def block(*blk_refs):
-      wgmma(blk_refs if accs > 1 else blk_refs[0], slot)
-      # The scales are read while the products run; reading blk_refs waits for them.
+    def block(blk_ref):
+      wgmma(blk_ref, slot)
+      # The scales are read while the products run; reading blk_ref waits for them.
       step_scales = scales(kk)
-      return tuple(ref[...] for ref in blk_refs), step_scales
+      return blk_ref[...], step_scales
 
-    blks, (rows, cols, blocks) = pl.run_scoped(
-        block, *[plgpu.ACC((wg_m, wg_n), jnp.float32) for _ in origins])
+    blk, step_scales = pl.run_scoped(block, plgpu.ACC((wg_m, wg_n), jnp.float32))
     plgpu.barrier_arrive(consumed.at[slot])
-    return tuple(promote(total, blk, rows, cols, numbers)
-                 for total, blk, numbers in zip(totals, blks, blocks))
+    return promote(total, blk, *step_scales)
 
-  totals = lax.fori_loop(0, k_iters, step, zeros)
-  return totals if accs > 1 else totals[0]
+  return lax.fori_loop(0, k_iters, step, zeros)
