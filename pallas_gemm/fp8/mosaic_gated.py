@@ -203,11 +203,13 @@ def gated_ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, activati
 
 def _row_scales_of_items(item_scales, items, count, m: int):
   """(M, F/128): row r's scales from the one item whose rows [lo, hi) hold it. Items are
-  in row order and tile [0, M) without gaps, so r's item is the number of items (of the
-  first count) that end at or before r."""
+  in row order and tile [0, M) without gaps from row 0, so r's item is the number of
+  items whose first row lo is at or before r, less one: a scatter of T ones and a
+  cumulative sum (a binary search, `jnp.searchsorted`'s default, is a while loop whose
+  every step waits for the host)."""
   t = jnp.arange(items.shape[1], dtype=jnp.int32)
-  ends = jnp.where(t < count[0], items[rows.HI], jnp.int32(m + 1))
-  r = jnp.arange(m, dtype=jnp.int32)
-  owner = jnp.searchsorted(ends, r, side="right").astype(jnp.int32)
-  offset = r - items[rows.ROW8, owner] * rows.ROW_ALIGN
+  first = jnp.where(t < count[0], items[rows.LO], jnp.int32(m))  # past the count: dropped
+  starts = jnp.zeros((m,), jnp.int32).at[first].add(1, mode="drop")
+  owner = jnp.cumsum(starts) - 1
+  offset = jnp.arange(m, dtype=jnp.int32) - items[rows.ROW8, owner] * rows.ROW_ALIGN
   return item_scales[owner, :, offset]

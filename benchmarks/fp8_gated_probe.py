@@ -1,0 +1,102 @@
+"""Probe: the fp8 gated kernel (`pallas_gemm.fp8.gated`, moe_mlp's fp8 inference form
+between its GEMMs) against the three passes it replaces, on routed rows of MoE configs.
+
+    python -m benchmarks.fp8_gated_probe [--configs qwen3,decode-qwen3] [--rounds 5]
+
+Variants, each on the same quantized rows, weights and group sizes:
+  three-pass   scaled_ragged_dot to bf16 h (R, 2F), SwiGLU, quantize (the unfused form)
+  h-gemm       the first of those alone
+  fused        gated_quantized on the Mosaic kernel (kernel + the scales' gather)
+  fused-values the kernel's values alone (XLA drops the scales' gather)
+  fused-stages5 fused with a ring of 5 stages
+Reports per variant CUPTI kernel time (the sum of its kernels) and pipelined wall clock,
+median over rounds taken in turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.moe import CONFIGS
+from benchmarks.timing import PipelinedTimer, Timer
+from pallas_gemm.core import epilogue
+from pallas_gemm.fp8 import gated, mosaic_gated, quantize, scaled_ragged_dot
+
+
+def operands(cfg, seed=0):
+  rng = np.random.default_rng(seed)
+  rows = cfg.tokens * cfg.top_k
+  ids = rng.integers(0, cfg.experts, rows)
+  sizes = jnp.asarray(np.bincount(ids, minlength=cfg.experts), jnp.int32)
+  x = jnp.asarray(rng.standard_normal((rows, cfg.d_model)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((cfg.experts, 2 * cfg.d_ff, cfg.d_model)) * 0.05,
+                  jnp.bfloat16)
+  x8, sx = quantize(x)
+  w8, sw = quantize(w, block_shape=(128, 128))
+  return x8, w8, sizes, sx, sw
+
+
+def variants(f: int):
+  def three_pass(x8, w8, sizes, sx, sw):
+    h = scaled_ragged_dot(x8, w8, sizes, sx, sw, jnp.bfloat16)
+    return quantize(epilogue.gated(h, "silu"))
+
+  def h_gemm(x8, w8, sizes, sx, sw):
+    return scaled_ragged_dot(x8, w8, sizes, sx, sw, jnp.bfloat16)
+
+  def fused(x8, w8, sizes, sx, sw):
+    return gated.gated_quantized(x8, w8, sizes, sx, sw, "silu", backend="mosaic")
+
+  def fused_values(x8, w8, sizes, sx, sw):
+    return mosaic_gated.gated_ragged_gemm(x8, w8, sizes, sx, sw, activation="silu")[0]
+
+  def fused_stages(stages):
+    def fn(*a):  # the kernel's ring depth while it is traced
+      old, mosaic_gated.STAGES = mosaic_gated.STAGES, stages
+      try:
+        return fused(*a)
+      finally:
+        mosaic_gated.STAGES = old
+    return fn
+
+  del f
+  return {"three-pass": three_pass, "h-gemm": h_gemm, "fused": fused,
+          "fused-values": fused_values, "fused-stages5": fused_stages(5)}
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(prog="python -m benchmarks.fp8_gated_probe")
+  p.add_argument("--configs", default="mixtral,qwen3,deepseek-v3,decode-qwen3")
+  p.add_argument("--rounds", type=int, default=5)
+  p.add_argument("--calls", type=int, default=10)
+  args = p.parse_args(argv)
+  cupti, wall = Timer(), PipelinedTimer()
+  print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; kernel time: {cupti.name}")
+  print("| config | variant | kernels ms | wall ms | x three-pass (kernels) |")
+  print("|---|---|---:|---:|---:|")
+  for name in args.configs.split(","):
+    cfg = CONFIGS[name]
+    ops = operands(cfg)
+    fns = {k: jax.jit(v) for k, v in variants(cfg.d_ff).items()}
+    for fn in fns.values():
+      jax.block_until_ready(fn(*ops))
+    kern = {k: [] for k in fns}
+    walls = {k: [] for k in fns}
+    for r in range(args.rounds):
+      order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
+      for k in order:
+        kern[k].append(statistics.median(cupti.sample(fns[k], [ops], args.calls)))
+        walls[k].append(wall.sample(fns[k], [ops], args.calls)[0])
+    base = statistics.median(kern["three-pass"])
+    for k in fns:
+      km, wm = statistics.median(kern[k]), statistics.median(walls[k])
+      print(f"| {name} | {k} | {km:.3f} | {wm:.3f} | {base / km:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+  main()
