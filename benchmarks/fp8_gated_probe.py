@@ -8,7 +8,6 @@ Variants, each on the same quantized rows, weights and group sizes:
   h-gemm       the first of those alone
   fused        gated_quantized on the Mosaic kernel (kernel + the scales' gather)
   fused-values the kernel's values alone (XLA drops the scales' gather)
-  fused-stages5 fused with a ring of 5 stages
 Reports per variant CUPTI kernel time (the sum of its kernels) and pipelined wall clock,
 median over rounds taken in turns.
 """
@@ -29,13 +28,15 @@ from pallas_gemm.fp8 import gated, mosaic_gated, quantize, scaled_ragged_dot
 
 
 def operands(cfg, seed=0):
+  """Quantized rows, weights (drawn on the device: DeepSeek-V3-like weights are 7.5e9
+  numbers) and the group sizes of a uniform random routing."""
   rng = np.random.default_rng(seed)
   rows = cfg.tokens * cfg.top_k
   ids = rng.integers(0, cfg.experts, rows)
   sizes = jnp.asarray(np.bincount(ids, minlength=cfg.experts), jnp.int32)
-  x = jnp.asarray(rng.standard_normal((rows, cfg.d_model)), jnp.bfloat16)
-  w = jnp.asarray(rng.standard_normal((cfg.experts, 2 * cfg.d_ff, cfg.d_model)) * 0.05,
-                  jnp.bfloat16)
+  kx, kw = jax.random.split(jax.random.key(seed))
+  x = jax.random.normal(kx, (rows, cfg.d_model), jnp.bfloat16)
+  w = jax.random.normal(kw, (cfg.experts, 2 * cfg.d_ff, cfg.d_model), jnp.bfloat16) * 0.05
   x8, sx = quantize(x)
   w8, sw = quantize(w, block_shape=(128, 128))
   return x8, w8, sizes, sx, sw
@@ -55,18 +56,9 @@ def variants(f: int):
   def fused_values(x8, w8, sizes, sx, sw):
     return mosaic_gated.gated_ragged_gemm(x8, w8, sizes, sx, sw, activation="silu")[0]
 
-  def fused_stages(stages):
-    def fn(*a):  # the kernel's ring depth while it is traced
-      old, mosaic_gated.STAGES = mosaic_gated.STAGES, stages
-      try:
-        return fused(*a)
-      finally:
-        mosaic_gated.STAGES = old
-    return fn
-
   del f
   return {"three-pass": three_pass, "h-gemm": h_gemm, "fused": fused,
-          "fused-values": fused_values, "fused-stages5": fused_stages(5)}
+          "fused-values": fused_values}
 
 
 def main(argv=None):

@@ -499,7 +499,7 @@ def test_gated_kernel_lowers_for_cuda(m, k, f, g):
 
 @pytest.mark.parametrize("sizes", [(50, 0, 130, 97), (1, 1, 200, 0, 59), (0, 0, 5), (300,)])
 def test_gated_kernel_scales_gather_each_row_from_its_item(sizes):
-  # The gated kernel writes a's scales per work item (T, F/128, 128); each row's come
+  # The gated kernel writes a's scales per work item (F/128, T, 128); each row's come
   # from the one item whose rows [lo, hi) hold it, rows of no group included.
   from pallas_gemm.fp8 import mosaic_gated  # noqa: PLC0415
   from pallas_gemm.mgpu import rows  # noqa: PLC0415
@@ -507,10 +507,10 @@ def test_gated_kernel_scales_gather_each_row_from_its_item(sizes):
   starts, ends = rows.local_rows(jnp.asarray(sizes, jnp.int32), None, len(sizes), m)
   items, count = rows.row_items(starts, ends, m, mosaic_gated.BLOCK_M)
   t = items.shape[1]
-  item_scales = jnp.arange(t * 2 * 128, dtype=jnp.float32).reshape(t, 2, 128)
+  item_scales = jnp.arange(2 * t * 128, dtype=jnp.float32).reshape(2, t, 128)
   got = np.asarray(mosaic_gated._row_scales_of_items(item_scales, items, count, m))
   table, want = np.asarray(items), np.full((m, 2), np.nan)
   for i in range(int(count[0])):
     for r in range(table[rows.LO, i], table[rows.HI, i]):
-      want[r] = np.asarray(item_scales)[i, :, r - table[rows.ROW8, i] * rows.ROW_ALIGN]
+      want[r] = np.asarray(item_scales)[:, i, r - table[rows.ROW8, i] * rows.ROW_ALIGN]
   np.testing.assert_array_equal(got, want)
