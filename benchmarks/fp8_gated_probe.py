@@ -8,7 +8,7 @@ Variants, each on the same quantized rows, weights and group sizes:
   h-gemm       the first of those alone
   fused        gated_quantized on the Mosaic kernel (kernel + the scales' gather)
   fused-values the kernel's values alone (XLA drops the scales' gather)
-Reports per variant CUPTI kernel time (the sum of its kernels) and pipelined wall clock,
+With --kernels, each variant's kernels by name instead. Reports per variant CUPTI kernel time (the sum of its kernels) and pipelined wall clock,
 median over rounds taken in turns.
 """
 
@@ -66,7 +66,16 @@ def main(argv=None):
   p.add_argument("--configs", default="mixtral,qwen3,deepseek-v3,decode-qwen3")
   p.add_argument("--rounds", type=int, default=5)
   p.add_argument("--calls", type=int, default=10)
+  p.add_argument("--kernels", action="store_true",
+                 help="instead: each variant's kernels by name (CUPTI), per config")
   args = p.parse_args(argv)
+  if args.kernels:
+    from benchmarks import probe  # noqa: PLC0415 - its CUPTI helpers
+    for name in args.configs.split(","):
+      ops = operands(CONFIGS[name])
+      for k, v in variants(CONFIGS[name].d_ff).items():
+        probe._print_by_name(f"{name} {k}", probe._kernel_times(jax.jit(v), ops, args.calls))
+    return
   cupti, wall = Timer(), PipelinedTimer()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; kernel time: {cupti.name}")
   print("| config | variant | kernels ms | wall ms | x three-pass (kernels) |")
