@@ -8,8 +8,9 @@ Variants, each on the same quantized rows, weights and group sizes:
   h-gemm       the first of those alone
   fused        gated_quantized on the Mosaic kernel (kernel + the scales' gather)
   fused-values the kernel's values alone (XLA drops the scales' gather)
-With --kernels, each variant's kernels by name instead. Reports per variant CUPTI kernel time (the sum of its kernels) and pipelined wall clock,
-median over rounds taken in turns.
+Reports per variant CUPTI kernel time (the sum of its kernels) and pipelined wall clock,
+median over rounds taken in turns. With --kernels, each variant's kernels by name
+instead; with --layer, those of moe_mlp's fp8 inference form, fused and three-pass.
 """
 
 from __future__ import annotations
@@ -68,7 +69,20 @@ def main(argv=None):
   p.add_argument("--calls", type=int, default=10)
   p.add_argument("--kernels", action="store_true",
                  help="instead: each variant's kernels by name (CUPTI), per config")
+  p.add_argument("--layer", action="store_true",
+                 help="instead: moe_mlp's fp8 inference form and its three-pass variant,"
+                      " kernels by name (CUPTI), per config")
   args = p.parse_args(argv)
+  if args.layer:
+    from benchmarks import moe, probe  # noqa: PLC0415 - the layer and its CUPTI helpers
+    fns = moe.variants(True, ["moe_mlp/fp8", "moe_mlp/fp8-3pass"])[0]
+    for name in args.configs.split(","):
+      ops = moe.operands(CONFIGS[name], "fwd", False)
+      for k in ("moe_mlp/fp8", "moe_mlp/fp8-3pass"):
+        placed = moe.PREPARE[k](*ops)
+        probe._print_by_name(f"{name} {k}", probe._kernel_times(jax.jit(fns[k]), placed,
+                                                                args.calls))
+    return
   if args.kernels:
     from benchmarks import probe  # noqa: PLC0415 - its CUPTI helpers
     for name in args.configs.split(","):
