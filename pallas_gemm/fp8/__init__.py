@@ -12,8 +12,10 @@ layouts, dequantize, the power-of-two scale arithmetic), quantize.py (quantize a
 backend choice), api.py (scaled_matmul), xla.py (dequantize + float32 dot: the reference
 and CPU path), mosaic_gemm.py (the Hopper kernel), mosaic_quantize.py (the Hopper kernel
 of quantize, 1x128 blocks), layer.py (fp8_dot_general and its backward GEMMs), ragged.py
-and mosaic_ragged.py (scaled_ragged_dot and its Hopper kernel). The promoted K loop the
-kernels share is `pallas_gemm.mgpu.scaled_k`.
+and mosaic_ragged.py (scaled_ragged_dot and its Hopper kernel), gated.py and
+mosaic_gated.py (a gated expert MLP's first grouped GEMM, activation and quantize of its
+output as one kernel: moe_mlp's fp8 inference form). The promoted K loop the kernels share
+is `pallas_gemm.mgpu.scaled_k`.
 """
 
 from pallas_gemm.fp8.api import scaled_matmul

@@ -22,7 +22,7 @@ Design: `mosaic_ragged`'s grouped work items and promoted K loop, with
     after the other, each a 128 x 128 tile of h as `mosaic_ragged`'s: 64 gate columns
     and the 64 up columns F further on, side by side in shared memory, so one wgmma of
     N = 128 per step (two wgmmas of N = 64 read the lhs tile twice from shared memory:
-    the layer ran 1.2x slower so than with three passes, Mixtral-like). A warpgroup
+    the layer ran 1.2x slower so than with three passes at Mixtral-like sizes). A warpgroup
     holds its (64, 128) block accumulator and f32 sum (128 registers), and the first
     half's a (32 more) waits in registers for the second: a row's amax over its 128
     columns is in registers when the block is quantized. The item's K steps are those

@@ -8,9 +8,10 @@
 DeepSeek-V3's recipe for the blocks: weights in 128x128 blocks per expert, K-major; the
 activations that enter each GEMM (the gathered rows of x, and act(gate) * up) in 1x128
 blocks along the contraction, with power-of-two scales (`pallas_gemm.quantize`). The
-dispatch, the activation and the combine are the bf16 layer's (`layer.py`). The inference
-form is forward only: the values of a quantized weight have no gradient, and asking for
-one is an error.
+dispatch and the combine are the bf16 layer's (`layer.py`). The inference form runs its
+first GEMM, the activation and the quantize of a as one Hopper kernel where it can
+(`fp8.gated`; `Plan.fuse_gate=False` keeps the three passes); it is forward only: the
+values of a quantized weight have no gradient, and asking for one is an error.
 
 The training form (`layer_fp8_train`) quantizes with current scaling in every call, and
 treats quantization as the identity in its gradients (straight through):
