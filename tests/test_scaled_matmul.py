@@ -797,7 +797,7 @@ _GATED_CASES = [(300, 256, 128, (50, 0, 130, 97)),
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 def test_gated_quantized(rng, backend, m, k, f, sizes, activation):
   from pallas_gemm.fp8 import gated  # noqa: PLC0415
-  if backend == "mosaic" and (why := gated.mosaic_reason(jnp.zeros((8, k), E4M3),
+  if backend == "mosaic" and (why := gated.gated_kernel_reason(jnp.zeros((8, k), E4M3),
                                                           jnp.zeros((1, 2 * f, k), E4M3),
                                                           E4M3)) is not None:
     pytest.skip(f"mosaic unavailable: {why}")
@@ -832,7 +832,7 @@ def test_gated_quantized(rng, backend, m, k, f, sizes, activation):
 @pytest.mark.parametrize("backend", ["xla", "mosaic"])
 def test_gated_quantized_nan_stays_in_its_row(rng, backend):
   from pallas_gemm.fp8 import gated  # noqa: PLC0415
-  if backend == "mosaic" and (why := gated.mosaic_reason(jnp.zeros((8, 256), E4M3),
+  if backend == "mosaic" and (why := gated.gated_kernel_reason(jnp.zeros((8, 256), E4M3),
                                                           jnp.zeros((1, 256, 256), E4M3),
                                                           E4M3)) is not None:
     pytest.skip(f"mosaic unavailable: {why}")

@@ -5,6 +5,7 @@
     out = scaled_matmul(values, w8, scales, w_scales)       # (B, M, N) float32
     nn.Dense(features, dot_general=fp8_dot_general)         # training in fp8
     scaled_ragged_dot(values, w8_gnk, group_sizes, scales, w_scales)   # MoE experts
+    gated_quantized(values, w8_gate_up, group_sizes, scales, w_scales, "silu")  # act, fp8
 
 Modules, imported one way (checks -> scales; quantize -> mosaic_quantize; api -> xla):
 checks.py (operand, scale and dtype checks, the backend choice), scales.py (the scale
@@ -19,9 +20,11 @@ is `pallas_gemm.mgpu.scaled_k`.
 """
 
 from pallas_gemm.fp8.api import scaled_matmul
+from pallas_gemm.fp8.gated import gated_kernel_reason, gated_quantized
 from pallas_gemm.fp8.layer import fp8_dot_general
 from pallas_gemm.fp8.ragged import scaled_ragged_dot
 from pallas_gemm.fp8.quantize import quantize
 from pallas_gemm.fp8.scales import dequantize
 
-__all__ = ["dequantize", "fp8_dot_general", "quantize", "scaled_matmul", "scaled_ragged_dot"]
+__all__ = ["dequantize", "fp8_dot_general", "gated_kernel_reason", "gated_quantized", "quantize",
+           "scaled_matmul", "scaled_ragged_dot"]

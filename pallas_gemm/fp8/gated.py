@@ -11,7 +11,7 @@ product, a = act(h[:, :F]) * h[:, F:] in f32, and (a8, a_scales) = quantize(a, d
 Backends: "xla" runs `scaled_ragged_dot` to f32, the activation and `quantize` (the
 reference, and the CPU path); "mosaic" the one Hopper kernel of mosaic_gated.py, from the
 same f32 arithmetic up to the order of the K sums; "auto" takes mosaic on a Hopper GPU
-where the call allows it (`mosaic_reason`). Under jit shardings the kernel runs per
+where the call allows it (`gated_kernel_reason`). Under jit shardings the kernel runs per
 shard of rows (`partitioned`); the groups, K and F stay whole.
 """
 
@@ -29,7 +29,7 @@ from pallas_gemm.mgpu import hw
 BLOCK = 128
 
 
-def mosaic_reason(lhs, rhs, dtype) -> str | None:
+def gated_kernel_reason(lhs, rhs, dtype) -> str | None:
   """None when the Hopper kernel computes this call here, else why not."""
   reason = checks.mosaic_unavailable_reason()
   if reason is not None or not hw.on_gpu():
@@ -54,7 +54,7 @@ def gated_quantized(lhs, rhs, group_sizes, lhs_scales, rhs_scales, activation: s
                      f" {getattr(rhs, 'shape', rhs)}")
   if backend not in ("auto", *checks.BACKENDS):
     raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
-  reason = None if backend == "xla" else mosaic_reason(lhs, rhs, dtype)
+  reason = None if backend == "xla" else gated_kernel_reason(lhs, rhs, dtype)
   if backend == "mosaic" and reason is not None:
     raise ValueError(f"backend='mosaic' cannot run this call: {reason} (backend='xla' can)")
   m, _, two_f, g = ragged.validate(lhs, rhs, group_sizes, lhs_scales, rhs_scales)

@@ -39,7 +39,6 @@ import numpy as np
 
 from pallas_gemm import fp8 as fp8_ops
 from pallas_gemm.core import sharding
-from pallas_gemm.fp8 import gated as fp8_gated
 from pallas_gemm.moe import layer
 
 BLOCK = 128  # the scale block along a contraction, and a weight block's rows
@@ -133,7 +132,7 @@ def layer_fp8(plan: layer.Plan, x, topk_weights, gu8, gu_scales, dn8, dn_scales,
   """out (T, D) of x (T, D) with quantized experts (module docstring)."""
   rows = _pair_rows8(x, d, gu8.dtype)
   if _fused_gate(plan, rows[0], gu8, dn8.dtype):
-    a = fp8_gated.gated_quantized(rows[0], gu8, d.group_sizes, rows[1], gu_scales,
+    a = fp8_ops.gated_quantized(rows[0], gu8, d.group_sizes, rows[1], gu_scales,
                                   layer.ACTIVATIONS[plan.activation][0], dtype=dn8.dtype,
                                   backend="mosaic")
   else:
@@ -144,13 +143,13 @@ def layer_fp8(plan: layer.Plan, x, topk_weights, gu8, gu_scales, dn8, dn_scales,
 
 def _fused_gate(plan: layer.Plan, rows8, gu8, dtype) -> bool:
   """Whether the first GEMM, the activation and the quantize of its output run as one
-  kernel (`fp8.gated`): a gated activation, the Mosaic backend (asked for, or "auto" on
+  kernel (`fp8.gated_quantized`): a gated activation, the Mosaic backend (asked for, or "auto" on
   a GPU) able to run it, not under Auto mesh axes (XLA partitions the layer there),
   and the fused form not turned off (Plan.fuse_gate)."""
   _, is_gated = layer.ACTIVATIONS[plan.activation]
   if not (is_gated and plan.fuse_gate) or plan.backend == "xla" or sharding.auto_axes():
     return False
-  return fp8_gated.mosaic_reason(rows8, gu8, dtype) is None
+  return fp8_ops.gated_kernel_reason(rows8, gu8, dtype) is None
 
 
 def _fwd(plan, *args):
