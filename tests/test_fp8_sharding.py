@@ -169,6 +169,43 @@ def test_scaled_ragged_gemm_shards(rng, layout, split):
   assert bool(REDUCE.search(hlo)) == (layout == "k"), layout
 
 
+def _xla_gated(lhs, rhs, sizes, ls, rs):
+  return pallas_gemm.fp8.gated_quantized(lhs, rhs, sizes, ls, rs, "silu", backend="xla")
+
+
+@pytest.mark.parametrize("layout, split", [
+    ("m", dict(lhs=P("y"), ls=P("y"))),
+    ("m over both axes", dict(lhs=P(("x", "y")), ls=P(("x", "y")))),
+    ("g, k: gathered", dict(lhs=P(None, "x"), rhs=P("x", None, "y"), ls=P(None, "x"))),
+])
+def test_gated_quantized_shards(rng, layout, split):
+  # The fp8 gated kernel's partitioning (`fp8.gated.partitioned`): rows split with no
+  # communication, groups straddling the devices' rows (as above); the groups and K
+  # stay whole (a's 1x128 scales need every column of a row's block, and split groups
+  # would leave fp8 rows that no all-reduce adds).
+  from pallas_gemm.fp8 import gated  # noqa: PLC0415
+  mesh = _mesh()
+  m, f, k = 96, 128, 256
+  lhs8, ls = pallas_gemm.quantize(jnp.asarray(random(rng, (m, k), np.float32)), E4M3,
+                                  block_shape=(1, 128), backend="xla")
+  rhs8, rs = pallas_gemm.quantize(jnp.asarray(random(rng, (4, 2 * f, k), np.float32)), E4M3,
+                                  block_shape=(128, 128), backend="xla")
+  sizes = jnp.asarray([5, 0, 40, 30], jnp.int32)
+  args = dict(lhs=lhs8, rhs=rhs8, sizes=sizes, ls=ls, rs=rs)
+  placed = [jax.device_put(a, NamedSharding(mesh, split.get(name, P())))
+            for name, a in args.items()]
+  f_ = jax.jit(lambda *a: gated.partitioned(_xla_gated, *a, out_dtype=E4M3))
+  values, scales = f_(*placed)
+  want_values, want_scales = _xla_gated(*args.values())
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  np.testing.assert_array_equal(np.asarray(values, np.float32),
+                                np.asarray(want_values, np.float32))
+  assert not np.asarray(values, np.float32)[75:].any()
+  hlo = f_.lower(*placed).compile().as_text()
+  assert not REDUCE.search(hlo), layout
+  assert bool(GATHER.search(hlo)) == layout.endswith("gathered"), layout
+
+
 def _xla_quantize(x):
   return pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="xla")
 
