@@ -24,8 +24,8 @@ import numpy as np
 
 from benchmarks.moe import CONFIGS
 from benchmarks.timing import PipelinedTimer, Timer
-from pallas_gemm.core import epilogue
-from pallas_gemm.fp8 import gated, mosaic_gated, quantize, scaled_ragged_dot
+from pallas_gemm.core import epilogue, primitive
+from pallas_gemm.fp8 import gated_quantized, mosaic_gated, quantize, scaled_ragged_dot
 
 
 def operands(cfg, seed=0):
@@ -43,7 +43,7 @@ def operands(cfg, seed=0):
   return x8, w8, sizes, sx, sw
 
 
-def variants(f: int):
+def variants():
   def three_pass(x8, w8, sizes, sx, sw):
     h = scaled_ragged_dot(x8, w8, sizes, sx, sw, jnp.bfloat16)
     return quantize(epilogue.gated(h, "silu"))
@@ -52,12 +52,12 @@ def variants(f: int):
     return scaled_ragged_dot(x8, w8, sizes, sx, sw, jnp.bfloat16)
 
   def fused(x8, w8, sizes, sx, sw):
-    return gated.gated_quantized(x8, w8, sizes, sx, sw, "silu", backend="mosaic")
+    return gated_quantized(x8, w8, sizes, sx, sw, "silu", backend="mosaic")
 
   def fused_values(x8, w8, sizes, sx, sw):
-    return mosaic_gated.gated_ragged_gemm(x8, w8, sizes, sx, sw, activation="silu")[0]
+    with primitive.kernel_x64("mosaic"):
+      return mosaic_gated.gated_ragged_gemm(x8, w8, sizes, sx, sw, activation="silu")[0]
 
-  del f
   return {"three-pass": three_pass, "h-gemm": h_gemm, "fused": fused,
           "fused-values": fused_values}
 
@@ -87,7 +87,7 @@ def main(argv=None):
     from benchmarks import probe  # noqa: PLC0415 - its CUPTI helpers
     for name in args.configs.split(","):
       ops = operands(CONFIGS[name])
-      for k, v in variants(CONFIGS[name].d_ff).items():
+      for k, v in variants().items():
         probe._print_by_name(f"{name} {k}", probe._kernel_times(jax.jit(v), ops, args.calls))
     return
   cupti, wall = Timer(), PipelinedTimer()
@@ -97,7 +97,7 @@ def main(argv=None):
   for name in args.configs.split(","):
     cfg = CONFIGS[name]
     ops = operands(cfg)
-    fns = {k: jax.jit(v) for k, v in variants(cfg.d_ff).items()}
+    fns = {k: jax.jit(v) for k, v in variants().items()}
     for fn in fns.values():
       jax.block_until_ready(fn(*ops))
     kern = {k: [] for k in fns}

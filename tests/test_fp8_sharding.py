@@ -179,11 +179,10 @@ def _xla_gated(lhs, rhs, sizes, ls, rs):
     ("g, k: gathered", dict(lhs=P(None, "x"), rhs=P("x", None, "y"), ls=P(None, "x"))),
 ])
 def test_gated_quantized_shards(rng, layout, split):
-  # The fp8 gated kernel's partitioning (`fp8.gated.partitioned`): rows split with no
+  # The fp8 gated kernel's partitioning (`partition.gated_gemm`): rows split with no
   # communication, groups straddling the devices' rows (as above); the groups and K
   # stay whole (a's 1x128 scales need every column of a row's block, and split groups
   # would leave fp8 rows that no all-reduce adds).
-  from pallas_gemm.fp8 import gated  # noqa: PLC0415
   mesh = _mesh()
   m, f, k = 96, 128, 256
   lhs8, ls = pallas_gemm.quantize(jnp.asarray(random(rng, (m, k), np.float32)), E4M3,
@@ -194,7 +193,8 @@ def test_gated_quantized_shards(rng, layout, split):
   args = dict(lhs=lhs8, rhs=rhs8, sizes=sizes, ls=ls, rs=rs)
   placed = [jax.device_put(a, NamedSharding(mesh, split.get(name, P())))
             for name, a in args.items()]
-  f_ = jax.jit(lambda *a: gated.partitioned(_xla_gated, *a, out_dtype=E4M3))
+  f_ = jax.jit(lambda *a: partition.gated_gemm(_xla_gated, *a, out_dtype=E4M3,
+                                               interpret=False))
   values, scales = f_(*placed)
   want_values, want_scales = _xla_gated(*args.values())
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))

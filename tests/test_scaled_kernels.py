@@ -485,7 +485,7 @@ def test_wide_scales_and_nan_on_the_gpu(rng):
 
 @pytest.mark.parametrize("m, k, f, g", [(4096, 2048, 768, 16), (100, 128, 128, 3)])
 def test_gated_kernel_lowers_for_cuda(m, k, f, g):
-  # moe_mlp's fp8 first GEMM + SwiGLU + quantize of a (two accumulators per half).
+  # moe_mlp's fp8 first GEMM + SwiGLU + quantize of a ([gate | up] in one N = 128 wgmma).
   from pallas_gemm.fp8 import mosaic_gated  # noqa: PLC0415
   fn = lambda *a: mosaic_gated.gated_ragged_gemm(*a, activation="silu",  # noqa: E731
                                                  num_sms=132)

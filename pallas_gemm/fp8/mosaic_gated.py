@@ -22,7 +22,7 @@ Design: `mosaic_ragged`'s grouped work items and promoted K loop, with
     after the other, each a 128 x 128 tile of h as `mosaic_ragged`'s: 64 gate columns
     and the 64 up columns F further on, side by side in shared memory, so one wgmma of
     N = 128 per step (two wgmmas of N = 64 read the lhs tile twice from shared memory:
-    the layer ran 1.2x slower so than with three passes at Mixtral-like sizes). A warpgroup
+    with them the layer ran 1.2x slower than with three passes at Mixtral-like sizes). A warpgroup
     holds its (64, 128) block accumulator and f32 sum (128 registers), and the first
     half's a (32 more) waits in registers for the second: a row's amax over its 128
     columns is in registers when the block is quantized. The item's K steps are those
@@ -60,6 +60,8 @@ NUM_WGS = 2
 STAGES = 5  # ring stages of 32.5 KiB, beside 2 x 2 x 8 KiB of output slots (4: 5% slower
 # at Mixtral-like sizes, the same at Qwen3-like ones)
 OUT_SLOTS = 2  # output slots per consumer warpgroup
+GRID_TILE_WIDTH = 8  # items in bands of 8 column blocks (`plgpu.planar_snake`), as the
+# grouped kernels order theirs: CTAs running together share lhs and weight tiles in L2
 
 _PLAN = fp8_mosaic.Plan(lhs_step=True, rhs_step="block", epi_scalar=False, epi_rows=False,
                         epi_cols=False, promoted=True, rhs_shared=False)
@@ -69,7 +71,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
             values_gmem, scales_gmem, *, k_iters: int, f: int, num_ctas: int,
             activation: str):
   """One persistent CTA. lhs_gmem (M', K) fp8; rhs_gmem (G, 2F, K) fp8; lhs_step_gmem
-  (K/128, M'') f32; rhs_step_gmem (G, K/128, N_b') f32; values_gmem (M, F) fp8;
+  (K/128, M'') f32; rhs_step_gmem (G, K/128, 2F/128) f32; values_gmem (M, F) fp8;
   scales_gmem (F/128, T, BLOCK_M) f32; items_gmem (4, T), count_gmem (1,) (`rows`)."""
   dtype = values_gmem.dtype
   wg_m = BLOCK_M // NUM_WGS
@@ -81,7 +83,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
   local_work = lax.div(count * f_blocks - cta + num_ctas - 1, num_ctas)
 
   def item(j):  # the CTA's j-th item: (item index, group, row0, lo, hi, column block)
-    t, c = plgpu.planar_snake(cta + j * num_ctas, (count, f_blocks), 1, 8)
+    t, c = plgpu.planar_snake(cta + j * num_ctas, (count, f_blocks), 1, GRID_TILE_WIDTH)
     row0 = items_gmem[rows.ROW8, t] * rows.ROW_ALIGN
     return (t, items_gmem[rows.GROUP, t], row0, items_gmem[rows.LO, t],
             items_gmem[rows.HI, t], c)
@@ -186,6 +188,9 @@ def gated_ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, activati
   g, two_f, _ = rhs.shape
   f = two_f // 2
   dtype = jnp.dtype(dtype)
+  if min(m, k, f, g) == 0:  # no item, or no K step (a ring of no stages)
+    raise ValueError(f"gated_ragged_gemm takes no empty dimension: lhs {lhs.shape}, rhs"
+                     f" {rhs.shape} (`fp8.gated` computes those without the kernel)")
   k_iters = k // BLOCK_K
   starts, ends = rows.local_rows(group_sizes, None, g, m)
   items, count = rows.row_items(starts, ends, m, BLOCK_M)

@@ -7,6 +7,9 @@ partitioned`), where XLA would otherwise gather every operand of a Mosaic kernel
   scale blocks), leaving float32 partial sums that one psum adds before the result's dtype.
 - `ragged_gemm` (scaled_ragged_dot's kernel): M, N and K as for `gemm`, M with the groups
   cut to each device's rows; G whole.
+- `gated_gemm` (gated_quantized's kernel): M as for `ragged_gemm`; G, K and F whole (split
+  groups would leave each device fp8 rows of its own groups, which no all-reduce adds, and
+  a's 1x128 scales need a row's whole block; `moe_mlp` runs expert parallelism itself).
 - `quantize_rows` (quantize's kernel): x (R, K) in 1x128 blocks (128x128): R split in
   multiples of 8 (128) and K in multiples of 128, values and scales with it; no
   communication.
@@ -103,3 +106,25 @@ def ragged_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, out_dtype,
       ((("m", 1), ("n", 1)),), reduce=("k",), whole=("g",), align={"k": BLOCK},
       out_dtypes=(out_dtype,))
   return call(lhs, rhs, group_sizes, lhs_scales, rhs_scales)[0]
+
+
+def gated_gemm(local, lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, out_dtype,
+               interpret):
+  """local(lhs, rhs, group_sizes, ls, rs) -> (a8 (M, F), a_scales (M, F/128)), run per
+  shard (module docstring); operands as `ragged_gemm`'s, rhs (G, 2F, K)."""
+  if sharding.unpartitioned(interpret):
+    return tuple(local(lhs, rhs, group_sizes, lhs_scales, rhs_scales))
+  m = lhs.shape[0]
+  labels = ((("m", 1), None), (None, None, None), (None,), (("m", 1), None),
+            (None, None, None))
+
+  def shard(lhs, rhs, sizes, ls, rs, *, partial, start):
+    del partial  # nothing is summed across devices
+    if lhs.shape[0] != m:  # this device's rows: the groups cut to them
+      sizes, _ = sharding.group_window(sizes, None, start("m"), lhs.shape[0])
+    return tuple(local(lhs, rhs, sizes, ls, rs))
+
+  call = sharding.partitioned(
+      shard, [a.shape for a in (lhs, rhs, group_sizes, lhs_scales, rhs_scales)], labels,
+      ((("m", 1), None), (("m", 1), None)), out_dtypes=(out_dtype, jnp.float32))
+  return tuple(call(lhs, rhs, group_sizes, lhs_scales, rhs_scales))

@@ -19,7 +19,7 @@ from pallas_gemm.fp8.scales import (FP8_DTYPES, INPUT_DTYPES, ROW_BLOCK, pow2, s
 from pallas_gemm.mgpu import hw
 
 
-def _check_dtype(dtype) -> np.dtype:
+def check_dtype(dtype) -> np.dtype:
   try:
     dtype = np.dtype(dtype)
   except TypeError:
@@ -123,7 +123,7 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
     raise TypeError(f"x.dtype must be float32, bfloat16 or float16; got {np.dtype(x.dtype)}")
   if x.ndim not in (2, 3):
     raise ValueError(f"x must be (M, K) or (B, M, K); got shape {tuple(x.shape)}")
-  dtype = _check_dtype(dtype)
+  dtype = check_dtype(dtype)
   squeeze = x.ndim == 2
   x3 = jnp.asarray(x)[None] if squeeze else jnp.asarray(x)
   b, m, k = x3.shape

@@ -44,6 +44,9 @@ def promoted_loop(wgmma, first, bb, col0, wg_ms, wg_ns, stages, produced, consum
   row_layout = plgpu.Layout.WGMMA.reduce(1)  # a (wg_m,) vector, one value per acc row
   col_layout = plgpu.Layout.WGMMA.reduce(0)  # a (wg_n,) vector, one per acc column
   if isinstance(col0, tuple):
+    if plan.rhs_step != "block" or wg_n % len(col0):
+      raise ValueError(f"column pieces at origins {col0} need 128x128 rhs block scales and"
+                       f" wg_n={wg_n} a multiple of their count")
     origins = col0
   else:
     count = block_pieces(wg_n) if plan.rhs_step == "block" else 1

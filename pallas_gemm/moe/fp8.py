@@ -39,6 +39,7 @@ import numpy as np
 
 from pallas_gemm import fp8 as fp8_ops
 from pallas_gemm.core import sharding
+from pallas_gemm.mgpu import hw
 from pallas_gemm.moe import layer
 
 BLOCK = 128  # the scale block along a contraction, and a weight block's rows
@@ -133,8 +134,8 @@ def layer_fp8(plan: layer.Plan, x, topk_weights, gu8, gu_scales, dn8, dn_scales,
   rows = _pair_rows8(x, d, gu8.dtype)
   if _fused_gate(plan, rows[0], gu8, dn8.dtype):
     a = fp8_ops.gated_quantized(rows[0], gu8, d.group_sizes, rows[1], gu_scales,
-                                  layer.ACTIVATIONS[plan.activation][0], dtype=dn8.dtype,
-                                  backend="mosaic")
+                                layer.ACTIVATIONS[plan.activation][0], dtype=dn8.dtype,
+                                backend="mosaic")
   else:
     a = layer.act(plan, _gemm(plan, rows, gu8, gu_scales, d.group_sizes, x.dtype))
   y = _gemm(plan, a, dn8, dn_scales, d.group_sizes, x.dtype)
@@ -143,11 +144,13 @@ def layer_fp8(plan: layer.Plan, x, topk_weights, gu8, gu_scales, dn8, dn_scales,
 
 def _fused_gate(plan: layer.Plan, rows8, gu8, dtype) -> bool:
   """Whether the first GEMM, the activation and the quantize of its output run as one
-  kernel (`fp8.gated_quantized`): a gated activation, the Mosaic backend (asked for, or "auto" on
-  a GPU) able to run it, not under Auto mesh axes (XLA partitions the layer there),
-  and the fused form not turned off (Plan.fuse_gate)."""
+  kernel (`fp8.gated_quantized`): a gated activation, a Hopper GPU (the kernel's
+  interpreter on a CPU takes seconds a call) and a backend other than "xla", the kernel
+  able to run on these operands, not under Auto mesh axes (XLA partitions the layer
+  there), and the fused form not turned off (Plan.fuse_gate)."""
   _, is_gated = layer.ACTIVATIONS[plan.activation]
-  if not (is_gated and plan.fuse_gate) or plan.backend == "xla" or sharding.auto_axes():
+  if (not (is_gated and plan.fuse_gate) or plan.backend == "xla" or not hw.on_gpu()
+      or sharding.auto_axes()):
     return False
   return fp8_ops.gated_kernel_reason(rows8, gu8, dtype) is None
 
