@@ -25,6 +25,9 @@
 #   pair        2 GPUs: the K-split pair kernels' tests
 #   sharded     2+ GPUs: python -m benchmarks --sharded (SHARDED_ARGS; SHARDED_DEVICES: one
 #               run per count listed, e.g. "2 4")
+#   suite       the whole suite in one call: one-GPU file groups side by side (SUITE_GROUPS,
+#               ";"-separated, group i on GPU i mod count; SUITE_WORKERS each), the several-GPU
+#               files over every GPU at the same time (SUITE_TIMEOUT)
 #   multi_tests 2+ GPUs: the tests that split work over devices (test_moe_parallel.py,
 #               test_ragged_sharding.py, test_fp8_sharding.py,
 #               test_sharding.py), in one process over every GPU
@@ -72,15 +75,20 @@ if has build; then
   python3 -c "import pallas_gemm; print(pallas_gemm.backends())" | tee -a "$OUT/device.txt"
 fi
 
+# xdist_flag N: "-n N" when pytest-xdist's wheels were carried in .whl/ (installed once).
+xdist_flag() {
+  if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && { python3 -c 'import xdist' 2>/dev/null ||
+      python3 -m pip install -q --no-deps --no-index .whl/pytest_xdist-*.whl .whl/execnet-*.whl \
+        >"$OUT/xdist_install.log" 2>&1; }; then
+    echo "-n $1"
+  fi
+}
+
 if has test; then
   log tests
   # eval: PYTEST_ARGS may hold a quoted expression, e.g. PYTEST_ARGS="-k 'mosaic or auto'".
   # PYTEST_FILES splits the suite over calls (the whole one-GPU suite takes longer than one).
-  workers=""
-  if ls .whl/pytest_xdist-*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-deps --no-index .whl/pytest_xdist-*.whl .whl/execnet-*.whl \
-      >"$OUT/xdist_install.log" 2>&1 && workers="-n ${TEST_WORKERS:-4}"
-  fi
+  workers=$(xdist_flag "${TEST_WORKERS:-4}")
   # -v: one line per test as it ends, so a run cut off by TEST_TIMEOUT still names every
   # test that failed and counts those that passed.
   eval "timeout ${TEST_TIMEOUT:-480} python3 -m pytest -v -rfEs -p no:cacheprovider --timeout 300 $workers ${PYTEST_ARGS:-} ${PYTEST_FILES:-tests}" 2>&1 \
@@ -206,11 +214,44 @@ if has sharded; then
   done
 fi
 
+# The whole suite in one call: the one-GPU test files in groups side by side, group i on
+# GPU i mod (GPU count), and the files that split work over devices in one pytest over every
+# GPU at the same time. Tests are not timed, so sharing a GPU or the CPUs changes no
+# result; a file in no group joins the last one, so a new test file is never left out.
+MULTI_FILES="tests/test_moe_parallel.py tests/test_ragged_sharding.py tests/test_sharding.py tests/test_fp8_sharding.py"
+if has suite; then
+  log "the whole suite: one-GPU file groups side by side, the several-GPU files over every GPU"
+  ngpu=$(nvidia-smi -L | wc -l)
+  IFS=';' read -ra groups <<<"${SUITE_GROUPS:-tests/test_gemm.py tests/test_precision.py \
+tests/test_errors.py tests/test_auto.py tests/test_unpad.py tests/test_layout.py tests/test_tuning.py \
+tests/test_flax.py tests/test_benchmarks_cli.py tests/test_examples.py;tests/test_mosaic.py \
+tests/test_triton.py tests/test_cuda_plumbing.py tests/test_dot_general.py;tests/test_ragged_kernels.py \
+tests/test_ragged_dot.py tests/test_moe.py;tests/test_scaled_kernels.py tests/test_scaled_matmul.py}"
+  for f in tests/test_*.py; do
+    [[ " ${groups[*]} $MULTI_FILES " == *" $f "* ]] || groups[-1]+=" $f"
+  done
+  workers=$(xdist_flag "${SUITE_WORKERS:-8}")
+  run_group() {  # run_group NAME DEVICES FILES...
+    CUDA_VISIBLE_DEVICES=$2 timeout "${SUITE_TIMEOUT:-540}" python3 -m pytest -v -rfEs \
+      -p no:cacheprovider --timeout 300 $workers "${@:3}" >"$OUT/suite_$1.log" 2>&1
+  }
+  for i in "${!groups[@]}"; do
+    run_group "$i" $((i % ngpu)) ${groups[$i]} &
+  done
+  all=$(seq -s, 0 $((ngpu - 1)))
+  run_group multi "$all" $MULTI_FILES &
+  wait
+  for log in "$OUT"/suite_*.log; do
+    echo "$(basename "$log" .log): $(grep -c ' PASSED' "$log") passed, $(grep -c ' SKIPPED' "$log")" \
+      "skipped, $(grep -cE ' (FAILED|ERROR)' "$log") failed or errors; $(tail -n 1 "$log" | cut -c1-160)"
+    grep -E "^(FAILED|ERROR) " "$log" | cut -c1-220
+  done | tee /dev/stderr | summary suite
+fi
+
 if has multi_tests; then
   log "tests over every GPU: expert-parallel moe_mlp, gemm's partitioning"
   timeout ${MULTI_TEST_TIMEOUT:-560} python3 -m pytest -v -rfEs -p no:cacheprovider --timeout 240 \
-      tests/test_moe_parallel.py tests/test_ragged_sharding.py tests/test_sharding.py \
-      tests/test_fp8_sharding.py 2>&1 | tee "$OUT/multi_tests.log" \
+      $MULTI_FILES 2>&1 | tee "$OUT/multi_tests.log" \
     | grep -E "(FAILED|ERROR) |passed|failed" | cut -c1-220 | tail -30
   grep -E "(FAILED|ERROR) |passed|failed" "$OUT/multi_tests.log" | tail -8 | summary multi_tests
 fi
