@@ -932,7 +932,10 @@ def test_weights_split_as_storage_are_not_tensor_parallel(rng):
 def test_operands_split_on_no_layer_axis_run_whole(rng, precision):
   # x split over D and w_down over F on Explicit axes (neither a token, expert nor tensor-
   # parallel split): the layer runs them whole, and every gradient comes back typed as
-  # its operand, with the one-device numbers (bf16 and the fp8 training form).
+  # its operand, with the one-device numbers (bf16 and the fp8 training form) within the
+  # tolerance table's bound: on a GPU the sharded program and the one-device one compile
+  # to different kernels, and float32 at precision=None may run on TF32 in either (on an
+  # H200 one token's dx came out 1.5e-4 apart; on a CPU the two are equal).
   mesh = _mesh(2, ("d",))
   x, weights, ids, wgu, wd = _problem(rng, 24, 128, 128, 4, 2)
   layer = functools.partial(pallas_gemm.moe_mlp, backend=_backend(), precision=precision)
@@ -944,6 +947,8 @@ def test_operands_split_on_no_layer_axis_run_whole(rng, precision):
   placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in
             ((x, P(None, "d")), (weights, P()), (wgu, P()), (wd, P(None, "d")))]
   got = jax.jit(grads)(*placed)
+  # The fp8 form's two runs quantize the same numbers: the bf16 layer's bound holds too.
+  bound = moe_tolerance(x.dtype, x.shape[-1], wd.shape[1])
   for g, w, primal in zip(got, grads(x, weights, wgu, wd), placed):
     assert jax.typeof(g).sharding.spec == jax.typeof(primal).sharding.spec
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    assert relative_error(g, w) <= bound
