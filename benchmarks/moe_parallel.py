@@ -117,8 +117,8 @@ def parse_args(argv):
                  help="instead: the forward's parts at each count (exchange, experts, the"
                       " whole layer) with the padded and the ragged exchange")
   p.add_argument("--kernels", action="store_true",
-                 help="GPU: the kernels of moe_mlp's step (weak scaling's problem) by name"
-                      " (CUPTI), per device, beside the step's wall clock")
+                 help="GPU: the kernels of each variant's step (weak scaling's problem) by"
+                      " name (CUPTI), per device, beside the step's wall clock")
   p.add_argument("--out", type=pathlib.Path, default=None)
   return p.parse_args(argv)
 
@@ -312,22 +312,24 @@ def breakdown(cfg: Config, n: int, rounds: int, calls: int) -> dict:
   return {k: statistics.median(t) for k, t in times.items()}
 
 
-def kernels(cfg: Config, n: int, calls: int, top: int = 18) -> dict:
-  """Kernel time per step and device of moe_mlp's training step (weak scaling's problem
-  at n devices), by kernel name, from CUPTI; the gap to the wall clock is time no kernel
-  ran (launch, host, a device waiting with nothing queued)."""
+def kernels(cfg: Config, n: int, calls: int, variant: str = "moe_mlp", top: int = 18) -> dict:
+  """Kernel time per step and device of a variant's step (weak scaling's problem at n
+  devices), by kernel name, from CUPTI; the gap to the wall clock is time no kernel ran
+  (launch, host, a device waiting with nothing queued)."""
   from benchmarks.probe import _kernel_times, kernels_by_name  # noqa: PLC0415 - GPU only
   mesh = None if n == 1 else jax.make_mesh(
       (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:n])
   args = problem(cfg, cfg.tokens_per_device * n, mesh)
-  step = step_fn("moe_mlp")
+  if variant == "infer/fp8":
+    args = quantized(args, mesh)
+  step = step_fn(variant)
   wall = statistics.median(rounds_ms(PipelinedTimer(), {"s": lambda: step(*args)}, [()], 3,
                                      calls)["s"])
   # per step and device: CUPTI sees every device's kernels
   by_name = {name: (count / calls / n, ms / n) for name, (count, ms)
              in kernels_by_name(_kernel_times(step, args, calls)).items()}
   total = sum(ms for _, ms in by_name.values())
-  print(f"{cfg.name}, {n} device(s), weak problem: step {wall:.3f} ms wall, kernels"
+  print(f"{cfg.name}, {n} device(s), weak problem, {variant}: step {wall:.3f} ms wall, kernels"
         f" {total:.3f} ms per device", flush=True)
   ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
   for name, (count, ms) in ranked[:top]:
@@ -355,8 +357,8 @@ def main(args=None) -> int:
   counts = _counts(opts.devices)
   kind = jax.devices()[0].device_kind
   if opts.kernels:
-    found = {f"{cfg.name} n={n}": kernels(cfg, n, calls)
-             for cfg in configs for n in counts if cfg.experts % n == 0}
+    found = {f"{cfg.name} n={n} {v}": kernels(cfg, n, calls, v)
+             for cfg in configs for n in counts if cfg.experts % n == 0 for v in variants}
     if opts.out is not None:
       opts.out.mkdir(parents=True, exist_ok=True)
       (opts.out / "moe_parallel_kernels.json").write_text(json.dumps(found, indent=1))
