@@ -26,8 +26,8 @@
 #   sharded     2+ GPUs: python -m benchmarks --sharded (SHARDED_ARGS; SHARDED_DEVICES: one
 #               run per count listed, e.g. "2 4")
 #   suite       the whole suite in one call: one-GPU file groups side by side (SUITE_GROUPS,
-#               ";"-separated, group i on GPU i mod count; SUITE_WORKERS each), the several-GPU
-#               files over every GPU at the same time (SUITE_TIMEOUT)
+#               ";"-separated, group i on GPU i mod count; SUITE_WORKERS each), the files with
+#               several-device tests over every GPU at the same time (SUITE_TIMEOUT)
 #   multi_tests 2+ GPUs: the tests that split work over devices (test_moe_parallel.py,
 #               test_ragged_sharding.py, test_fp8_sharding.py,
 #               test_sharding.py), in one process over every GPU
@@ -215,20 +215,22 @@ if has sharded; then
 fi
 
 # The whole suite in one call: the one-GPU test files in groups side by side, group i on
-# GPU i mod (GPU count), and the files that split work over devices in one pytest over every
-# GPU at the same time. Tests are not timed, so sharing a GPU or the CPUs changes no
-# result; a file in no group joins the last one, so a new test file is never left out.
+# GPU i mod (GPU count), and the files with tests that need several devices (the sharding
+# files; examples, benchmarks and dot_general have a few) in one pytest over every GPU at
+# the same time. Tests are not timed, so sharing a GPU or the CPUs changes no result; a
+# file in no group joins the last one, so a new test file is never left out.
 MULTI_FILES="tests/test_moe_parallel.py tests/test_ragged_sharding.py tests/test_sharding.py tests/test_fp8_sharding.py"
+ALL_GPU_FILES="$MULTI_FILES tests/test_examples.py tests/test_benchmarks_cli.py tests/test_dot_general.py"
 if has suite; then
   log "the whole suite: one-GPU file groups side by side, the several-GPU files over every GPU"
   ngpu=$(nvidia-smi -L | wc -l)
   IFS=';' read -ra groups <<<"${SUITE_GROUPS:-tests/test_gemm.py tests/test_precision.py \
 tests/test_errors.py tests/test_auto.py tests/test_unpad.py tests/test_layout.py tests/test_tuning.py \
-tests/test_flax.py tests/test_benchmarks_cli.py tests/test_examples.py;tests/test_mosaic.py \
-tests/test_triton.py tests/test_cuda_plumbing.py tests/test_dot_general.py;tests/test_ragged_kernels.py \
-tests/test_ragged_dot.py tests/test_moe.py;tests/test_scaled_kernels.py tests/test_scaled_matmul.py}"
+tests/test_flax.py;tests/test_mosaic.py tests/test_triton.py tests/test_cuda_plumbing.py; \
+tests/test_ragged_kernels.py tests/test_ragged_dot.py tests/test_moe.py;tests/test_scaled_kernels.py \
+tests/test_scaled_matmul.py}"
   for f in tests/test_*.py; do
-    [[ " ${groups[*]} $MULTI_FILES " == *" $f "* ]] || groups[-1]+=" $f"
+    [[ " ${groups[*]} $ALL_GPU_FILES " == *" $f "* ]] || groups[-1]+=" $f"
   done
   workers=$(xdist_flag "${SUITE_WORKERS:-8}")
   run_group() {  # run_group NAME DEVICES FILES...
@@ -239,7 +241,7 @@ tests/test_ragged_dot.py tests/test_moe.py;tests/test_scaled_kernels.py tests/te
     run_group "$i" $((i % ngpu)) ${groups[$i]} &
   done
   all=$(seq -s, 0 $((ngpu - 1)))
-  run_group multi "$all" $MULTI_FILES &
+  run_group multi "$all" $ALL_GPU_FILES &
   wait
   for log in "$OUT"/suite_*.log; do
     echo "$(basename "$log" .log): $(grep -c ' PASSED' "$log") passed, $(grep -c ' SKIPPED' "$log")" \
