@@ -235,7 +235,15 @@ def test_grad(backend, rng, transpose_rhs):
   check(drhs, ref_drhs, BF16, m)
   if backend == "xla":
     np.testing.assert_array_equal(dlhs, lax_dlhs)
-    np.testing.assert_array_equal(drhs, lax_drhs)
+    if transpose_rhs:
+      # The (G, N, K) weight gradient of a float32 cotangent: lax's transpose rule and the
+      # xla backend's weight-gradient product sum it in different orders before rounding to
+      # bfloat16, so an element near a rounding boundary lands one bf16 step apart (on the
+      # CPU in about 15% of random draws, one element of 11520).
+      np.testing.assert_allclose(np.asarray(drhs, np.float32), np.asarray(lax_drhs, np.float32),
+                                 rtol=float(jnp.finfo(BF16).eps), atol=0)
+    else:
+      np.testing.assert_array_equal(drhs, lax_drhs)
   else:
     check(dlhs, np.asarray(lax_dlhs, np.float64), BF16, n)
     check(drhs, np.asarray(lax_drhs, np.float64), BF16, m)
