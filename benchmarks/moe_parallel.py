@@ -24,9 +24,6 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
                   chunk, 2, 4 (not in the default list)
   lax             moe_mlp's layout and exchange with jax.lax.ragged_dot as the grouped
                   GEMM (backend="xla")
-  moe_mlp/all-slots  step 4's per-pair passes over every slot of the receive buffer
-                  (parallel.PAIR_HEADROOM unbounded), the layout before the pairs were
-                  capped (not in the default list)
   moe_mlp/tp      tensor parallel instead: every device all the tokens and F/n of every
                   expert (w_gate_up as (E, D, 2, F) split on F, w_down on F), the partial
                   sums all-reduced; strong scaling only (not in the default list)
@@ -35,6 +32,13 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
   infer/fp8       the forward with `quantize_experts` weights (quantized once, outside the
                   step), rows exchanged as fp8 bytes; its speedup column is fp8's over
                   "infer" (not in the default list)
+  .../all-slots   (after moe_mlp, infer or infer/fp8) step 4's per-pair passes over every
+                  slot of the receive buffer (parallel.PAIR_HEADROOM unbounded): no
+                  lax.cond, the layout before the pairs were capped
+  .../cb          (after moe_mlp, infer or infer/fp8) compiled with XLA's command buffers
+                  taking conditionals too (CUDA graph conditional nodes): XLA:GPU runs a
+                  lax.cond by copying its predicate to the host and waiting for the
+                  device, which drains the stream; in a graph the device branches itself
 On one device the variants are moe_mlp without an axis, "lax" and the inference ones.
 Figures: ms per step (wall clock of back-to-back steps, rounds in rotated order, median),
 per-device tokens per second, weak efficiency t(1) / t(n) and strong speedup t(1) / t(n)
@@ -64,20 +68,39 @@ DTYPE = jnp.bfloat16
 AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
 INFERENCE = ("infer", "infer/fp8")
-VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp", "moe_mlp/all-slots") + tuple(
+MODIFIED = ("all-slots", "cb")  # modifiers of moe_mlp and of the inference variants
+VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp",) + tuple(
     f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged")) + (
-    "moe_mlp/lhs", "moe_mlp/lhs/2", "moe_mlp/lhs/4") + INFERENCE
+    "moe_mlp/lhs", "moe_mlp/lhs/2", "moe_mlp/lhs/4") + INFERENCE + tuple(
+    f"{v}/{m}" for v in ("moe_mlp",) + INFERENCE for m in MODIFIED)
 # The option of the "lhs" variants: XLA:GPU schedules collectives without it by default.
 LATENCY_HIDING = {"xla_gpu_enable_latency_hiding_scheduler": True}
+# The option of the "cb" variants: XLA's default command buffer kinds and conditionals.
+COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer":
+                   "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL"}
+
+
+def unmodified(variant: str) -> str:
+  """The variant without an all-slots or cb modifier."""
+  parts = variant.split("/")
+  return "/".join(p for p in parts if p not in MODIFIED)
 
 
 def baseline(variant: str) -> str | None:
   """The variant a variant's speedup is taken against: moe_mlp's training step for the
-  training variants, "infer" for "infer/fp8" (reported as fp8's speedup), none for
-  "infer" and moe_mlp itself."""
+  training variants, "infer" for "infer/fp8" (reported as fp8's speedup), an inference
+  variant for its modified forms, none for "infer" and moe_mlp itself."""
   if variant in ("moe_mlp", "infer"):
     return None
-  return "infer" if variant == "infer/fp8" else "moe_mlp"
+  if variant == "infer/fp8":
+    return "infer"
+  return unmodified(variant) if unmodified(variant) in INFERENCE else "moe_mlp"
+
+
+def arguments(variant: str, args, mesh):
+  """The step's operands for a variant: args, with the expert weights quantized for the
+  fp8 inference variants. The tensor-parallel layout is run_point's own."""
+  return quantized(args, mesh) if unmodified(variant) == "infer/fp8" else args
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,16 +204,19 @@ def quantized(args, mesh):
 def step_fn(variant: str):
   """One training step of the layer: value, gradients, SGD on the expert weights. The
   inference variants: the forward alone."""
-  if variant in INFERENCE:
-    return jax.jit(lambda params, x, weights, ids, ct: moe_mlp(x, weights, ids, *params))
+  parts = variant.split("/")[1:]  # moe_mlp[/exchange][/lhs][/chunks][/modifier]
+  options = (LATENCY_HIDING if "lhs" in parts else COMMAND_BUFFERS if "cb" in parts else
+             None)
+  if unmodified(variant) in INFERENCE:
+    layer = moe_mlp if "all-slots" not in parts else functools.partial(_all_slots, moe_mlp)
+    return jax.jit(lambda params, x, weights, ids, ct: layer(x, weights, ids, *params),
+                   compiler_options=options)
   backend = "xla" if variant == "lax" else "auto"
-  parts = variant.split("/")[1:]  # moe_mlp[/exchange][/lhs][/chunks]
   exchange = next((p for p in parts if p in ("padded", "ragged")), "auto")
   chunks = next((int(p) for p in parts if p.isdigit()), 1)
-  options = LATENCY_HIDING if "lhs" in parts else None
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
-  if variant == "moe_mlp/all-slots":
+  if "all-slots" in parts:
     layer = functools.partial(_all_slots, layer)
 
   def step(params, x, weights, ids, ct):
@@ -218,21 +244,23 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
                          devices=jax.devices()[:n])
   args = problem(cfg, tokens, mesh)
   programs, failed, variants = {}, {}, list(variants)
-  arguments = {v: args for v in variants}
+  operands = {v: arguments(v, args, mesh) for v in variants if unmodified(v) != "infer/fp8"}
   if "moe_mlp/tp" in variants and n > 1:
     if tokens != cfg.tokens_per_device:
       variants.remove("moe_mlp/tp")
       failed["moe_mlp/tp"] = "left out: every device runs all the tokens (strong scaling only)"
     else:
-      arguments["moe_mlp/tp"] = tensor_parallel(args, n)
-  if "infer/fp8" in variants:
+      operands["moe_mlp/tp"] = tensor_parallel(args, n)
+  fp8 = [v for v in variants if unmodified(v) == "infer/fp8"]
+  if fp8:
     try:
-      arguments["infer/fp8"] = quantized(args, mesh)
-    except Exception as e:  # noqa: BLE001 - reported as the variant's failure
-      variants.remove("infer/fp8")
-      failed["infer/fp8"] = _reason(e)
-  if n == 1:  # one device: no exchange, one program
-    variants = [v for v in variants if not v.startswith("moe_mlp/")]
+      operands.update({v: pairs for pairs in [arguments(fp8[0], args, mesh)] for v in fp8})
+    except Exception as e:  # noqa: BLE001 - reported as the variants' failure
+      for v in fp8:
+        variants.remove(v)
+        failed[v] = _reason(e)
+  if n == 1:  # one device: no exchange, one program (no branch either)
+    variants = [v for v in variants if not v.startswith("moe_mlp/") and v == unmodified(v)]
   elif jax.default_backend() != "gpu":
     for v in [v for v in variants if v.startswith("moe_mlp/ragged")]:
       variants.remove(v)
@@ -243,18 +271,18 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
   for v in variants:
     try:
       prog = step_fn(v)
-      jax.block_until_ready(prog(*arguments[v]))
+      jax.block_until_ready(prog(*operands[v]))
       programs[v] = prog
     except Exception as e:  # noqa: BLE001 - a variant that cannot run is reported
       failed[v] = _reason(e)
-  bound = {v: (lambda p=p, a=arguments[v]: p(*a)) for v, p in programs.items()}
+  bound = {v: (lambda p=p, a=operands[v]: p(*a)) for v, p in programs.items()}
   times = rounds_ms(PipelinedTimer(), bound, [()], rounds, calls) if bound else {}
   out = {v: dict(status="failed", reason=why) for v, why in failed.items()}
   for v, t in times.items():
     out[v] = dict(status="ok", ms=statistics.median(t), rounds_ms=t,
                   tokens_per_s_per_device=tokens / n / statistics.median(t) * 1e3)
     base = baseline(v)
-    if base == "infer" and base in times:
+    if v == "infer/fp8" and base in times:
       r = ratio_stats(times[base], t)  # > 1: fp8 is faster
       out[v]["fp8_speedup"] = dict(median=r.median, spread=r.spread, verdict=r.verdict)
     elif base is not None and base in times:
@@ -319,9 +347,7 @@ def kernels(cfg: Config, n: int, calls: int, variant: str = "moe_mlp", top: int 
   from benchmarks.probe import _kernel_times, kernels_by_name  # noqa: PLC0415 - GPU only
   mesh = None if n == 1 else jax.make_mesh(
       (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:n])
-  args = problem(cfg, cfg.tokens_per_device * n, mesh)
-  if variant == "infer/fp8":
-    args = quantized(args, mesh)
+  args = arguments(variant, problem(cfg, cfg.tokens_per_device * n, mesh), mesh)
   step = step_fn(variant)
   wall = statistics.median(rounds_ms(PipelinedTimer(), {"s": lambda: step(*args)}, [()], 3,
                                      calls)["s"])
@@ -350,6 +376,10 @@ def main(args=None) -> int:
       or any(v not in VARIANTS for v in variants)):
     print(f"choose configs from {list(CONFIGS)}, scaling from weak/strong, variants from"
           f" {VARIANTS}", file=sys.stderr)
+    return 2
+  if opts.kernels and "moe_mlp/tp" in variants:
+    print("--kernels times the weak problem; moe_mlp/tp runs strong scaling only",
+          file=sys.stderr)
     return 2
   configs = [CONFIGS[c] for c in names]
   if not on_gpu:
@@ -394,7 +424,9 @@ def main(args=None) -> int:
             one = row
         if one is not None:
           for v, r in row["variants"].items():
-            base = one["variants"].get(v if v == "lax" or v in INFERENCE else "moe_mlp", {})
+            base = one["variants"].get(
+                v if v == "lax" else unmodified(v) if unmodified(v) in INFERENCE else
+                "moe_mlp", {})
             if r["status"] == "ok" and base.get("status") == "ok":
               r["vs_one_device"] = base["ms"] / r["ms"]  # weak: efficiency; strong: speedup
         results.append(row)

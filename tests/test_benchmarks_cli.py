@@ -161,14 +161,16 @@ def test_expert_parallel_counts_leave_out_missing_devices(capsys):
 def test_expert_parallel_benchmark_writes_its_table(tmp_path):
   from benchmarks import moe  # noqa: PLC0415
   args = ["--expert-parallel", "--configs", "mixtral", "--devices", "1,2", "--scaling", "weak",
-          "--variants", "moe_mlp,moe_mlp/padded,infer,infer/fp8", "--rounds", "1", "--out",
-          str(tmp_path)]
+          "--variants", "moe_mlp,moe_mlp/padded,moe_mlp/cb,infer,infer/fp8,infer/fp8/all-slots",
+          "--rounds", "1", "--out", str(tmp_path)]
   assert moe.main(args) == 0
   results = json.loads((tmp_path / "moe_parallel.json").read_text())["results"]
   assert [(r["devices"], sorted(r["variants"])) for r in results] == [
-      (1, ["infer", "infer/fp8", "moe_mlp"]),
-      (2, ["infer", "infer/fp8", "moe_mlp", "moe_mlp/padded"])]
+      (1, ["infer", "infer/fp8", "moe_mlp"]),   # one device: no branch to modify
+      (2, ["infer", "infer/fp8", "infer/fp8/all-slots", "moe_mlp", "moe_mlp/cb",
+           "moe_mlp/padded"])]
   two = results[1]["variants"]
   assert all(v["status"] == "ok" and v["vs_one_device"] > 0 for v in two.values())
-  assert "moe_mlp_speedup" in two["moe_mlp/padded"]
+  assert "moe_mlp_speedup" in two["moe_mlp/padded"] and "moe_mlp_speedup" in two["moe_mlp/cb"]
+  assert "moe_mlp_speedup" in two["infer/fp8/all-slots"]  # against infer/fp8
   assert "fp8_speedup" in two["infer/fp8"] and "moe_mlp_speedup" not in two["infer"]
