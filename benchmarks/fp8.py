@@ -9,9 +9,14 @@ Per shape (M, N, K), in the same run, bf16 results:
   cuBLASLt pattern      dot(a8.astype(bf16) * sa, b8.astype(bf16) * sb), scalar float32
                         scales: XLA's rewrite to one cuBLASLt fp8 GEMM (per tensor); the
                         row says whether the compiled HLO holds that custom call;
+  cuBLASLt pattern, constant scales   the same with the scales as Python floats, constants
+                        of the compiled program (a program that knows its scales);
   dequant + bf16 dot    1x128 / 128x128 block scales expanded in bf16, then a bf16 dot:
                         the block-scaled path JAX has on Hopper;
-  pallas per tensor     scaled_matmul with (1, 1) scales;
+  pallas per tensor     scaled_matmul with (1, 1) scales (promoted: f32 every 128 of K);
+  pallas per tensor, fast accumulation   the same with Config(fast_accumulation=True):
+                        all of K accumulated in the tensor core, as cuBLASLt does (GPU only);
+                        the per-tensor rows also give their speed over both cuBLASLt rows;
   pallas blocks         scaled_matmul with 1x128 lhs and 128x128 rhs scales;
   quantize x / w        quantize(x) (1x128) and quantize(w, (128, 128)) from bf16, alone
                         (backend "auto": x through the one-pass Hopper kernel on a GPU);
@@ -50,11 +55,13 @@ from benchmarks import report
 from benchmarks.timing import Timer, ratio_stats, rounds_ms
 from pallas_gemm.testing import reference
 from pallas_gemm import quantize, scaled_matmul
-from pallas_gemm.fp8 import xla as sm_xla
+from pallas_gemm.fp8 import config as fp8_config, xla as sm_xla
 
 BF16 = jnp.bfloat16
 BASE = "bf16 jnp.dot"
 CUBLASLT = "cuBLASLt pattern (per tensor)"
+CUBLASLT_CONST = "cuBLASLt pattern (per tensor, constant scales)"
+FAST = "pallas per tensor, fast accumulation"
 # (label, M, N, K). DeepSeek-V3's layer GEMMs at M = 4096 tokens (N x K from its MLA and
 # MoE projections, as DeepGEMM benchmarks them).
 # In order of importance: a spent --budget-s drops the last.
@@ -99,20 +106,45 @@ def _dequant_bf16(v8, s, rows: int):
   return v8.astype(BF16) * s
 
 
+def _constant_pattern(a, b, sa: float, sb: float, out_dtype=BF16):
+  """XLA's per-tensor pattern with the scales constants of the program (Python floats:
+  weakly typed, so the multiplies stay bf16)."""
+  return jax.lax.dot_general(a.astype(BF16) * sa, b.astype(BF16) * sb,
+                             (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+
+
+def _fast_per_tensor(a, b, sa, sb, out_dtype=BF16):
+  """scaled_matmul per tensor with fast accumulation, the shape's tiles for it."""
+  cfg = fp8_config.default_config(a.shape[0], b.shape[0], a.shape[1], out_dtype=out_dtype,
+                                  promoted=False, step_scales=False)
+  return scaled_matmul(a, b, sa, sb, preferred_element_type=out_dtype, config=cfg)
+
+
+def has_fast(backend: str) -> bool:
+  """Whether the fast-accumulation row runs: the Mosaic kernel on a GPU (its config is
+  the kernel's; on a CPU its interpreter is no timing)."""
+  return backend in ("auto", "mosaic") and jax.default_backend() == "gpu"
+
+
 def implementations(backend: str) -> dict:
   """{label: (jitted fn, names of its inputs)}."""
   sm = functools.partial(scaled_matmul, preferred_element_type=BF16, backend=backend)
   dims = (((1,), (1,)), ((), ()))
+  fast = {FAST: (jax.jit(_fast_per_tensor), ("a8t", "b8t", "sat", "sbt"))} if has_fast(
+      backend) else {}
   return {
       BASE: (jax.jit(lambda x, wt: jnp.dot(x, wt)), ("x", "wt")),
       "fp8 jnp.dot": (jax.jit(lambda a, b: jax.lax.dot_general(
           a, b, dims, preferred_element_type=BF16)), ("a8t", "b8t")),
       CUBLASLT: (jax.jit(sm_xla.per_tensor_pattern), ("a8t", "b8t", "sat0", "sbt0")),
+      CUBLASLT_CONST: (jax.jit(_constant_pattern, static_argnums=(2, 3)),
+                       ("a8t", "b8t", "sa_float", "sb_float")),
       "dequant + bf16 dot (blocks)": (jax.jit(lambda a, sa, b, sb: jax.lax.dot_general(
           _dequant_bf16(a, sa, 1), _dequant_bf16(b, sb, 128), dims,
           preferred_element_type=BF16)), ("a8", "sa", "b8", "sb")),
       "pallas per tensor": (jax.jit(lambda a, b, sa, sb: sm(a, b, sa, sb)),
                             ("a8t", "b8t", "sat", "sbt")),
+      **fast,
       "pallas blocks": (jax.jit(lambda a, b, sa, sb: sm(a, b, sa, sb)),
                         ("a8", "b8", "sa", "sb")),
       "quantize x 1x128": (jax.jit(lambda x: quantize(x)), ("x",)),
@@ -149,7 +181,8 @@ def inputs(m: int, n: int, k: int, seed: int, family: str = "normal") -> dict:
   b8t, sbt = quantize(w, block_shape=None)
   # XLA's per-tensor pattern takes 0-d scales, reshaped outside its jitted function.
   return dict(x=x, w=w, wt=w.T, a8=a8, sa=sa, b8=b8, sb=sb, a8t=a8t, sat=sat, b8t=b8t, sbt=sbt,
-              sat0=sat.reshape(()), sbt0=sbt.reshape(()))
+              sat0=sat.reshape(()), sbt0=sbt.reshape(()), sa_float=float(sat[0, 0]),
+              sb_float=float(sbt[0, 0]))
 
 
 def _reference(label: str, d: dict):
@@ -173,9 +206,14 @@ def f32_paths(backend: str) -> dict:
   sm = jax.jit(functools.partial(scaled_matmul, preferred_element_type=jnp.float32,
                                  backend=backend))
   pattern = jax.jit(functools.partial(sm_xla.per_tensor_pattern, out_dtype=jnp.float32))
+  constant = jax.jit(functools.partial(_constant_pattern, out_dtype=jnp.float32),
+                     static_argnums=(2, 3))
+  fast = jax.jit(functools.partial(_fast_per_tensor, out_dtype=jnp.float32))
   return {"pallas per tensor": (sm, ("a8t", "b8t", "sat", "sbt")),
+          **({FAST: (fast, ("a8t", "b8t", "sat", "sbt"))} if has_fast(backend) else {}),
           "pallas blocks": (sm, ("a8", "b8", "sa", "sb")),
-          CUBLASLT: (pattern, ("a8t", "b8t", "sat0", "sbt0"))}
+          CUBLASLT: (pattern, ("a8t", "b8t", "sat0", "sbt0")),
+          CUBLASLT_CONST: (constant, ("a8t", "b8t", "sa_float", "sb_float"))}
 
 
 def _f32_errors(paths: dict, d: dict) -> dict:
@@ -211,7 +249,11 @@ def run_shape(label, m, n, k, args, timer) -> list[dict]:
           fns[name](*(sets[0][x] for x in names))[:ERROR_ROWS], ref)
     if name in errors_normal:
       row.update(relerr_f32_normal=errors_normal[name], relerr_f32_wide=errors_wide[name])
-    if name == CUBLASLT:  # whether XLA made the pattern one cuBLASLt fp8 GEMM
+    if name.startswith("pallas per tensor"):  # > 1: faster than cuBLASLt's pattern
+      for key, other in (("vs_cublaslt", CUBLASLT), ("vs_cublaslt_constant", CUBLASLT_CONST)):
+        r = ratio_stats(times[other], times[name])
+        row.update({key: r.median, f"{key}_spread": r.spread})
+    if name in (CUBLASLT, CUBLASLT_CONST):  # whether XLA made it one cuBLASLt fp8 GEMM
       hlo = fns[name].lower(*(sets[0][x] for x in names)).compile().as_text()
       row["cublaslt_fp8_in_hlo"] = sm_xla.is_cublaslt_fp8(hlo)
     rows.append(row)
@@ -229,6 +271,10 @@ def _line(row) -> str:
     text += f"  f32-out err {row['relerr_f32_normal']:.1e} (wide {row['relerr_f32_wide']:.1e})"
   if "cublaslt_fp8_in_hlo" in row:
     text += f"  cublas$lt$matmul$f8 in HLO: {row['cublaslt_fp8_in_hlo']}"
+  if "vs_cublaslt" in row:
+    text += (f"  x cuBLASLt {row['vs_cublaslt']:.2f} (+-{row['vs_cublaslt_spread']:.2f}),"
+             f" constant scales {row['vs_cublaslt_constant']:.2f}"
+             f" (+-{row['vs_cublaslt_constant_spread']:.2f})")
   return text
 
 
@@ -237,8 +283,8 @@ def markdown(rows, meta) -> str:
            f"`{meta['command']}`; {meta['rounds']} rounds x {meta['calls']} calls, bf16 "
            "results; ratio = bf16 jnp.dot's time / this one's (median over rounds, +- half "
            "the IQR); errors vs float64 of the dequantized operands, first 256 rows.", "",
-           "| shape | path | ms | TFLOP/s | x bf16 dot | err (bf16 out) | err f32 out: N(0,1) "
-           "| wide |", "|---|---|---|---|---|---|---|---|"]
+           "| shape | path | ms | TFLOP/s | x bf16 dot | x cuBLASLt (scales traced / constant) "
+           "| err (bf16 out) | err f32 out: N(0,1) | wide |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     shape = f"{r['m']}x{r['n']}x{r['k']} {r['shape']}"
     impl = r["impl"] + ({True: " [cuBLASLt fp8]", False: " [NOT rewritten to cuBLASLt"
@@ -247,9 +293,10 @@ def markdown(rows, meta) -> str:
     cells = [shape, impl, f"{r['ms']:.3f}"]
     if "tflops" in r:
       cells += [f"{r['tflops']:.0f}", f"{r['vs_bf16']:.2f} +- {r['vs_bf16_spread']:.2f}",
-                f"{r['relerr_bf16_out']:.1e}"]
+                (f"{r['vs_cublaslt']:.2f} / {r['vs_cublaslt_constant']:.2f}"
+                 if "vs_cublaslt" in r else ""), f"{r['relerr_bf16_out']:.1e}"]
     else:
-      cells += ["", "", ""]
+      cells += ["", "", "", ""]
     cells += ([f"{r['relerr_f32_normal']:.1e}", f"{r['relerr_f32_wide']:.1e}"]
               if "relerr_f32_normal" in r else ["", ""])
     lines.append("| " + " | ".join(cells) + " |")
