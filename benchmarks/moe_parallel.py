@@ -39,6 +39,9 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
                   taking conditionals too (CUDA graph conditional nodes): XLA:GPU runs a
                   lax.cond by copying its predicate to the host and waiting for the
                   device, which drains the stream; in a graph the device branches itself
+  .../p128, /p256, /p512  (after moe_mlp, infer or infer/fp8) each ragged exchange's slice
+                  per peer cut into that many pieces instead of RAGGED_SLICES_PER_PEER:
+                  XLA's ragged-all-to-all kernel runs one block of 128 threads per piece
 On one device the variants are moe_mlp without an axis, "lax" and the inference ones.
 Figures: ms per step (wall clock of back-to-back steps, rounds in rotated order, median),
 per-device tokens per second, weak efficiency t(1) / t(n) and strong speedup t(1) / t(n)
@@ -68,7 +71,8 @@ DTYPE = jnp.bfloat16
 AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
 INFERENCE = ("infer", "infer/fp8")
-MODIFIED = ("all-slots", "cb")  # modifiers of moe_mlp and of the inference variants
+# Modifiers of moe_mlp and of the inference variants.
+MODIFIED = ("all-slots", "cb", "p128", "p256", "p512")
 VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp",) + tuple(
     f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged")) + (
     "moe_mlp/lhs", "moe_mlp/lhs/2", "moe_mlp/lhs/4") + INFERENCE + tuple(
@@ -81,7 +85,7 @@ COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer":
 
 
 def unmodified(variant: str) -> str:
-  """The variant without an all-slots or cb modifier."""
+  """The variant without its modifier (`MODIFIED`)."""
   parts = variant.split("/")
   return "/".join(p for p in parts if p not in MODIFIED)
 
@@ -181,14 +185,26 @@ def tensor_parallel(args, n: int):
   return ((gate_up, down), *(jax.device_put(a, NamedSharding(mesh, P())) for a in rest))
 
 
-def _all_slots(layer, *args):
-  """layer traced with step 4's pair capacity unbounded (read while the forward traces)."""
+def _with_constant(name: str, value, layer, *args):
+  """layer traced with `parallel.<name>` set to value (module constants are read while
+  the layer traces)."""
   from pallas_gemm.moe import parallel  # noqa: PLC0415 - an A/B of a module constant
-  headroom, parallel.PAIR_HEADROOM = parallel.PAIR_HEADROOM, float(2 ** 40)
+  kept = getattr(parallel, name)
+  setattr(parallel, name, value)
   try:
     return layer(*args)
   finally:
-    parallel.PAIR_HEADROOM = headroom
+    setattr(parallel, name, kept)
+
+
+def _modified(layer, parts):
+  """layer under the all-slots or pieces modifier among parts (or layer itself)."""
+  if "all-slots" in parts:  # step 4's pair capacity unbounded
+    return functools.partial(_with_constant, "PAIR_HEADROOM", float(2 ** 40), layer)
+  for p in parts:
+    if p in MODIFIED and p.startswith("p"):
+      return functools.partial(_with_constant, "RAGGED_SLICES_PER_PEER", int(p[1:]), layer)
+  return layer
 
 
 def quantized(args, mesh):
@@ -208,7 +224,7 @@ def step_fn(variant: str):
   options = (LATENCY_HIDING if "lhs" in parts else COMMAND_BUFFERS if "cb" in parts else
              None)
   if unmodified(variant) in INFERENCE:
-    layer = moe_mlp if "all-slots" not in parts else functools.partial(_all_slots, moe_mlp)
+    layer = _modified(moe_mlp, parts)
     return jax.jit(lambda params, x, weights, ids, ct: layer(x, weights, ids, *params),
                    compiler_options=options)
   backend = "xla" if variant == "lax" else "auto"
@@ -216,8 +232,7 @@ def step_fn(variant: str):
   chunks = next((int(p) for p in parts if p.isdigit()), 1)
   layer = functools.partial(moe_mlp, backend=backend, exchange=exchange,
                             exchange_chunks=chunks)
-  if "all-slots" in parts:
-    layer = functools.partial(_all_slots, layer)
+  layer = _modified(layer, parts)
 
   def step(params, x, weights, ids, ct):
     def loss(params, x, weights):
