@@ -39,9 +39,10 @@ w_gate_up and w_down) and an SGD update of both expert weights. Variants:
                   taking conditionals too (CUDA graph conditional nodes): XLA:GPU runs a
                   lax.cond by copying its predicate to the host and waiting for the
                   device, which drains the stream; in a graph the device branches itself
-  .../p128, /p256, /p512  (after moe_mlp, infer or infer/fp8) each ragged exchange's slice
-                  per peer cut into that many pieces instead of RAGGED_SLICES_PER_PEER:
-                  XLA's ragged-all-to-all kernel runs one block of 128 threads per piece
+  .../p64, /p128, /p256, /p1024  (after moe_mlp, infer or infer/fp8) each ragged
+                  exchange's slice per peer cut into that many pieces instead of
+                  RAGGED_SLICES_PER_PEER: XLA's ragged-all-to-all kernel runs one block
+                  of 128 threads per piece
 On one device the variants are moe_mlp without an axis, "lax" and the inference ones.
 Figures: ms per step (wall clock of back-to-back steps, rounds in rotated order, median),
 per-device tokens per second, weak efficiency t(1) / t(n) and strong speedup t(1) / t(n)
@@ -72,7 +73,7 @@ AXIS = "expert"
 DEFAULT_VARIANTS = ("moe_mlp", "moe_mlp/padded", "moe_mlp/ragged", "lax")
 INFERENCE = ("infer", "infer/fp8")
 # Modifiers of moe_mlp and of the inference variants.
-MODIFIED = ("all-slots", "cb", "p128", "p256", "p512")
+MODIFIED = ("all-slots", "cb", "p64", "p128", "p256", "p1024")
 VARIANTS = DEFAULT_VARIANTS + ("moe_mlp/tp",) + tuple(
     f"moe_mlp/{e}/{c}" for c in (2, 4) for e in ("padded", "ragged")) + (
     "moe_mlp/lhs", "moe_mlp/lhs/2", "moe_mlp/lhs/4") + INFERENCE + tuple(
