@@ -2,11 +2,13 @@
 
     python -m benchmarks.fp8_kernel_probe                 # 4096^3 and 8192^3, < 2 minutes
     python -m benchmarks.fp8_kernel_probe --sizes 4096 --configs 128x128s5p,128x192s4cn
+    python -m benchmarks.fp8_kernel_probe --sizes 4096x7168x2048 --tensor-configs 128x256s4wnf
 
-Per size, in one process: bf16 jnp.dot, the dequantize + bf16 dot path (1x128 / 128x128
-block scales applied in XLA), XLA's scaled per-tensor pattern (`xla.per_tensor_pattern`,
-which XLA rewrites to one cuBLASLt fp8 GEMM: the probe prints whether the compiled HLO
-holds `__cublas$lt$matmul$f8`; its scales are passed 0-d), and the kernel with 1x128 lhs /
+Per size (N for N^3, or MxNxK), in one process: bf16 jnp.dot, the dequantize + bf16 dot
+path (1x128 / 128x128 block scales applied in XLA), XLA's scaled per-tensor pattern
+(`xla.per_tensor_pattern`, which XLA rewrites to one cuBLASLt fp8 GEMM: the probe prints
+whether the compiled HLO holds `__cublas$lt$matmul$f8`; its scales are passed 0-d, and
+again as constants of the program), and the kernel with 1x128 lhs /
 128x128 rhs block scales and with per-tensor scales (promoted every 128 of K, the
 default, and the opt-in fast accumulation). CUPTI kernel time
 (`jax.experimental.mosaic.gpu.profiler.measure`), median over ITERATIONS calls, of
@@ -85,10 +87,18 @@ def _parse_config(spec: str) -> fp8_config.Config:
                            fast_accumulation=fast == "f")
 
 
-def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[tuple]:
-  m = n = k = size
+def _dims(size: str) -> tuple[int, int, int]:
+  """"N" (N^3) or "MxNxK" -> (M, N, K)."""
+  dims = [int(d) for d in size.lower().split("x")]
+  if len(dims) not in (1, 3):
+    raise SystemExit(f"--sizes: {size!r} is not N or MxNxK")
+  return tuple(dims * 3 if len(dims) == 1 else dims)
+
+
+def run_size(size: str, configs: list[str], tensor_configs: list[str]) -> list[tuple]:
+  m, n, k = _dims(size)
   flops = 2.0 * m * n * k
-  key_a, key_b = jax.random.split(jax.random.key(size))
+  key_a, key_b = jax.random.split(jax.random.key(m * 7 + n * 3 + k))
   a = jax.random.normal(key_a, (m, k), jnp.float32)
   b = jax.random.normal(key_b, (n, k), jnp.float32)  # (N, K): K-major, as fp8 wgmma reads it
   a_bf16, b_bf16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
@@ -119,11 +129,18 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
   xla_tensor = jax.jit(sm_xla.per_tensor_pattern)
   rewritten = sm_xla.is_cublaslt_fp8(
       xla_tensor.lower(a8t, b8t, sat0, sbt0).compile().as_text())
-  print(f"{size}^3: XLA's per-tensor pattern compiled to cublas$lt$matmul$f8: {rewritten}",
+  print(f"{size}: XLA's per-tensor pattern compiled to cublas$lt$matmul$f8: {rewritten}",
         flush=True)
   ms, _, out = _time(xla_tensor, a8t, b8t, sat0, sbt0)
   cases.append(("XLA scaled per-tensor (cuBLASLt" + ("" if rewritten else ", NOT rewritten")
                 + ")", ms, None, err(out, a8t, b8t, sat, sbt)))
+  sa_c, sb_c = float(sat0), float(sbt0)  # constants of the program (weakly typed: bf16)
+  constant = jax.jit(lambda v, w: jax.lax.dot_general(
+      v.astype(jnp.bfloat16) * sa_c, w.astype(jnp.bfloat16) * sb_c, dims))
+  ms, _, out = _time(constant, a8t, b8t)
+  cases.append(("XLA per-tensor, constant scales (cuBLASLt: "
+                f"{sm_xla.is_cublaslt_fp8(constant.lower(a8t, b8t).compile().as_text())})",
+                ms, None, err(out, a8t, b8t, sat, sbt)))
 
   def kernel(config):
     return jax.jit(lambda v, w, s, t: mosaic.scaled_gemm(
@@ -160,7 +177,7 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
   errors = {label: err(f(a8t, b8t, *((sat0, sbt0) if label == "cuBLASLt fp8" else
                                       (sat, sbt))), a8t, b8t, sat, sbt)
             for label, f in f32_out.items()}
-  print(f"{size}^3 per-tensor error, f32 out: " + ", ".join(
+  print(f"{size} per-tensor error, f32 out: " + ", ".join(
       f"{label} {e:.3e}" for label, e in errors.items()), flush=True)
   return [(size, name, ms, alone, flops / ms / 1e9, bf16_ms / ms, e)
           for name, ms, alone, e in cases]
@@ -168,7 +185,8 @@ def run_size(size: int, configs: list[str], tensor_configs: list[str]) -> list[t
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--sizes", default="4096,8192", help="M = N = K values, comma-separated")
+  parser.add_argument("--sizes", default="4096,8192",
+                      help="comma-separated N (N^3) or MxNxK")
   parser.add_argument("--configs", default="", help="extra block-scaled kernel configs")
   parser.add_argument("--tensor-configs", default="", help="extra per-tensor kernel configs")
   args = parser.parse_args(argv)
@@ -182,9 +200,12 @@ def main(argv=None) -> None:
         f" {ITERATIONS}; error: first {ERR_ROWS} rows vs float64 of the dequantized operands")
   print("| size | case | ms | kernel alone ms | TFLOP/s | x bf16 | relerr |")
   print("|---|---|---|---|---|---|---|")
-  for size in (int(s) for s in args.sizes.split(",")):
+  sizes = [s for s in args.sizes.split(",") if s]
+  for size in sizes:
+    _dims(size)  # bad sizes fail before any timing
+  for size in sizes:
     for size_, name, ms, alone, tflops, ratio, e in run_size(size, configs, tensor_configs):
-      print(f"| {size_}^3 | {name} | {ms:.3f} | {'' if alone is None else f'{alone:.3f}'} |"
+      print(f"| {size_} | {name} | {ms:.3f} | {'' if alone is None else f'{alone:.3f}'} |"
             f" {tflops:.0f} | {ratio:.2f} | {'' if e is None else f'{e:.2e}'} |", flush=True)
 
 
