@@ -106,7 +106,7 @@ def _dequant_bf16(v8, s, rows: int):
   return v8.astype(BF16) * s
 
 
-def _constant_pattern(a, b, sa: float, sb: float, out_dtype=BF16):
+def constant_pattern(a, b, sa: float, sb: float, out_dtype=BF16):
   """XLA's per-tensor pattern with the scales constants of the program (Python floats:
   weakly typed, so the multiplies stay bf16)."""
   return jax.lax.dot_general(a.astype(BF16) * sa, b.astype(BF16) * sb,
@@ -137,7 +137,7 @@ def implementations(backend: str) -> dict:
       "fp8 jnp.dot": (jax.jit(lambda a, b: jax.lax.dot_general(
           a, b, dims, preferred_element_type=BF16)), ("a8t", "b8t")),
       CUBLASLT: (jax.jit(sm_xla.per_tensor_pattern), ("a8t", "b8t", "sat0", "sbt0")),
-      CUBLASLT_CONST: (jax.jit(_constant_pattern, static_argnums=(2, 3)),
+      CUBLASLT_CONST: (jax.jit(constant_pattern, static_argnums=(2, 3)),
                        ("a8t", "b8t", "sa_float", "sb_float")),
       "dequant + bf16 dot (blocks)": (jax.jit(lambda a, sa, b, sb: jax.lax.dot_general(
           _dequant_bf16(a, sa, 1), _dequant_bf16(b, sb, 128), dims,
@@ -206,7 +206,7 @@ def f32_paths(backend: str) -> dict:
   sm = jax.jit(functools.partial(scaled_matmul, preferred_element_type=jnp.float32,
                                  backend=backend))
   pattern = jax.jit(functools.partial(sm_xla.per_tensor_pattern, out_dtype=jnp.float32))
-  constant = jax.jit(functools.partial(_constant_pattern, out_dtype=jnp.float32),
+  constant = jax.jit(functools.partial(constant_pattern, out_dtype=jnp.float32),
                      static_argnums=(2, 3))
   fast = jax.jit(functools.partial(_fast_per_tensor, out_dtype=jnp.float32))
   return {"pallas per tensor": (sm, ("a8t", "b8t", "sat", "sbt")),
@@ -284,7 +284,7 @@ def markdown(rows, meta) -> str:
            "results; ratio = bf16 jnp.dot's time / this one's (median over rounds, +- half "
            "the IQR); errors vs float64 of the dequantized operands, first 256 rows.", "",
            "| shape | path | ms | TFLOP/s | x bf16 dot | x cuBLASLt (scales traced / constant) "
-           "| err (bf16 out) | err f32 out: N(0,1) | wide |", "|---|---|---|---|---|---|---|---|---|"]
+           "| err (bf16 out) | err f32 out: N(0,1) | wide |", "|---" * 9 + "|"]
   for r in rows:
     shape = f"{r['m']}x{r['n']}x{r['k']} {r['shape']}"
     impl = r["impl"] + ({True: " [cuBLASLt fp8]", False: " [NOT rewritten to cuBLASLt"

@@ -25,12 +25,14 @@ with f fast accumulation).
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import statistics
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.fp8 import constant_pattern
 from pallas_gemm.testing.reference import relative_error, scaled_reference
 from pallas_gemm.fp8 import config as fp8_config
 from pallas_gemm.fp8 import mosaic_gemm as mosaic
@@ -134,9 +136,7 @@ def run_size(size: str, configs: list[str], tensor_configs: list[str]) -> list[t
   ms, _, out = _time(xla_tensor, a8t, b8t, sat0, sbt0)
   cases.append(("XLA scaled per-tensor (cuBLASLt" + ("" if rewritten else ", NOT rewritten")
                 + ")", ms, None, err(out, a8t, b8t, sat, sbt)))
-  sa_c, sb_c = float(sat0), float(sbt0)  # constants of the program (weakly typed: bf16)
-  constant = jax.jit(lambda v, w: jax.lax.dot_general(
-      v.astype(jnp.bfloat16) * sa_c, w.astype(jnp.bfloat16) * sb_c, dims))
+  constant = jax.jit(functools.partial(constant_pattern, sa=float(sat0), sb=float(sbt0)))
   ms, _, out = _time(constant, a8t, b8t)
   cases.append(("XLA per-tensor, constant scales (cuBLASLt: "
                 f"{sm_xla.is_cublaslt_fp8(constant.lower(a8t, b8t).compile().as_text())})",

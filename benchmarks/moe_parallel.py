@@ -102,10 +102,9 @@ def baseline(variant: str) -> str | None:
   return unmodified(variant) if unmodified(variant) in INFERENCE else "moe_mlp"
 
 
-def arguments(variant: str, args, mesh):
-  """The step's operands for a variant: args, with the expert weights quantized for the
-  fp8 inference variants. The tensor-parallel layout is run_point's own."""
-  return quantized(args, mesh) if unmodified(variant) == "infer/fp8" else args
+def fp8_experts(variant: str) -> bool:
+  """Whether the variant's step takes `quantize_experts` weights (`quantized`)."""
+  return unmodified(variant) == "infer/fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,17 +259,17 @@ def run_point(cfg: Config, n: int, tokens: int, variants: list[str], rounds: int
                          devices=jax.devices()[:n])
   args = problem(cfg, tokens, mesh)
   programs, failed, variants = {}, {}, list(variants)
-  operands = {v: arguments(v, args, mesh) for v in variants if unmodified(v) != "infer/fp8"}
+  operands = {v: args for v in variants}
   if "moe_mlp/tp" in variants and n > 1:
     if tokens != cfg.tokens_per_device:
       variants.remove("moe_mlp/tp")
       failed["moe_mlp/tp"] = "left out: every device runs all the tokens (strong scaling only)"
     else:
       operands["moe_mlp/tp"] = tensor_parallel(args, n)
-  fp8 = [v for v in variants if unmodified(v) == "infer/fp8"]
-  if fp8:
+  fp8 = [v for v in variants if fp8_experts(v)]
+  if fp8:  # quantized once for every fp8 variant
     try:
-      operands.update({v: pairs for pairs in [arguments(fp8[0], args, mesh)] for v in fp8})
+      operands.update(dict.fromkeys(fp8, quantized(args, mesh)))
     except Exception as e:  # noqa: BLE001 - reported as the variants' failure
       for v in fp8:
         variants.remove(v)
@@ -363,7 +362,9 @@ def kernels(cfg: Config, n: int, calls: int, variant: str = "moe_mlp", top: int 
   from benchmarks.probe import _kernel_times, kernels_by_name  # noqa: PLC0415 - GPU only
   mesh = None if n == 1 else jax.make_mesh(
       (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:n])
-  args = arguments(variant, problem(cfg, cfg.tokens_per_device * n, mesh), mesh)
+  args = problem(cfg, cfg.tokens_per_device * n, mesh)
+  if fp8_experts(variant):
+    args = quantized(args, mesh)
   step = step_fn(variant)
   wall = statistics.median(rounds_ms(PipelinedTimer(), {"s": lambda: step(*args)}, [()], 3,
                                      calls)["s"])
