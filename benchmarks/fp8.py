@@ -31,8 +31,9 @@ are in ms). Error: normwise relative error of the first 256 rows against the flo
 product of the dequantized operands each path was given (bf16 output: ~1.1e-3 is bf16's
 rounding), plus float32-output errors of the three scaled paths on N(0,1) data and on
 "wide" data (each 1x128 block of x and 128x128 block of w scaled by 2^u, u in [-20, 20]).
-K stays a multiple of 128 (block scales need K / 128 blocks); the misaligned shape is
-misaligned in M and N.
+K stays a multiple of 128 (block scales need K / 128 blocks); the misaligned shapes are
+misaligned in M and N (a row of N bf16 results not 16-byte aligned: the output is computed
+wider and sliced) and in M alone.
 A CPU runs one small shape on the xla backend (the Mosaic kernel's interpreter is not a
 timing), as a smoke test of this script.
 """
@@ -68,7 +69,7 @@ FAST = "pallas per tensor, fast accumulation"
 SHAPES = [("square", 4096, 4096, 4096), ("square", 8192, 8192, 8192),
           ("deepseek-v3", 4096, 7168, 16384), ("deepseek-v3", 4096, 24576, 1536),
           ("deepseek-v3", 4096, 4096, 7168), ("deepseek-v3", 4096, 7168, 2048),
-          ("misaligned", 4097, 4097, 4096)]
+          ("misaligned", 4097, 4097, 4096), ("misaligned rows", 4097, 4096, 4096)]
 CPU_SHAPES = [("cpu-smoke", 256, 256, 256), ("cpu-smoke", 200, 136, 384)]
 ERROR_ROWS = 256
 

@@ -96,6 +96,8 @@ def parse_args(argv):
                       " that can run)")
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
   p.add_argument("--calls", type=int, default=None, help="calls per round (GPU 5, CPU 1)")
+  p.add_argument("--kernels", action="store_true",
+                 help="GPU: also each variant's kernels by name (CUPTI), against its wall clock")
   p.add_argument("--out", type=pathlib.Path, default=None)
   p.add_argument("--expert-parallel", action="store_true",
                  help="the expert-parallel layer over 1, 2, 4, ... devices instead; its own"
@@ -224,7 +226,19 @@ def _reason(e: Exception) -> str:
   return text[:200]
 
 
-def run_config(cfg: Config, mode: str, fns: dict, timer, rounds: int, calls: int) -> dict:
+def kernel_breakdown(program, args, calls: int, top: int = 12) -> dict:
+  """A program's kernel time per call by kernel name (CUPTI); the gap to its wall clock
+  is time no kernel ran (launch gaps, host work)."""
+  from benchmarks.probe import _kernel_times, kernels_by_name  # noqa: PLC0415 - GPU only
+  by_name = kernels_by_name(_kernel_times(program, args, calls))
+  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+  return dict(kernel_ms=sum(ms for _, ms in by_name.values()),
+              launches=sum(c for c, _ in by_name.values()) / calls,
+              top=[dict(name=k[:120], count=c / calls, ms=ms) for k, (c, ms) in ranked[:top]])
+
+
+def run_config(cfg: Config, mode: str, fns: dict, timer, rounds: int, calls: int,
+               kernels: bool = False) -> dict:
   programs, temps, failed, args = {}, {}, {}, {}
   # One set of operands for the routed variants (the largest weights are 22 GiB).
   shared = {flag: operands(cfg, mode, flag) for flag in {n == "dense" for n in fns}}
@@ -255,6 +269,12 @@ def run_config(cfg: Config, mode: str, fns: dict, timer, rounds: int, calls: int
     ms = sorted(times[name])[len(times[name]) // 2]
     row = dict(status="ok", ms=ms, rounds_ms=times[name], temp_bytes=temps[name],
                tflops=cfg.flops * (3 if mode == "fwd+bwd" else 1) / ms / 1e9)
+    if kernels:
+      row["kernels"] = k = kernel_breakdown(programs[name], args[name], calls)
+      print(f"{cfg.name} {mode} {name}: {ms:.3f} ms wall, {k['kernel_ms']:.3f} ms in"
+            f" {k['launches']:.0f} kernels", flush=True)
+      for t in k["top"]:
+        print(f"   {t['ms']:7.3f} ms  x{t['count']:<4.1f} {t['name']}", flush=True)
     if "moe_mlp" in times and name != "moe_mlp":
       r = ratio_stats(times[name], times["moe_mlp"])  # > 1: moe_mlp is faster
       row["moe_mlp_speedup"] = dict(median=r.median, spread=r.spread, verdict=r.verdict)
@@ -308,7 +328,8 @@ def main(args=None) -> int:
       n_calls = 1 if mode == "fwd+bwd" and cfg.weight_bytes() > 4 << 30 else calls
       row = dict(config=dataclasses.asdict(cfg), mode=mode, calls=n_calls,
                  roofline_ms=roofline_ms(cfg, kind) if cfg.name.startswith("decode") else None,
-                 variants=run_config(cfg, mode, fns, timer, rounds, n_calls))
+                 variants=run_config(cfg, mode, fns, timer, rounds, n_calls,
+                                     kernels=opts.kernels and on_gpu))
       results.append(row)
       print(markdown([row], header=len(results) == 1), flush=True)
   text = markdown(results)

@@ -366,6 +366,19 @@ def _lower(args, config):
   assert "mosaic_gpu" in text
 
 
+def test_rows_not_a_multiple_of_8_are_not_copied():
+  # 4097 rows of lhs and of the result: loaded and stored through the single-row view, so
+  # the program holds neither an 8-row-padded operand (4104 rows) nor a padded result.
+  args = (jax.ShapeDtypeStruct((1, 4097, 4096), E4M3), jax.ShapeDtypeStruct((1, 4096, 4096), E4M3),
+          jax.ShapeDtypeStruct((1, 4097, 32), jnp.float32),
+          jax.ShapeDtypeStruct((1, 32, 32), jnp.float32))
+  cfg = mosaic.default_config_for(4097, 4096, 4096, jnp.bfloat16, "step", "block")
+  f = lambda *a: mosaic.scaled_gemm(*a, out_dtype=jnp.bfloat16, config=cfg.replace(num_sms=132))
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "4104x" not in text
+  assert "tensor<1x4097x4096xbf16>" in text
+
+
 @pytest.mark.parametrize("config", [
     Config(block_m=128, block_n=192, stages=4, cluster_n=2),   # 96 + 96 registers
     Config(block_m=128, block_n=160, stages=4, epi_block_n=32, cluster_m=2),
@@ -449,6 +462,9 @@ def test_promoted_step_waits_for_its_stage_before_the_wgmma_fence(config, rhs_sh
     (2, 1000, 1300, 2048, "row", "row", jnp.float16),
     (1, 64, 7168, 2048, "step", "block", jnp.bfloat16),   # short M
     (1, 4096, 7168, 16384, "step", "block", jnp.bfloat16),  # DeepSeek-V3 layer shape
+    (1, 4097, 4096, 4096, "step", "block", jnp.bfloat16),   # rows by the single-row view
+    (3, 1001, 640, 1024, "step", "block", jnp.float32),     # the same, batched
+    (1, 5, 1001, 256, "tensor", "tensor", jnp.bfloat16),    # rhs by row, 5 rows padded
 ])
 def test_on_the_gpu(rng, batch, m, n, k, lhs_kind, rhs_kind, out_dtype):
   _check(rng, batch, m, n, k, lhs_kind=lhs_kind, rhs_kind=rhs_kind, out_dtype=out_dtype,

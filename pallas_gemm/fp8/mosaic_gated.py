@@ -51,7 +51,8 @@ from pallas_gemm.fp8.config import BLOCK_K
 from pallas_gemm.fp8.mosaic_quantize import row_scales
 from pallas_gemm.fp8.scales import pow2
 from pallas_gemm.mgpu import launch, ring, rows, scaled_k
-from pallas_gemm.mgpu.layout import pad_for_tma, pad_to, round_up, swizzle_transforms, tma_tile
+from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, row_transforms,
+                                     swizzle_transforms, tma_tile)
 
 BLOCK = 128  # a's scale block along F, and an item's columns
 BLOCK_M = 128  # an item's rows: 64 per consumer warpgroup
@@ -98,7 +99,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
                           transforms=swizzle_transforms(BLOCK_K, rhs_gmem.dtype)),
       lhs_scale_smem=plgpu.SMEM((stages, BLOCK_M), jnp.float32),
       values_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_m, BLOCK), dtype,
-                             transforms=rows.out_transforms(BLOCK, dtype)),
+                             transforms=row_transforms(BLOCK, dtype)),
       scales_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_m), jnp.float32),
       produced=plgpu.Barrier(num_arrivals=4, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages),

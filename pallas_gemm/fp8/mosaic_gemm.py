@@ -53,11 +53,16 @@ Design (one CTA per SM, persistent; a reader's walk through `_kernel`):
 
 Shapes and edges:
   * Any M, N, K. TMA zero-fills out-of-bounds parts of a tile and clips stores, but
-    Mosaic GPU describes a swizzled TMA through a view of the whole array, so an
-    operand's rows must be a multiple of 8 and its K a multiple of 128: others are
-    zero-padded (`pad_for_tma`, one copy; zero K columns add exact zeros, and a
-    partial last scale block then scales real and zero products alike). A misaligned
-    output is computed into a padded buffer and sliced (`unpad`).
+    Mosaic GPU describes a swizzled TMA through a tiled view of the whole array that
+    the tiling must divide. K must be a multiple of 128: others are zero-padded
+    (`pad_for_tma`, one copy; zero K columns add exact zeros, and a partial last scale
+    block then scales real and zero products alike). Rows need not be a multiple of
+    8: an operand whose rows are not is loaded, and such an output stored, through a
+    view tiled by single rows (`layout.row_transforms`: the same shared-memory bytes),
+    with no copy; the wgmma reads the operand through the (8, 128) view of the same
+    buffer (`_operand_smem`). An output row of N elements that is not 16-byte aligned
+    (TMA's global strides) is computed into a wider buffer and sliced (`unpad`).
+    The Pallas interpreter keeps the two views apart, so there rows are padded.
   * NaN / Inf in an operand reach the products and propagate as in the float64
     product of the dequantized operands (up to 0 * inf, which both make NaN).
 """
@@ -74,8 +79,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.mgpu import launch, ring, scaled_k
-from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, swizzle_transforms,
-                                        tma_padded_shape, tma_tile)
+from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, row_transforms,
+                                        swizzle_transforms, tma_padded_shape, tma_tile)
 from pallas_gemm.mgpu.unpad import unpad
 from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
 
@@ -100,6 +105,8 @@ class Plan:
     (B, M) row vector and / or a (B, N) column vector.
   promoted: the K loop promotes each 128 of K into the f32 register sum.
   rhs_shared: rhs (and its step scales) have a batch of 1, shared by every lhs entry.
+  lhs_by_row / rhs_by_row / out_by_row: that array's rows are not a multiple of 8 and
+    TMA moves its tiles through the single-row view (module docstring, "Shapes").
   """
 
   lhs_step: bool
@@ -109,6 +116,9 @@ class Plan:
   epi_cols: bool
   promoted: bool
   rhs_shared: bool
+  lhs_by_row: bool = False
+  rhs_by_row: bool = False
+  out_by_row: bool = False
 
 
 def _classify(name: str, scales, batch: int, rows: int, k_blocks: int,
@@ -189,9 +199,8 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   wgmma_wait = cfg.wgmma_wait if (k_iters > cfg.wgmma_wait and not plan.promoted) else 0
   column_step = plan.rhs_step == "column"
 
-  lhs_transforms = swizzle_transforms(bk, lhs_gmem.dtype)
-  rhs_transforms = swizzle_transforms(bk, rhs_gmem.dtype)
-  out_transforms = swizzle_transforms(epi_n, out_dtype)
+  out_transforms = (row_transforms if plan.out_by_row else swizzle_transforms)(epi_n,
+                                                                             out_dtype)
   loads = 2 + plan.lhs_step + column_step  # TMA copies per step
   lhs_multicast = ("cluster",) if cfg.cluster_n > 1 else None
   rhs_multicast = ("cluster",) if cfg.cluster_m > 1 else None
@@ -202,8 +211,8 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   else:
     consumed = plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages)
   scoped = dict(
-      lhs_smem=plgpu.SMEM((stages, bm, bk), lhs_gmem.dtype, transforms=lhs_transforms),
-      rhs_smem=plgpu.SMEM((stages, bn, bk), rhs_gmem.dtype, transforms=rhs_transforms),
+      lhs_smem=_operand_smem((stages, bm, bk), lhs_gmem.dtype, plan.lhs_by_row),
+      rhs_smem=_operand_smem((stages, bn, bk), rhs_gmem.dtype, plan.rhs_by_row),
       produced=plgpu.Barrier(num_arrivals=loads, num_barriers=stages),
       consumed=consumed,
       out_smem=plgpu.SMEM((num_wgs, cfg.out_slots, epi_m, epi_n), out_dtype,
@@ -235,6 +244,9 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   def _scope(lhs_smem, rhs_smem, produced, consumed, out_smem, lhs_scale_smem=None,
              rhs_scale_smem=None):
     wg = lax.axis_index("wg")
+    # (the wgmma's view, TMA's view) of each operand's ring
+    lhs_smem, lhs_load = lhs_smem if plan.lhs_by_row else (lhs_smem, lhs_smem)
+    rhs_smem, rhs_load = rhs_smem if plan.rhs_by_row else (rhs_smem, rhs_smem)
 
     @ring.producer_warp(wg, num_wgs)
     def _loads():
@@ -246,9 +258,9 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
 
         def load(kk, slot):
           ks = pl.ds(kk * bk, bk)
-          plgpu.copy_gmem_to_smem(lhs_gmem.at[bi, ms, ks], lhs_smem.at[slot],
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[bi, ms, ks], lhs_load.at[slot],
                                   produced.at[slot], collective_axes=lhs_multicast)
-          plgpu.copy_gmem_to_smem(rhs_gmem.at[bb, ns, ks], rhs_smem.at[slot],
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[bb, ns, ks], rhs_load.at[slot],
                                   produced.at[slot], collective_axes=rhs_multicast)
           if plan.lhs_step:
             plgpu.copy_gmem_to_smem(lhs_step_gmem.at[bi, kk, ms],
@@ -290,6 +302,18 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
 
   del _scope  # run_scoped ran it
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _operand_smem(shape, dtype, by_row: bool):
+  """An operand's ring: (stages, rows, 128) fp8 in (8, 128) swizzled tiles, as wgmma reads
+  it; by_row: a union of that ref and the same bytes viewed as (1, 128) tiles, for TMA
+  (one 128-byte swizzled row is a whole tile in both: `layout.row_transforms`). Each
+  group of a `plgpu.RefUnion` starts at its first byte."""
+  mma = plgpu.SMEM(shape, dtype, transforms=swizzle_transforms(BLOCK_K, dtype))
+  if not by_row:
+    return mma
+  return plgpu.RefUnion(mma, plgpu.SMEM(shape, dtype,
+                                        transforms=row_transforms(BLOCK_K, dtype)))
 
 
 def _plain_loop(wgmma, first, stages, produced, consumed, *, wg_m, wg_n, k_iters,
@@ -356,6 +380,13 @@ def _epilogue(acc, out_gmem, out_smem, epi_scalar_gmem, epi_rows_gmem, epi_cols_
 # ----------------------------------------------------------------------------
 
 
+def _by_row(rows: int, interpret) -> bool:
+  """Whether an array of `rows` rows is moved through the single-row view rather than
+  padded to a multiple of 8: on a GPU (the interpreter keeps a RefUnion's views apart),
+  and past 8 rows (a shorter array is padded, a copy of at most 8 rows)."""
+  return not interpret and rows > 8 and rows % 8 != 0
+
+
 def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
                 config: Config | None = None, interpret: bool = False):
   """(B, M, N) out_dtype: the scaled product of fp8 lhs (B, M, K) and rhs (B, N, K),
@@ -399,11 +430,14 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   plan = Plan(lhs_step=lhs_kind == "step", rhs_step=rhs_step,
               epi_scalar=lhs_kind == "tensor" or rhs_kind == "tensor",
               epi_rows=lhs_kind == "row", epi_cols=rhs_kind == "row", promoted=promoted,
-              rhs_shared=batch_r == 1 and batch > 1)
+              rhs_shared=batch_r == 1 and batch > 1, lhs_by_row=_by_row(m, interpret),
+              rhs_by_row=_by_row(n, interpret), out_by_row=_by_row(m, interpret))
 
-  # Operands: rows a multiple of 8, K of 128 (the swizzled TMA view; zeros are exact).
+  # Operands: K a multiple of 128 (zeros are exact); rows a multiple of 8, or moved
+  # through the single-row view.
   tile = tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
-  lhs, rhs = pad_for_tma(lhs, tile, BLOCK_K), pad_for_tma(rhs, tile, BLOCK_K)
+  lhs = pad_for_tma(lhs, (1, tile[1]) if plan.lhs_by_row else tile, BLOCK_K)
+  rhs = pad_for_tma(rhs, (1, tile[1]) if plan.rhs_by_row else tile, BLOCK_K)
   k_iters = lhs.shape[2] // BLOCK_K
   # Every tile's rows / columns lie inside the scale vectors (no gmem bounds checks).
   m_all = round_up(m, bm * config.cluster_m)
@@ -427,7 +461,8 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
   if plan.epi_cols:
     operands.append(pad_to(jnp.broadcast_to(rhs_scales[:, :, 0], (batch, n)), n_all))
 
-  m_out, n_out = tma_padded_shape(m, n, tma_tile(config.epi_block_n, out_dtype))
+  out_tile = tma_tile(config.epi_block_n, out_dtype)
+  m_out, n_out = tma_padded_shape(m, n, (1, out_tile[1]) if plan.out_by_row else out_tile)
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
   # One CTA (or cluster of CTAs) per SM (or SM pair).
   num_ctas = launch.grid_sms(config.num_sms, interpret, need_gpu=True) // config.cluster_size

@@ -37,7 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_gemm.fp8 import mosaic_gemm as fp8_mosaic
 from pallas_gemm.fp8.config import BLOCK_K, Config, check
 from pallas_gemm.mgpu import launch, ring, rows, scaled_k
-from pallas_gemm.mgpu.layout import pad_for_tma, pad_to, round_up, swizzle_transforms, tma_tile
+from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, row_transforms,
+                                     swizzle_transforms, tma_tile)
 
 _PLAN = fp8_mosaic.Plan(lhs_step=True, rhs_step="block", epi_scalar=False, epi_rows=False,
                         epi_cols=False, promoted=True, rhs_shared=False)
@@ -94,7 +95,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
                           transforms=swizzle_transforms(bk, rhs_gmem.dtype)),
       lhs_scale_smem=plgpu.SMEM((stages, bm), jnp.float32),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
-                          transforms=rows.out_transforms(epi_n, out_gmem.dtype)),
+                          transforms=row_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=3, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )

@@ -57,9 +57,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.core import epilogue
 from pallas_gemm.mgpu import launch, ring
-from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, local_rows, out_transforms,
-                                   row_items, store_rows, store_subtiles)
-from pallas_gemm.mgpu.layout import pad_for_tma, round_up, swizzle_transforms, tma_tile
+from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, local_rows, row_items,
+                                   store_rows, store_subtiles)
+from pallas_gemm.mgpu.layout import (pad_for_tma, round_up, row_transforms, swizzle_transforms,
+                                     tma_tile)
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -126,7 +127,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, out_gmem, h_gmem=None, *
       b_smem=plgpu.SMEM((stages, *b_tiles, *b_block), dtype,
                         transforms=swizzle_transforms(b_block[1], dtype)),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
-                          transforms=out_transforms(epi_n, out_gmem.dtype)),
+                          transforms=row_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=2 + len(b_tiles), num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )

@@ -41,10 +41,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.mgpu import launch, ring
-from pallas_gemm.mgpu.layout import pad_for_tma, round_up, swizzle_transforms, tma_tile
+from pallas_gemm.mgpu.layout import (pad_for_tma, round_up, row_transforms, swizzle_transforms,
+                                     tma_tile)
 from pallas_gemm.grouped.config import Config, check_smem, default_config
 from pallas_gemm.grouped.mosaic_forward import DTYPES, num_ctas
-from pallas_gemm.mgpu.rows import ROW_ALIGN, local_rows, out_transforms, store_subtiles
+from pallas_gemm.mgpu.rows import ROW_ALIGN, local_rows, store_subtiles
 
 # Columns of one masking piece: a 128-byte swizzle atom of 16-bit elements.
 _MASK_COLS = 64
@@ -113,7 +114,7 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
       a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=swizzle_transforms(bk, dtype)),
       b_smem=plgpu.SMEM((stages, bm, bn), dtype, transforms=swizzle_transforms(bn, dtype)),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
-                          transforms=out_transforms(epi_n, out_gmem.dtype)),
+                          transforms=row_transforms(epi_n, out_gmem.dtype)),
       produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
       masked=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1),

@@ -28,6 +28,18 @@ def tma_tile(minor_elems: int, dtype) -> tuple[int, int]:
   return tiling.tiling
 
 
+def row_transforms(minor_elems: int, dtype):
+  """Tiling (1, swizzle) + swizzle: a view of a global array that any row count divides.
+
+  Where the tile's minor dim is one swizzle wide (`tma_tile`'s columns), its bytes in
+  shared memory are those of `swizzle_transforms`' (8, swizzle) tiling: rows of one
+  swizzle each, in order, and the 128-byte swizzle is a function of the address. So
+  TMA may load or store a tile through this view with M rows in the array, zero-filling
+  or clipping those past M, where the (8, swizzle) view needs M a multiple of 8."""
+  tiling, swizzle = swizzle_transforms(minor_elems, dtype)
+  return (plgpu.TilingTransform((1, tiling.tiling[1])), swizzle)
+
+
 def tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
   return round_up(rows, tile[0]), round_up(cols, tile[1])
 

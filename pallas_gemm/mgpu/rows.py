@@ -10,7 +10,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_gemm.mgpu.layout import swizzle_transforms
 
 # Rows of the item table (`row_items`): the item's group (-1: rows written as zeros),
 # its row tile's first row / 8, and its rows [lo, hi).
@@ -65,12 +64,6 @@ def row_items(starts, ends, m: int, block_m: int):
   lo = jnp.maximum(seg_start[seg], row0)
   hi = jnp.minimum(seg_end[seg], row0 + block_m)
   return (jnp.stack([group, row0 // ROW_ALIGN, lo, hi]).astype(jnp.int32), last[-1:])
-
-
-def out_transforms(epi_n: int, dtype):
-  """Tiling (1, swizzle) + swizzle for an epilogue slot: any row may start a TMA box."""
-  tiling, swizzle = swizzle_transforms(epi_n, dtype)
-  return (plgpu.TilingTransform((1, tiling.tiling[1])), swizzle)
 
 
 def store_rows(out_smem, out_gmem, *, row0, col0, lo, hi):
