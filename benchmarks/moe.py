@@ -318,6 +318,8 @@ def main(args=None) -> int:
         flush=True)
   for name, why in missing.items():
     print(f"{name}: left out, {why}", flush=True)
+  if opts.kernels and not on_gpu:
+    print("--kernels: left out, CUPTI times kernels on a GPU only", flush=True)
   results = []
   for cfg in configs:
     for mode in modes:

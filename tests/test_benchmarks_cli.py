@@ -140,9 +140,10 @@ def test_a_plain_run_leaves_the_work_tree_clean():
 def test_moe_benchmark_writes_its_table(tmp_path):
   from benchmarks import moe  # noqa: PLC0415
   args = ["--configs", "qwen3", "--modes", "fwd,fwd+bwd", "--variants",
-          "moe_mlp,moe_mlp/fp8,moe_mlp/fp8-train,dense", "--out", str(tmp_path)]
+          "moe_mlp,moe_mlp/fp8,moe_mlp/fp8-train,dense", "--kernels", "--out", str(tmp_path)]
   assert moe.main(args) == 0
   results = json.loads((tmp_path / "moe.json").read_text())["results"]
+  assert all("kernels" not in v for row in results for v in row["variants"].values())  # no GPU
   assert [r["mode"] for r in results] == ["fwd", "fwd+bwd"]
   assert {v: row["status"] for v, row in results[0]["variants"].items()} == {
       "moe_mlp": "ok", "moe_mlp/fp8": "ok", "moe_mlp/fp8-train": "ok", "dense": "ok"}
