@@ -390,8 +390,9 @@ def _by_row(rows: int, interpret) -> bool:
 def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
                 config: Config | None = None, interpret: bool = False):
   """(B, M, N) out_dtype: the scaled product of fp8 lhs (B, M, K) and rhs (B, N, K),
-  both K-major; scale layouts in the module docstring. Any M, N, K (K % 128 == 0 and
-  M, N multiples of 8 need no operand copy). The sum is f32; the result is cast once."""
+  both K-major; scale layouts in the module docstring. Any M, N, K (K % 128 == 0 needs no
+  operand copy; N * itemsize(out) % 16 == 0 no output slice). The sum is f32; the result
+  is cast once."""
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if jnp.dtype(x.dtype) not in FP8_DTYPES:
       raise TypeError(f"{name}.dtype={x.dtype}: expected float8_e4m3fn or float8_e5m2")
