@@ -549,6 +549,18 @@ def test_scaled_ragged_dot_at_size(rng, kind):
   _check_ragged(out, x8, w8, sizes, sx, sw, np.dtype(jnp.bfloat16))
 
 
+@pytest.mark.gpu
+def test_scaled_ragged_dot_decode_sized(rng):
+  # 1024 rows over 128 experts (a decode step's top-8 of 128 tokens): the decode tiles,
+  # 64 rows on one warpgroup; empty experts and rows past the groups included.
+  m, k, n, g = 1024, 768, 2048, 128
+  sizes = rng.multinomial(m - 40, np.ones(g) / g).astype(np.int32)
+  sizes[:3] = 0
+  x8, w8, sizes, sx, sw = _ragged_operands(rng, m, k, n, sizes)
+  out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, jnp.bfloat16)
+  _check_ragged(out, x8, w8, sizes, sx, sw, np.dtype(jnp.bfloat16))
+
+
 def test_scaled_ragged_dot_bad_input(rng):
   x8, w8, sizes, sx, sw = _ragged_operands(rng, 16, 256, 64, (8, 8))
   f, gs = sm.scaled_ragged_dot, jnp.asarray(sizes)
