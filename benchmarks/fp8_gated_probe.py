@@ -80,7 +80,7 @@ def main(argv=None):
       ops = moe.operands(CONFIGS[name], "fwd", False)
       for k in ("moe_mlp/fp8", "moe_mlp/fp8-3pass"):
         placed = moe.PREPARE[k](*ops)
-        probe._print_by_name(f"{name} {k}", probe._kernel_times(jax.jit(fns[k]), placed,
+        probe.print_kernels(f"{name} {k}", probe.ranked_kernels(jax.jit(fns[k]), placed,
                                                                 args.calls))
     return
   if args.kernels:
@@ -88,7 +88,7 @@ def main(argv=None):
     for name in args.configs.split(","):
       ops = operands(CONFIGS[name])
       for k, v in variants().items():
-        probe._print_by_name(f"{name} {k}", probe._kernel_times(jax.jit(v), ops, args.calls))
+        probe.print_kernels(f"{name} {k}", probe.ranked_kernels(jax.jit(v), ops, args.calls))
     return
   cupti, wall = Timer(), PipelinedTimer()
   print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; kernel time: {cupti.name}")

@@ -28,6 +28,9 @@ Timing: wall clock of back-to-back jitted calls (a layer is many kernels; their 
 gaps are its cost too), rounds in rotated order, median per round; ratios per round
 against moe_mlp (median and half the interquartile range). Decode configs also report
 the HBM roofline of the expert weights they read, and every variant XLA's temporary bytes.
+A decode call is a fraction of a millisecond, so the one wait of a round and its first
+call's launch would be a tenth of five calls' time: decode rounds are DECODE_CALLS calls
+(a model's decode step runs one MoE layer per block, back to back), unless --calls says.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ CONFIGS = {c.name: c for c in (
 TINY = dict(tokens=64, d_model=128, d_ff=128, experts=8)  # K multiples of 128 for fp8
 # Peak HBM bandwidth (bytes/s) by device kind, for the decode roofline.
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
+DECODE_CALLS = 40  # calls per round of a decode config on a GPU (module docstring)
 
 
 def parse_args(argv):
@@ -95,7 +99,8 @@ def parse_args(argv):
                       " unfused/pallas_gemm, unfused/tokamax, unfused/lax, dense (default: all"
                       " that can run)")
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
-  p.add_argument("--calls", type=int, default=None, help="calls per round (GPU 5, CPU 1)")
+  p.add_argument("--calls", type=int, default=None,
+                 help=f"calls per round (GPU 5, decode configs {DECODE_CALLS}; CPU 1)")
   p.add_argument("--kernels", action="store_true",
                  help="GPU: also each variant's kernels by name (CUPTI), against its wall clock")
   p.add_argument("--out", type=pathlib.Path, default=None)
@@ -229,12 +234,9 @@ def _reason(e: Exception) -> str:
 def kernel_breakdown(program, args, calls: int, top: int = 12) -> dict:
   """A program's kernel time per call by kernel name (CUPTI); the gap to its wall clock
   is time no kernel ran (launch gaps, host work)."""
-  from benchmarks.probe import _kernel_times, kernels_by_name  # noqa: PLC0415 - GPU only
-  by_name = kernels_by_name(_kernel_times(program, args, calls))
-  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-  return dict(kernel_ms=sum(ms for _, ms in by_name.values()),
-              launches=sum(c for c, _ in by_name.values()) / calls,
-              top=[dict(name=k[:120], count=c / calls, ms=ms) for k, (c, ms) in ranked[:top]])
+  from benchmarks.probe import ranked_kernels  # noqa: PLC0415 - GPU only
+  found = ranked_kernels(program, args, calls, top=top)
+  return dict(kernel_ms=found["kernel_ms"], launches=found["launches"], top=found["kernels"])
 
 
 def run_config(cfg: Config, mode: str, fns: dict, timer, rounds: int, calls: int,
@@ -328,6 +330,8 @@ def main(args=None) -> int:
       # A pipelined sample holds every call's results: one call per sample where those
       # are the weights' gradients of a large config.
       n_calls = 1 if mode == "fwd+bwd" and cfg.weight_bytes() > 4 << 30 else calls
+      if cfg.name.startswith("decode") and on_gpu and opts.calls is None:
+        n_calls = DECODE_CALLS
       row = dict(config=dataclasses.asdict(cfg), mode=mode, calls=n_calls,
                  roofline_ms=roofline_ms(cfg, kind) if cfg.name.startswith("decode") else None,
                  variants=run_config(cfg, mode, fns, timer, rounds, n_calls,

@@ -359,7 +359,7 @@ def kernels(cfg: Config, n: int, calls: int, variant: str = "moe_mlp", top: int 
   """Kernel time per step and device of a variant's step (weak scaling's problem at n
   devices), by kernel name, from CUPTI; the gap to the wall clock is time no kernel ran
   (launch, host, a device waiting with nothing queued)."""
-  from benchmarks.probe import _kernel_times, kernels_by_name  # noqa: PLC0415 - GPU only
+  from benchmarks.probe import print_kernels, ranked_kernels  # noqa: PLC0415 - GPU only
   mesh = None if n == 1 else jax.make_mesh(
       (n,), (AXIS,), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:n])
   args = problem(cfg, cfg.tokens_per_device * n, mesh)
@@ -368,17 +368,10 @@ def kernels(cfg: Config, n: int, calls: int, variant: str = "moe_mlp", top: int 
   step = step_fn(variant)
   wall = statistics.median(rounds_ms(PipelinedTimer(), {"s": lambda: step(*args)}, [()], 3,
                                      calls)["s"])
-  # per step and device: CUPTI sees every device's kernels
-  by_name = {name: (count / calls / n, ms / n) for name, (count, ms)
-             in kernels_by_name(_kernel_times(step, args, calls)).items()}
-  total = sum(ms for _, ms in by_name.values())
-  print(f"{cfg.name}, {n} device(s), weak problem, {variant}: step {wall:.3f} ms wall, kernels"
-        f" {total:.3f} ms per device", flush=True)
-  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
-  for name, (count, ms) in ranked[:top]:
-    print(f"   {ms:7.3f} ms  x{count:<5.1f} {name[:110]}", flush=True)
-  return dict(wall_ms=wall, kernel_ms=total,
-              kernels=[dict(name=k, count=c, ms=m) for k, (c, m) in ranked])
+  found = ranked_kernels(step, args, calls, devices=n)  # per step and device
+  print_kernels(f"{cfg.name}, {n} device(s), weak problem, {variant}: step {wall:.3f} ms"
+                " wall; kernels per device", found, top)
+  return dict(wall_ms=wall, kernel_ms=found["kernel_ms"], kernels=found["kernels"])
 
 
 def main(args=None) -> int:

@@ -298,21 +298,32 @@ def _kernel_times(fn, args, calls: int) -> list[list[tuple[str, float]]]:
   return [timings[i * per_call:(i + 1) * per_call] for i in range(calls)]
 
 
-def kernels_by_name(calls) -> dict[str, tuple[int, float]]:
-  """{kernel name: (launches, ms)} summed over `_kernel_times`' calls, ms per call."""
+def kernels_by_name(calls, devices: int = 1) -> dict[str, tuple[float, float]]:
+  """{kernel name: (launches, ms)} per call and device of `_kernel_times`' calls (CUPTI
+  sees every device's kernels: `devices` divides them)."""
   by_name = {}
   for kernel, ms in (t for one in calls for t in one):
-    count, total = by_name.get(kernel, (0, 0.0))
-    by_name[kernel] = (count + 1, total + ms / len(calls))
+    count, total = by_name.get(kernel, (0.0, 0.0))
+    by_name[kernel] = (count + 1 / len(calls) / devices, total + ms / len(calls) / devices)
   return by_name
 
 
-def _print_by_name(label: str, calls, top: int = 14):
-  by_name = kernels_by_name(calls)
-  total = sum(t for _, t in by_name.values())
-  print(f"-- {label}: {total:.3f} ms per call in {len(calls[0])} kernels", flush=True)
-  for kernel, (count, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]:
-    print(f"   {ms:7.3f} ms  x{count // len(calls):<3d} {kernel[:110]}")
+def ranked_kernels(fn, args, calls: int, devices: int = 1, top: int | None = None) -> dict:
+  """A compiled fn's kernels by name, most time first, per call and device:
+  dict(kernel_ms, launches, kernels=[dict(name, count, ms)]) (the first `top`)."""
+  by_name = kernels_by_name(_kernel_times(fn, args, calls), devices)
+  ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+  return dict(kernel_ms=sum(ms for _, ms in by_name.values()),
+              launches=sum(c for c, _ in by_name.values()),
+              kernels=[dict(name=k[:120], count=c, ms=ms) for k, (c, ms) in ranked[:top]])
+
+
+def print_kernels(label: str, found: dict, top: int = 14):
+  """`ranked_kernels`' result, one line a kernel."""
+  print(f"-- {label}: {found['kernel_ms']:.3f} ms per call in {found['launches']:.0f}"
+        " kernels", flush=True)
+  for k in found["kernels"][:top]:
+    print(f"   {k['ms']:7.3f} ms  x{k['count']:<5.1f} {k['name'][:110]}", flush=True)
 
 
 def probe_kernels(what: str = "step", *sizes):
@@ -325,7 +336,7 @@ def probe_kernels(what: str = "step", *sizes):
       if name == mlp.AGAIN:
         continue
       step, state = mlp.train_step(forward, "sgd", params)
-      _print_by_name(name, _kernel_times(jax.jit(lambda x, y: step(state, x, y)), (x, y), 5))
+      print_kernels(name, ranked_kernels(jax.jit(lambda x, y: step(state, x, y)), (x, y), 5))
   elif what == "accurate":
     _header("float32_accurate: its kernels and the fusions of its optimized HLO")
     for n in [int(s) for s in sizes] or (4096, 4097):
@@ -334,7 +345,7 @@ def probe_kernels(what: str = "step", *sizes):
       compiled = f.lower(a, b).compile()
       fusions = [f"{name} {shape}" for name, shape in re.findall(
           r"^\s*(%\S+) = (\S+) fusion\(", compiled.as_text(), re.M)]
-      _print_by_name(f"{n}^3; fusions in the HLO: {fusions}", _kernel_times(f, (a, b), 5))
+      print_kernels(f"{n}^3; fusions in the HLO: {fusions}", ranked_kernels(f, (a, b), 5))
       if os.environ.get("OUT"):
         pathlib.Path(os.environ["OUT"], f"accurate_{n}.hlo.txt").write_text(compiled.as_text())
   else:

@@ -13,6 +13,7 @@ import pytest
 
 import pallas_gemm
 from pallas_gemm import moe
+from pallas_gemm.moe import layer
 from pallas_gemm.testing.reference import (moe_fp8_tolerance, moe_fp8_training_tolerance,
                                            moe_reference, moe_tolerance, relative_error)
 
@@ -159,9 +160,13 @@ def test_no_tokens_and_leading_dims(rng):
   np.testing.assert_array_equal(np.asarray(batched).reshape(12, 16), np.asarray(flat))
 
 
-def test_program_gathers_and_never_scatters_rows(rng):
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "sorted"])
+def test_program_gathers_and_never_scatters_rows(rng, monkeypatch, counted):
   """The forward and backward move rows only by gathers: the only scatters are the
-  dispatch's, of R int32s (the permutation's inverse, the group sizes; layer.py)."""
+  sorted dispatch's, of R int32s (the permutation's inverse, the group sizes; layer.py);
+  the counted dispatch (few pairs) has none."""
+  if not counted:
+    monkeypatch.setattr(layer, "RANKED_MAX_PAIRS", 0)
   x, weights, ids, wgu, wd = _problem(rng, 24, 16, 8, 4, 2)
 
   def step(x, w, a, b):
@@ -172,8 +177,26 @@ def test_program_gathers_and_never_scatters_rows(rng):
   text = str(jax.make_jaxpr(step)(x, weights, wgu, wd))
   # every scatter's result: "name:dtype[shape] = scatter..." (nested jaxprs included)
   scatters = re.findall(r"\w+:(\w+)\[([\d,]*)\] = scatter", text)
-  assert scatters, "the dispatch scatters R int32s: the check must see it"
+  assert bool(scatters) != counted, "the sorted dispatch scatters R int32s: the check sees it"
   assert all(dtype.startswith("i") and "," not in shape for dtype, shape in scatters), scatters
+
+
+@pytest.mark.parametrize("t, k, e", [(16, 8, 8), (64, 8, 128), (5, 3, 4), (1, 1, 1)])
+def test_counted_dispatch_is_the_stable_sort(rng, monkeypatch, t, k, e):
+  # Few pairs are dispatched by counting, many by a sort: the same Dispatch, ties in pair
+  # order, ids outside [0, E) after every group.
+  ids = rng.integers(-2, e + 2, (t, k)).astype(np.int32)
+  assert t * k <= layer.RANKED_MAX_PAIRS  # moe_mlp counts for these shapes
+  counted = layer.dispatch(ids, e)
+  monkeypatch.setattr(layer, "RANKED_MAX_PAIRS", 0)
+  sorted_ = layer.dispatch(ids, e)
+  key = np.where((ids >= 0) & (ids < e), ids, e).reshape(-1)
+  order = np.argsort(key, kind="stable")
+  for d in (counted, sorted_):
+    np.testing.assert_array_equal(d.order, order)
+    np.testing.assert_array_equal(d.token, order // k)
+    np.testing.assert_array_equal(d.inverse, np.argsort(order))
+    np.testing.assert_array_equal(d.group_sizes, np.bincount(key, minlength=e + 1)[:e])
 
 
 @pytest.mark.parametrize("change, error, match", [

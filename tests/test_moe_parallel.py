@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pallas_gemm
-from pallas_gemm.moe import parallel
+from pallas_gemm.moe import layer as moe_layer, parallel
 from pallas_gemm.testing.reference import (E4M3_STEP, moe_fp8_tolerance,
                                           moe_fp8_training_tolerance, moe_reference,
                                           moe_tolerance, relative_error)
@@ -278,10 +278,12 @@ def test_bf16(rng):
 GATHERS = re.compile(r"= (\w+)\[([\d,]*)\][^=]*? all-gather(-start)?\(")
 
 
-def test_program_moves_tokens_not_experts(rng):
+def test_program_moves_tokens_not_experts(rng, monkeypatch):
   # The compiled forward and backward all-gather only the (n, E) int32 row counts; rows
   # travel by all-to-all; the weights and their gradients stay split on E. No step
-  # scatters rows (as on one device: only the dispatch's R int32s).
+  # scatters rows (as on one device: only the sorted dispatch's R int32s; the sorted
+  # one, as at scale, so that the check sees those).
+  monkeypatch.setattr(moe_layer, "RANKED_MAX_PAIRS", 0)
   mesh = _mesh(4)
   x, weights, ids, wgu, wd = _put(mesh, _problem(rng, 64, 32, 16, 8, 2))
   layer = functools.partial(pallas_gemm.moe_mlp, backend="xla", exchange="padded")

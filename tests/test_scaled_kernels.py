@@ -516,10 +516,14 @@ def test_ragged_kernel_lowers_for_cuda(m, g, block_m):
   assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("m, k, f, g", [(4096, 2048, 768, 16), (100, 128, 128, 3)])
-def test_gated_kernel_lowers_for_cuda(m, k, f, g):
-  # moe_mlp's fp8 first GEMM + SwiGLU + quantize of a ([gate | up] in one N = 128 wgmma).
+@pytest.mark.parametrize("m, k, f, g, block_m", [(4096, 2048, 768, 16, 128),
+                                                  (100, 128, 128, 3, 64),
+                                                  (1024, 2048, 768, 128, 64)])
+def test_gated_kernel_lowers_for_cuda(m, k, f, g, block_m):
+  # moe_mlp's fp8 first GEMM + SwiGLU + quantize of a ([gate | up] in one N = 128 wgmma),
+  # in its two tile shapes: 64 rows on one warpgroup where groups average under 64 rows.
   from pallas_gemm.fp8 import mosaic_gated  # noqa: PLC0415
+  assert mosaic_gated.tiles(m, g)[0] == block_m
   fn = lambda *a: mosaic_gated.gated_ragged_gemm(*a, activation="silu",  # noqa: E731
                                                  num_sms=132)
   args = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((g, 2 * f, k), E4M3),
@@ -530,17 +534,18 @@ def test_gated_kernel_lowers_for_cuda(m, k, f, g):
   assert "pallas_gemm_scaled_gated_fp8" in text
 
 
+@pytest.mark.parametrize("block_m", [128, 64])
 @pytest.mark.parametrize("sizes", [(50, 0, 130, 97), (1, 1, 200, 0, 59), (0, 0, 5), (300,)])
-def test_gated_kernel_scales_gather_each_row_from_its_item(sizes):
-  # The gated kernel writes a's scales per work item (F/128, T, 128); each row's come
+def test_gated_kernel_scales_gather_each_row_from_its_item(sizes, block_m):
+  # The gated kernel writes a's scales per work item (F/128, T, block_m); each row's come
   # from the one item whose rows [lo, hi) hold it, rows of no group included.
   from pallas_gemm.fp8 import mosaic_gated  # noqa: PLC0415
   from pallas_gemm.mgpu import rows  # noqa: PLC0415
   m = 300
   starts, ends = rows.local_rows(jnp.asarray(sizes, jnp.int32), None, len(sizes), m)
-  items, count = rows.row_items(starts, ends, m, mosaic_gated.BLOCK_M)
+  items, count = rows.row_items(starts, ends, m, block_m)
   t = items.shape[1]
-  item_scales = jnp.arange(2 * t * 128, dtype=jnp.float32).reshape(2, t, 128)
+  item_scales = jnp.arange(2 * t * block_m, dtype=jnp.float32).reshape(2, t, block_m)
   got = np.asarray(mosaic_gated._row_scales_of_items(item_scales, items, count, m))
   table, want = np.asarray(items), np.full((m, 2), np.nan)
   for i in range(int(count[0])):

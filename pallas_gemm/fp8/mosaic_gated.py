@@ -17,7 +17,8 @@ reads a again to quantize it: three passes over R x 2F that this kernel does not
 and a is quantized from f32 rather than from bf16-rounded h.
 
 Design: `mosaic_ragged`'s grouped work items and promoted K loop, with
-  * an item = one row tile (block_m = 128, a warpgroup per 64 rows) of one group, times
+  * an item = one row tile (block_m = 128, a warpgroup per 64 rows; 64 rows on one at
+    decode: `tiles`) of one group, times
     one 128-column block of F (a block of a's scales). Its two 64-column halves run one
     after the other, each a 128 x 128 tile of h as `mosaic_ragged`'s: 64 gate columns
     and the 64 up columns F further on, side by side in shared memory, so one wgmma of
@@ -55,14 +56,25 @@ from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, row_transfor
                                      swizzle_transforms, tma_tile)
 
 BLOCK = 128  # a's scale block along F, and an item's columns
-BLOCK_M = 128  # an item's rows: 64 per consumer warpgroup
+WG_M = 64  # an item's rows per consumer warpgroup
 HALF = 64  # the columns of a's block each K loop computes
-NUM_WGS = 2
-STAGES = 5  # ring stages of 32.5 KiB, beside 2 x 2 x 8 KiB of output slots (4: 5% slower
-# at Mixtral-like sizes, the same at Qwen3-like ones)
 OUT_SLOTS = 2  # output slots per consumer warpgroup
 GRID_TILE_WIDTH = 8  # items in bands of 8 column blocks (`plgpu.planar_snake`), as the
 # grouped kernels order theirs: CTAs running together share lhs and weight tiles in L2
+
+
+
+def tiles(m: int, g: int) -> tuple[int, int]:
+  """(block_m, stages): an item's rows (WG_M per consumer warpgroup) and the ring's depth.
+  128 rows on two warpgroups, 5 stages of 32.5 KiB beside 2 x 2 x 8 KiB of output slots
+  (4: 5% slower at Mixtral-like sizes, the same at Qwen3-like ones). Decode-like calls
+  (under 64 rows a group on average: the kernel streams the experts' weights, and a
+  128-row lhs tile would be mostly other groups' rows) take 64 rows on one warpgroup and
+  8 stages, as `mosaic_ragged.default_config` does."""
+  if m < 64 * max(g, 1):
+    return 64, 8
+  return 128, 5
+
 
 _PLAN = fp8_mosaic.Plan(lhs_step=True, rhs_step="block", epi_scalar=False, epi_rows=False,
                         epi_cols=False, promoted=True, rhs_shared=False)
@@ -70,14 +82,14 @@ _PLAN = fp8_mosaic.Plan(lhs_step=True, rhs_step="block", epi_scalar=False, epi_r
 
 def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_gmem,
             values_gmem, scales_gmem, *, k_iters: int, f: int, num_ctas: int,
-            activation: str):
+            activation: str, block_m: int, stages: int):
   """One persistent CTA. lhs_gmem (M', K) fp8; rhs_gmem (G, 2F, K) fp8; lhs_step_gmem
   (K/128, M'') f32; rhs_step_gmem (G, K/128, 2F/128) f32; values_gmem (M, F) fp8;
-  scales_gmem (F/128, T, BLOCK_M) f32; items_gmem (4, T), count_gmem (1,) (`rows`)."""
+  scales_gmem (F/128, T, block_m) f32; items_gmem (4, T), count_gmem (1,) (`rows`)."""
   dtype = values_gmem.dtype
-  wg_m = BLOCK_M // NUM_WGS
+  wg_m, num_wgs = WG_M, block_m // WG_M
   f_blocks = f // BLOCK
-  stages = min(STAGES, 2 * k_iters)
+  stages = min(stages, 2 * k_iters)
 
   count = count_gmem[0]
   cta = lax.axis_index("sm")
@@ -93,16 +105,16 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
     return jnp.where(group >= 0, k_iters, 0)
 
   scoped = dict(
-      lhs_smem=plgpu.SMEM((stages, BLOCK_M, BLOCK_K), lhs_gmem.dtype,
+      lhs_smem=plgpu.SMEM((stages, block_m, BLOCK_K), lhs_gmem.dtype,
                           transforms=swizzle_transforms(BLOCK_K, lhs_gmem.dtype)),
       rhs_smem=plgpu.SMEM((stages, 2 * HALF, BLOCK_K), rhs_gmem.dtype,
                           transforms=swizzle_transforms(BLOCK_K, rhs_gmem.dtype)),
-      lhs_scale_smem=plgpu.SMEM((stages, BLOCK_M), jnp.float32),
-      values_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_m, BLOCK), dtype,
+      lhs_scale_smem=plgpu.SMEM((stages, block_m), jnp.float32),
+      values_smem=plgpu.SMEM((num_wgs, OUT_SLOTS, wg_m, BLOCK), dtype,
                              transforms=row_transforms(BLOCK, dtype)),
-      scales_smem=plgpu.SMEM((NUM_WGS, OUT_SLOTS, wg_m), jnp.float32),
+      scales_smem=plgpu.SMEM((num_wgs, OUT_SLOTS, wg_m), jnp.float32),
       produced=plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-      consumed=plgpu.Barrier(num_arrivals=NUM_WGS, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
@@ -110,11 +122,11 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
              consumed):
     wg = lax.axis_index("wg")
 
-    @ring.producer_warp(wg, NUM_WGS)
+    @ring.producer_warp(wg, num_wgs)
     def _loads():
       def load_item(j, step):  # step: the CTA's K steps so far (ring position)
         _, group, row0, _, _, c = item(j)
-        row_tile = pl.ds(row0, BLOCK_M)
+        row_tile = pl.ds(row0, block_m)
 
         for half in range(2):
           col = c * BLOCK + half * HALF
@@ -140,7 +152,7 @@ def _kernel(items_gmem, count_gmem, lhs_gmem, rhs_gmem, lhs_step_gmem, rhs_step_
       ring.drain(consumed, lax.fori_loop(0, local_work, load_item, jnp.int32(0)),
                  stages=stages)
 
-    @ring.consumer_warpgroups(wg, NUM_WGS)
+    @ring.consumer_warpgroups(wg, num_wgs)
     def _consumers():
       wg_ms = pl.ds(wg * wg_m, wg_m)
 
@@ -193,20 +205,22 @@ def gated_ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, activati
     raise ValueError(f"gated_ragged_gemm takes no empty dimension: lhs {lhs.shape}, rhs"
                      f" {rhs.shape} (`fp8.gated` computes those without the kernel)")
   k_iters = k // BLOCK_K
+  block_m, stages = tiles(m, g)
   starts, ends = rows.local_rows(group_sizes, None, g, m)
-  items, count = rows.row_items(starts, ends, m, BLOCK_M)
+  items, count = rows.row_items(starts, ends, m, block_m)
   lhs = pad_for_tma(lhs, tma_tile(BLOCK_K, lhs.dtype), BLOCK_K)
-  # Every item's (BLOCK_M,) scale box lies inside: rows up to the last row tile's end.
-  lhs_step = pad_to(lhs_scales.T, round_up(m, 8) + BLOCK_M)
+  # Every item's (block_m,) scale box lies inside: rows up to the last row tile's end.
+  lhs_step = pad_to(lhs_scales.T, round_up(m, 8) + block_m)
   rhs_step = jnp.swapaxes(rhs_scales, 1, 2)  # (G, K/128, 2F/128)
   ctas = launch.grid_sms(num_sms, interpret, need_gpu=True)
   body = functools.partial(_kernel, k_iters=k_iters, f=f, num_ctas=ctas,
-                           activation=activation)
+                           activation=activation, block_m=block_m, stages=stages)
   kernel = launch.warpgroup_kernel(
       body, out_type=(jax.ShapeDtypeStruct((m, f), dtype),
-                      jax.ShapeDtypeStruct((f // BLOCK, items.shape[1], BLOCK_M),
+                      jax.ShapeDtypeStruct((f // BLOCK, items.shape[1], block_m),
                                            jnp.float32)),
-      num_ctas=ctas, num_compute_wgs=NUM_WGS, kernel_name="pallas_gemm_scaled_gated_fp8")
+      num_ctas=ctas, num_compute_wgs=block_m // WG_M,
+      kernel_name="pallas_gemm_scaled_gated_fp8")
   values, item_scales = launch.call(kernel, items, count, lhs, rhs, lhs_step, rhs_step,
                                     interpret=interpret)
   return values, _row_scales_of_items(item_scales, items, count, m)
@@ -214,7 +228,7 @@ def gated_ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, activati
 
 def _row_scales_of_items(item_scales, items, count, m: int):
   """(M, F/128): row r's scales from the one item whose rows [lo, hi) hold it, of the
-  kernel's (F/128, T, BLOCK_M). Items are in row order and tile [0, M) without gaps
+  kernel's (F/128, T, block_m). Items are in row order and tile [0, M) without gaps
   from row 0, so r's item is the number of items whose first row lo is at or before r,
   less one: a scatter of T ones and a cumulative sum (a binary search,
   `jnp.searchsorted`'s default, is a while loop whose every step waits for the host)."""
@@ -223,6 +237,6 @@ def _row_scales_of_items(item_scales, items, count, m: int):
   starts = jnp.zeros((m,), jnp.int32).at[first].add(1, mode="drop")
   owner = jnp.cumsum(starts) - 1
   row = jnp.arange(m, dtype=jnp.int32)
-  column = owner * BLOCK_M + row - items[rows.ROW8, owner] * rows.ROW_ALIGN
-  f_blocks, num_items, _ = item_scales.shape
-  return item_scales.reshape(f_blocks, num_items * BLOCK_M)[:, column].T
+  f_blocks, num_items, block_m = item_scales.shape
+  column = owner * block_m + row - items[rows.ROW8, owner] * rows.ROW_ALIGN
+  return item_scales.reshape(f_blocks, num_items * block_m)[:, column].T

@@ -80,7 +80,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.mgpu import launch, ring, scaled_k
 from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, row_transforms,
-                                        swizzle_transforms, tma_padded_shape, tma_tile)
+                                        swizzle_transforms, tma_padded_shape, tma_tile,
+                                        tma_view_tile)
 from pallas_gemm.mgpu.unpad import unpad
 from pallas_gemm.fp8.config import BLOCK_K, Config, check, default_config
 
@@ -105,8 +106,9 @@ class Plan:
     (B, M) row vector and / or a (B, N) column vector.
   promoted: the K loop promotes each 128 of K into the f32 register sum.
   rhs_shared: rhs (and its step scales) have a batch of 1, shared by every lhs entry.
-  lhs_by_row / rhs_by_row / out_by_row: that array's rows are not a multiple of 8 and
-    TMA moves its tiles through the single-row view (module docstring, "Shapes").
+  lhs_by_row / rhs_by_row: that array's rows are not a multiple of 8 and TMA moves its
+    tiles through the single-row view (module docstring, "Shapes"); the output's rows
+    are lhs's, and move as lhs's do.
   """
 
   lhs_step: bool
@@ -118,7 +120,6 @@ class Plan:
   rhs_shared: bool
   lhs_by_row: bool = False
   rhs_by_row: bool = False
-  out_by_row: bool = False
 
 
 def _classify(name: str, scales, batch: int, rows: int, k_blocks: int,
@@ -199,7 +200,7 @@ def _kernel(lhs_gmem, rhs_gmem, *refs, config: Config, plan: Plan, m: int, n: in
   wgmma_wait = cfg.wgmma_wait if (k_iters > cfg.wgmma_wait and not plan.promoted) else 0
   column_step = plan.rhs_step == "column"
 
-  out_transforms = (row_transforms if plan.out_by_row else swizzle_transforms)(epi_n,
+  out_transforms = (row_transforms if plan.lhs_by_row else swizzle_transforms)(epi_n,
                                                                              out_dtype)
   loads = 2 + plan.lhs_step + column_step  # TMA copies per step
   lhs_multicast = ("cluster",) if cfg.cluster_n > 1 else None
@@ -390,9 +391,9 @@ def _by_row(rows: int, interpret) -> bool:
 def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
                 config: Config | None = None, interpret: bool = False):
   """(B, M, N) out_dtype: the scaled product of fp8 lhs (B, M, K) and rhs (B, N, K),
-  both K-major; scale layouts in the module docstring. Any M, N, K (K % 128 == 0 needs no
-  operand copy; N * itemsize(out) % 16 == 0 no output slice). The sum is f32; the result
-  is cast once."""
+  both K-major; scale layouts in the module docstring. Any M, N, K (K % 128 == 0 and M,
+  N each a multiple of 8 or above 8 need no operand copy; N * itemsize(out) % 16 == 0 no
+  output slice). The sum is f32; the result is cast once."""
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if jnp.dtype(x.dtype) not in FP8_DTYPES:
       raise TypeError(f"{name}.dtype={x.dtype}: expected float8_e4m3fn or float8_e5m2")
@@ -432,13 +433,13 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
               epi_scalar=lhs_kind == "tensor" or rhs_kind == "tensor",
               epi_rows=lhs_kind == "row", epi_cols=rhs_kind == "row", promoted=promoted,
               rhs_shared=batch_r == 1 and batch > 1, lhs_by_row=_by_row(m, interpret),
-              rhs_by_row=_by_row(n, interpret), out_by_row=_by_row(m, interpret))
+              rhs_by_row=_by_row(n, interpret))
 
   # Operands: K a multiple of 128 (zeros are exact); rows a multiple of 8, or moved
   # through the single-row view.
   tile = tma_tile(BLOCK_K, lhs.dtype)  # (8, 128) for fp8
-  lhs = pad_for_tma(lhs, (1, tile[1]) if plan.lhs_by_row else tile, BLOCK_K)
-  rhs = pad_for_tma(rhs, (1, tile[1]) if plan.rhs_by_row else tile, BLOCK_K)
+  lhs = pad_for_tma(lhs, tma_view_tile(tile, plan.lhs_by_row), BLOCK_K)
+  rhs = pad_for_tma(rhs, tma_view_tile(tile, plan.rhs_by_row), BLOCK_K)
   k_iters = lhs.shape[2] // BLOCK_K
   # Every tile's rows / columns lie inside the scale vectors (no gmem bounds checks).
   m_all = round_up(m, bm * config.cluster_m)
@@ -463,7 +464,7 @@ def scaled_gemm(lhs, rhs, lhs_scales, rhs_scales, *, out_dtype=jnp.bfloat16,
     operands.append(pad_to(jnp.broadcast_to(rhs_scales[:, :, 0], (batch, n)), n_all))
 
   out_tile = tma_tile(config.epi_block_n, out_dtype)
-  m_out, n_out = tma_padded_shape(m, n, (1, out_tile[1]) if plan.out_by_row else out_tile)
+  m_out, n_out = tma_padded_shape(m, n, tma_view_tile(out_tile, plan.lhs_by_row))
   n_out = max(n_out, bn)  # as for the operands: never narrower than the block
   # One CTA (or cluster of CTAs) per SM (or SM pair).
   num_ctas = launch.grid_sms(config.num_sms, interpret, need_gpu=True) // config.cluster_size

@@ -40,6 +40,12 @@ def row_transforms(minor_elems: int, dtype):
   return (plgpu.TilingTransform((1, tiling.tiling[1])), swizzle)
 
 
+def tma_view_tile(tile: tuple[int, int], by_row: bool) -> tuple[int, int]:
+  """The tile an array is padded to for TMA: `tma_tile`'s, or (1, its columns) where the
+  array moves through `row_transforms`' single-row view."""
+  return (1, tile[1]) if by_row else tile
+
+
 def tma_padded_shape(rows: int, cols: int, tile: tuple[int, int]):
   return round_up(rows, tile[0]), round_up(cols, tile[1])
 

@@ -83,17 +83,41 @@ jax.tree_util.register_dataclass(Dispatch, data_fields=["order", "token", "inver
                                                         "group_sizes"], meta_fields=[])
 
 
+# Up to this many pairs the dispatch counts instead of sorting (`dispatch`).
+RANKED_MAX_PAIRS = 2048
+
+
 def dispatch(topk_ids, num_experts: int) -> Dispatch:
-  """The sort of step 1. An id outside [0, E) gets key E: it sorts after every expert's
-  rows and is in no group (the pair contributes nothing and gets no gradient)."""
+  """The stable sort of step 1. An id outside [0, E) gets key E: it sorts after every
+  expert's rows and is in no group (the pair contributes nothing and gets no gradient).
+  Up to RANKED_MAX_PAIRS pairs (a decode step's), each pair's sorted row is counted
+  rather than sorted: R x R comparisons in a few fused reductions, where a sort and the
+  scatters that invert it and count the groups are several kernels of their own (the
+  same Dispatch either way)."""
   t, k = topk_ids.shape
   flat = topk_ids.reshape(t * k).astype(jnp.int32)
   key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+  if t * k <= RANKED_MAX_PAIRS:
+    return _ranked(key, k, num_experts)
   order = jnp.argsort(key, stable=True).astype(jnp.int32)
   # The permutation's inverse: a scatter of R int32s (not of R rows of activations).
   inverse = jnp.zeros((t * k,), jnp.int32).at[order].set(
       jnp.arange(t * k, dtype=jnp.int32), unique_indices=True)
   group_sizes = jnp.bincount(key, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+  return Dispatch(order=order, token=order // k, inverse=inverse, group_sizes=group_sizes)
+
+
+def _ranked(key, k: int, num_experts: int) -> Dispatch:
+  """`dispatch` by counting: pair p's sorted row is the number of pairs with a smaller
+  key, or the same key and a smaller index (the stable sort's position)."""
+  pairs = jnp.arange(key.shape[0], dtype=jnp.int32)
+  ahead = (key[None, :] < key[:, None]) | ((key[None, :] == key[:, None])
+                                           & (pairs[None, :] < pairs[:, None]))
+  inverse = jnp.sum(ahead, axis=1, dtype=jnp.int32)
+  order = jnp.sum(jnp.where(inverse[None, :] == pairs[:, None], pairs[None, :], 0), axis=1,
+                  dtype=jnp.int32)
+  experts = jnp.arange(num_experts, dtype=jnp.int32)
+  group_sizes = jnp.sum(key[None, :] == experts[:, None], axis=1, dtype=jnp.int32)
   return Dispatch(order=order, token=order // k, inverse=inverse, group_sizes=group_sizes)
 
 
