@@ -17,8 +17,8 @@ G_total == G (lax's rule). The weight-gradient form with group_offset returns
 len(group_sizes) groups, entry i being global group group_offset + i.
 
 What reaches the kernels (`mosaic_forward.forward`, `mosaic_weight_grad.weight_grad`):
-`ops.kernel_groups` first normalises every call to the G local groups' sizes (each >= 0,
-their rows cut at M) and a row start; the kernels then get either
+`ops.kernel_groups` first normalises every call to the G local groups' sizes (each >= 0;
+the kernels cut rows past M) and a row start; the kernels then get either
     group_sizes (G,) int32 and group_offset None: group 0 starts at row 0, or
     group_sizes (G + 1,) int32 = [row_start, local sizes...] and group_offset 1: rows
       before row_start form a group the call does not compute,

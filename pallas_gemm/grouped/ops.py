@@ -90,14 +90,14 @@ def local_groups(group_sizes, group_offset, num_groups: int):
 
 
 def kernel_groups(group_sizes, row_start, m: int):
-  """The groups as the Mosaic kernels take them: sizes >= 0 whose rows all lie in
-  [row_start, m), and row_start in [0, m]. Rows past m are cut (as lax's dense
-  formulation has no rows past m); a negative size (only possible traced; the front door
-  rejects concrete ones) counts as 0."""
-  start = jnp.zeros((), jnp.int32) if row_start is None else jnp.clip(row_start, 0, m)
-  ends = jnp.minimum(start + jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
-  sizes = jnp.diff(ends, prepend=start[None])
-  return sizes.astype(jnp.int32), (None if row_start is None else start.astype(jnp.int32))
+  """The groups as the Mosaic kernels take them: sizes >= 0 (a negative size, only
+  possible traced, the front door rejecting concrete ones, counts as 0) and row_start in
+  [0, m]. Rows past m are the kernels' to cut (`mgpu.rows.local_rows` clips every group
+  to [0, m], as lax's dense formulation has no rows past m): one elementwise pass here,
+  where cutting them here too would be a cumulative sum more, a few kernels of a decode
+  step's layer."""
+  start = None if row_start is None else jnp.clip(row_start, 0, m).astype(jnp.int32)
+  return jnp.maximum(group_sizes.astype(jnp.int32), 0), start
 
 
 def _kernel(plan: Plan, lhs, rhs, group_sizes, group_offset=None):
