@@ -83,8 +83,10 @@ jax.tree_util.register_dataclass(Dispatch, data_fields=["order", "token", "inver
                                                         "group_sizes"], meta_fields=[])
 
 
-# Up to this many pairs the dispatch counts instead of sorting (`dispatch`).
-RANKED_MAX_PAIRS = 2048
+# Up to this many pairs the dispatch counts instead of sorting (`dispatch`). On the H200,
+# the dispatch alone over 128 experts: 6-14 us of kernels counting 512-4096 pairs, against
+# 10-37 us sorting them.
+RANKED_MAX_PAIRS = 4096
 
 
 def dispatch(topk_ids, num_experts: int) -> Dispatch:
