@@ -236,7 +236,8 @@ def kernel_breakdown(program, args, calls: int, top: int = 12) -> dict:
   is time no kernel ran (launch gaps, host work)."""
   from benchmarks.probe import ranked_kernels  # noqa: PLC0415 - GPU only
   found = ranked_kernels(program, args, calls, top=top)
-  return dict(kernel_ms=found["kernel_ms"], launches=found["launches"], top=found["kernels"])
+  return dict(kernel_ms=found["kernel_ms"], launches=found["launches"],
+              top=[dict(k, name=k["name"][:120]) for k in found["kernels"]])
 
 
 def run_config(cfg: Config, mode: str, fns: dict, timer, rounds: int, calls: int,

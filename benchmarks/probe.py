@@ -301,11 +301,12 @@ def _kernel_times(fn, args, calls: int) -> list[list[tuple[str, float]]]:
 def kernels_by_name(calls, devices: int = 1) -> dict[str, tuple[float, float]]:
   """{kernel name: (launches, ms)} per call and device of `_kernel_times`' calls (CUPTI
   sees every device's kernels: `devices` divides them)."""
-  by_name = {}
+  totals = {}
   for kernel, ms in (t for one in calls for t in one):
-    count, total = by_name.get(kernel, (0.0, 0.0))
-    by_name[kernel] = (count + 1 / len(calls) / devices, total + ms / len(calls) / devices)
-  return by_name
+    count, total = totals.get(kernel, (0, 0.0))
+    totals[kernel] = (count + 1, total + ms)
+  per = len(calls) * devices
+  return {k: (count / per, total / per) for k, (count, total) in totals.items()}
 
 
 def ranked_kernels(fn, args, calls: int, devices: int = 1, top: int | None = None) -> dict:
@@ -315,7 +316,7 @@ def ranked_kernels(fn, args, calls: int, devices: int = 1, top: int | None = Non
   ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
   return dict(kernel_ms=sum(ms for _, ms in by_name.values()),
               launches=sum(c for c, _ in by_name.values()),
-              kernels=[dict(name=k[:120], count=c, ms=ms) for k, (c, ms) in ranked[:top]])
+              kernels=[dict(name=k, count=c, ms=ms) for k, (c, ms) in ranked[:top]])
 
 
 def print_kernels(label: str, found: dict, top: int = 14):

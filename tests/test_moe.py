@@ -181,7 +181,8 @@ def test_program_gathers_and_never_scatters_rows(rng, monkeypatch, counted):
   assert all(dtype.startswith("i") and "," not in shape for dtype, shape in scatters), scatters
 
 
-@pytest.mark.parametrize("t, k, e", [(16, 8, 8), (64, 8, 128), (5, 3, 4), (1, 1, 1)])
+@pytest.mark.parametrize("t, k, e", [(16, 8, 8), (64, 8, 128), (5, 3, 4), (1, 1, 1),
+                                     (7, 1, 3), (0, 2, 4)])
 def test_counted_dispatch_is_the_stable_sort(rng, monkeypatch, t, k, e):
   # Few pairs are dispatched by counting, many by a sort: the same Dispatch, ties in pair
   # order, ids outside [0, E) after every group.

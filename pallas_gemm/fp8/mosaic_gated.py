@@ -20,7 +20,7 @@ Design: `mosaic_ragged`'s grouped work items and promoted K loop, with
   * an item = one row tile (block_m = 128, a warpgroup per 64 rows; 64 rows on one at
     decode: `tiles`) of one group, times
     one 128-column block of F (a block of a's scales). Its two 64-column halves run one
-    after the other, each a 128 x 128 tile of h as `mosaic_ragged`'s: 64 gate columns
+    after the other, each a block_m x 128 tile of h as `mosaic_ragged`'s: 64 gate columns
     and the 64 up columns F further on, side by side in shared memory, so one wgmma of
     N = 128 per step (two wgmmas of N = 64 read the lhs tile twice from shared memory:
     with them the layer ran 1.2x slower than with three passes at Mixtral-like sizes). A warpgroup
