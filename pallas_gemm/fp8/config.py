@@ -18,6 +18,16 @@ from pallas_gemm.mgpu.layout import round_up
 # block's, so promoting them into the f32 sum is one scale-multiply-add per step. 128 fp8
 # bytes are also one 128-byte swizzle row of an operand tile.
 BLOCK_K = 128
+
+
+def streams_weights(m: int, g: int) -> bool:
+  """Whether a grouped call of m rows over g groups is decode-like: under 64 rows a group
+  on average, so the kernel streams the experts' weights and a 128-row lhs tile would be
+  mostly other groups' rows. The grouped fp8 kernels take 64-row tiles on one warpgroup
+  there (`mosaic_ragged.default_config`, `mosaic_gated.tiles`)."""
+  return m < 64 * max(g, 1)
+
+
 # Data registers per thread a consumer warpgroup may hold: 232 are left to each of two
 # consumer warpgroups beside a 40-register producer; the rest holds addresses, the row
 # scales and loop state. The promoted K loop holds two accumulators (the f32 sum and

@@ -48,7 +48,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.core import epilogue
 from pallas_gemm.fp8 import mosaic_gemm as fp8_mosaic
-from pallas_gemm.fp8.config import BLOCK_K
+from pallas_gemm.fp8.config import BLOCK_K, streams_weights
 from pallas_gemm.fp8.mosaic_quantize import row_scales
 from pallas_gemm.fp8.scales import pow2
 from pallas_gemm.mgpu import launch, ring, rows, scaled_k
@@ -63,15 +63,13 @@ GRID_TILE_WIDTH = 8  # items in bands of 8 column blocks (`plgpu.planar_snake`),
 # grouped kernels order theirs: CTAs running together share lhs and weight tiles in L2
 
 
-
 def tiles(m: int, g: int) -> tuple[int, int]:
   """(block_m, stages): an item's rows (WG_M per consumer warpgroup) and the ring's depth.
   128 rows on two warpgroups, 5 stages of 32.5 KiB beside 2 x 2 x 8 KiB of output slots
   (4: 5% slower at Mixtral-like sizes, the same at Qwen3-like ones). Decode-like calls
-  (under 64 rows a group on average: the kernel streams the experts' weights, and a
-  128-row lhs tile would be mostly other groups' rows) take 64 rows on one warpgroup and
-  8 stages, as `mosaic_ragged.default_config` does."""
-  if m < 64 * max(g, 1):
+  (`fp8.config.streams_weights`) take 64 rows on one warpgroup and 8 stages, as
+  `mosaic_ragged.default_config` does."""
+  if streams_weights(m, g):
     return 64, 8
   return 128, 5
 

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.fp8 import mosaic_gemm as fp8_mosaic
-from pallas_gemm.fp8.config import BLOCK_K, Config, check
+from pallas_gemm.fp8.config import BLOCK_K, Config, check, streams_weights
 from pallas_gemm.mgpu import launch, ring, rows, scaled_k
 from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, row_transforms,
                                      swizzle_transforms, tma_tile)
@@ -54,7 +54,7 @@ def default_config(m: int, g: int, out_dtype) -> Config:
   the H200 at 1024 rows over 128 / 256 experts, 1.11-1.14x the 128 x 128 tiles (whose
   128-row lhs tiles are mostly other groups' rows), the same results bit for bit."""
   epi_n = 32 if jnp.dtype(out_dtype).itemsize == 4 else 64
-  if m < 64 * max(g, 1):
+  if streams_weights(m, g):
     return Config(block_m=64, block_n=128, stages=8, num_compute_wgs=1, epi_block_n=epi_n)
   return Config(block_m=128, block_n=128, stages=5, epi_block_n=epi_n)
 
