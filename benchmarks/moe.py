@@ -28,9 +28,11 @@ Timing: wall clock of back-to-back jitted calls (a layer is many kernels; their 
 gaps are its cost too), rounds in rotated order, median per round; ratios per round
 against moe_mlp (median and half the interquartile range). Decode configs also report
 the HBM roofline of the expert weights they read, and every variant XLA's temporary bytes.
-A decode call is a fraction of a millisecond, so the one wait of a round and its first
-call's launch would be a tenth of five calls' time: decode rounds are DECODE_CALLS calls
-(a model's decode step runs one MoE layer per block, back to back), unless --calls says.
+A decode call is a fraction of a millisecond, and a round's first launch (on the H200
+about 0.3 ms from the host's first call to its first kernel) would be a fifth of five
+calls' time: a decode round runs as many calls as DECODE_ROUND_MS of its roofline takes
+(about 200 at Qwen3-like sizes, where that launch is then under 2 us a call; a model's
+decode step runs one MoE layer per block, back to back), unless --calls says.
 """
 
 from __future__ import annotations
@@ -84,7 +86,12 @@ CONFIGS = {c.name: c for c in (
 TINY = dict(tokens=64, d_model=128, d_ff=128, experts=8)  # K multiples of 128 for fp8
 # Peak HBM bandwidth (bytes/s) by device kind, for the decode roofline.
 HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}
-DECODE_CALLS = 40  # calls per round of a decode config on a GPU (module docstring)
+DECODE_ROUND_MS = 50  # a decode round's calls: this much of its roofline (module docstring)
+
+
+def decode_calls(roofline: float | None) -> int:
+  """Calls per round of a decode config: DECODE_ROUND_MS of its roofline, 10 to 400."""
+  return 40 if roofline is None else int(min(400, max(10, -(-DECODE_ROUND_MS // roofline))))
 
 
 def parse_args(argv):
@@ -100,7 +107,8 @@ def parse_args(argv):
                       " that can run)")
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
   p.add_argument("--calls", type=int, default=None,
-                 help=f"calls per round (GPU 5, decode configs {DECODE_CALLS}; CPU 1)")
+                 help=f"calls per round (GPU 5, decode configs {DECODE_ROUND_MS} ms of their"
+                      " roofline; CPU 1)")
   p.add_argument("--kernels", action="store_true",
                  help="GPU: also each variant's kernels by name (CUPTI), against its wall clock")
   p.add_argument("--out", type=pathlib.Path, default=None)
@@ -332,7 +340,7 @@ def main(args=None) -> int:
       # are the weights' gradients of a large config.
       n_calls = 1 if mode == "fwd+bwd" and cfg.weight_bytes() > 4 << 30 else calls
       if cfg.name.startswith("decode") and on_gpu and opts.calls is None:
-        n_calls = DECODE_CALLS
+        n_calls = decode_calls(roofline_ms(cfg, kind))
       row = dict(config=dataclasses.asdict(cfg), mode=mode, calls=n_calls,
                  roofline_ms=roofline_ms(cfg, kind) if cfg.name.startswith("decode") else None,
                  variants=run_config(cfg, mode, fns, timer, rounds, n_calls,
