@@ -5,7 +5,7 @@
 #   build       pip install -e . (ptxas register/spill report), the backends found
 #   test        the test suite (PYTEST_ARGS, PYTEST_FILES, TEST_TIMEOUT; TEST_WORKERS parallel
 #               workers on the one GPU when pytest-xdist's wheels are carried in .whl/)
-#   sanitize    compute-sanitizer memcheck / racecheck / synccheck on the CUDA custom calls
+#   sanitize    compute-sanitizer memcheck / racecheck / synccheck on the cuda kernel
 #   headline    python -m benchmarks: the headline sweep vs jnp.dot (~1-2 min)
 #   mlp         python -m benchmarks --mlp: SGD and AdamW training steps, A/A check (~3-4 min)
 #   precision   python -m benchmarks --precision: float32 presets, speed and error

@@ -1,20 +1,15 @@
-"""The CUDA custom calls on small and ragged problems, for compute-sanitizer (memcheck,
-racecheck, synccheck): `backend="cuda"` GEMMs, then the MoE dispatch kernel against the XLA
-dispatch (`moe/cuda_dispatch.cu`).
+"""Small and ragged `backend="cuda"` GEMMs for compute-sanitizer (memcheck, racecheck).
 
-Run as: compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cuda.py [sgemm|dispatch]
-(no argument: both). Exits non-zero if any result is wrong, so a clean sanitizer run also
-means a correct one.
+Run as: compute-sanitizer --tool memcheck python3 benchmarks/sanitize_cuda.py
+Exits non-zero if any result is wrong, so a clean sanitizer run also means a correct one.
 """
 
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pallas_gemm.matmul import cuda
-from pallas_gemm.moe import cuda_dispatch, layer
 from pallas_gemm import gemm
 from pallas_gemm.testing.reference import reference, relative_error, tolerance
 
@@ -28,14 +23,7 @@ CASES = [(1, 1, 1, None), (7, 129, 33, None), (129, 7, 65, None), (257, 130, 9, 
          (256, 256, 4096, cuda.CONFIGS[1]), (200, 136, 3001, cuda.CONFIGS[1])]
 
 
-# (tokens, k, experts, D, dtype): one and four chunks of 1024 pairs, the most experts,
-# rows of 16-, 4- and 2-byte copies.
-DISPATCH_CASES = [(128, 8, 128, 64, jnp.bfloat16), (512, 8, 256, 8, jnp.float32),
-                  (37, 5, 511, 3, jnp.float32), (5, 3, 4, 7, jnp.bfloat16),
-                  (1, 1, 1, 1, jnp.float16)]
-
-
-def sgemm():
+def main():
   rng = np.random.default_rng(0)
   worst = 0.0
   for m, n, k, config in CASES:
@@ -55,30 +43,5 @@ def sgemm():
   return 0
 
 
-def dispatch():
-  why = cuda_dispatch.unavailable_reason(1024, 128)
-  if why is not None:
-    print(f"the dispatch kernel does not run here: {why}")
-    return 1
-  rng = np.random.default_rng(0)
-  for t, k, e, d, dtype in DISPATCH_CASES:
-    ids = jnp.asarray(rng.integers(-2, e + 2, (t, k)), jnp.int32)
-    x = jnp.asarray(rng.standard_normal((t, d), dtype=np.float32), dtype)
-    want = layer.dispatch(ids, e)
-    got = jax.jit(lambda x, ids, e=e: layer.dispatch(ids, e, rows_of=x))(x, ids)
-    same = [bool(jnp.array_equal(getattr(got, f), getattr(want, f)))
-            for f in ("order", "token", "inverse", "group_sizes")]
-    if not all(same) or not bool(jnp.array_equal(got.rows, x[want.token])):
-      print(f"WRONG dispatch of {t}x{k} ids over {e} experts, D {d}: fields equal {same}")
-      return 1
-  print(f"{len(DISPATCH_CASES)} dispatch cases equal to the XLA dispatch")
-  return 0
-
-
-def main(argv):
-  parts = argv or ["sgemm", "dispatch"]
-  return max({"sgemm": sgemm, "dispatch": dispatch}[p]() for p in parts)
-
-
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  sys.exit(main())

@@ -13,7 +13,7 @@ import pytest
 
 import pallas_gemm
 from pallas_gemm import moe
-from pallas_gemm.moe import cuda_dispatch, layer
+from pallas_gemm.moe import layer
 from pallas_gemm.testing.reference import (moe_fp8_tolerance, moe_fp8_training_tolerance,
                                            moe_reference, moe_tolerance, relative_error)
 
@@ -198,74 +198,6 @@ def test_counted_dispatch_is_the_stable_sort(rng, monkeypatch, t, k, e):
     np.testing.assert_array_equal(d.token, order // k)
     np.testing.assert_array_equal(d.inverse, np.argsort(order))
     np.testing.assert_array_equal(d.group_sizes, np.bincount(key, minlength=e + 1)[:e])
-
-
-def _dispatch_kernel_or_skip(pairs, e):
-  why = cuda_dispatch.unavailable_reason(pairs, e)
-  if why is not None:
-    pytest.skip(f"the CUDA dispatch kernel does not run here: {why}")
-
-
-@pytest.mark.parametrize("t, k, e, d, dtype", [
-    (128, 8, 128, 2048, BF16),      # a decode step: 16-byte row copies
-    (512, 8, 256, 64, np.float32),  # the most pairs it ranks, 4 chunks of 1024
-    (5, 3, 4, 7, BF16),             # 14-byte rows: 2-byte copies
-    (1, 1, 1, 1, np.float16),
-    (37, 5, 511, 3, np.float32),    # the most experts, 12-byte rows: 4-byte copies
-    (300, 3, 2, 4, BF16)])          # long runs of one key across warps and chunks
-def test_dispatch_kernel_is_the_xla_dispatch(rng, t, k, e, d, dtype):
-  # Bit for bit the XLA dispatch (ids outside [0, E) included) and x's rows in its order,
-  # NaN rows as they are.
-  _dispatch_kernel_or_skip(t * k, e)
-  ids = jnp.asarray(rng.integers(-2, e + 2, (t, k)), jnp.int32)
-  x = random(rng, (t, d), dtype)
-  x[t // 2] = np.nan
-  x = jnp.asarray(x)
-  want = layer.dispatch(ids, e)
-  got = jax.jit(lambda x, ids: layer.dispatch(ids, e, rows_of=x))(x, ids)
-  for name in ("order", "token", "inverse", "group_sizes"):
-    np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
-  np.testing.assert_array_equal(np.asarray(got.rows, np.float32),
-                                np.asarray(x[want.token], np.float32))
-
-
-def test_layer_with_the_dispatch_kernel(rng, monkeypatch):
-  # moe_mlp at decode sizes runs the kernel (one custom call in the program) and gives
-  # the XLA dispatch's output and gradients bit for bit.
-  args = _problem(rng, 64, 256, 128, 16, 4)
-  x, weights, ids, wgu, wd = args
-  _dispatch_kernel_or_skip(ids.size, 16)
-
-  def run():  # a new function each time: jit's cache would keep the first trace
-    def grads(x, w, a, b):
-      loss = lambda *p: jnp.sum(pallas_gemm.moe_mlp(p[0], p[1], ids, p[2], p[3])  # noqa: E731
-                                .astype(jnp.float32) ** 2)
-      return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, w, a, b)
-    fn = jax.jit(grads)
-    return fn.lower(*args[:2], *args[3:]).as_text(), fn(*args[:2], *args[3:])
-
-  program, fused = run()
-  assert program.count(cuda_dispatch.TARGET_NAME) == 1
-  monkeypatch.setattr(cuda_dispatch, "unavailable_reason", lambda *_: "switched off")
-  program, plain = run()
-  assert cuda_dispatch.TARGET_NAME not in program
-  for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(plain)):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
-def test_dispatch_kernel_says_why_it_does_not_run(rng):
-  # Where it cannot run (no GPU, no library, too many pairs or experts) the dispatch is
-  # XLA's and gathers nothing itself.
-  assert cuda_dispatch.unavailable_reason(5000, 8) is not None
-  assert cuda_dispatch.unavailable_reason(64, 1000) is not None
-  x = jnp.asarray(random(rng, (6, 8), BF16))
-  ids = jnp.asarray(rng.integers(0, 4, (6, 2)), jnp.int32)
-  d = layer.dispatch(ids, 4, rows_of=x)
-  if cuda_dispatch.unavailable_reason(12, 4) is not None:
-    assert d.rows is None
-  else:
-    np.testing.assert_array_equal(np.asarray(d.rows, np.float32),
-                                  np.asarray(x[d.token], np.float32))
 
 
 @pytest.mark.parametrize("change, error, match", [

@@ -1,7 +1,6 @@
 """The "cuda" backend: a register-tiled SGEMM as an XLA FFI custom call.
 
-The kernel follows the register-tiled SGEMM of "Matrix Multiplication on GPU, Part 2:
-Tiling" (lawmurray/gpu-gemm),
+The kernel follows the register-tiled SGEMM of "Matrix Multiplication on GPU, Part 2: Tiling" (lawmurray/gpu-gemm),
 generalised to any shape, layout and batch.
 
 Python twin of ``cuda_sgemm.cu`` (read its header for the kernel design). The shared
@@ -19,13 +18,15 @@ import ctypes
 import dataclasses
 import functools
 import math
+import os
 import pathlib
+import sys
+import sysconfig
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_gemm.core import ffi_library
 from pallas_gemm.mgpu import hw
 
 NAME = "cuda"
@@ -169,10 +170,47 @@ def default_config(m: int, n: int, k: int, dtype, *, out_dtype=None, c_dtype=Non
 # ---------------------------------------------------------------------------
 
 
+def _candidate_paths() -> list[pathlib.Path]:
+  """Where the library may be: beside this file (regular install, in-tree build),
+  then in every pallas_gemm/matmul folder on the import path (scikit-build-core's editable
+  install puts compiled files in site-packages/pallas_gemm/matmul, not in the source tree)."""
+  dirs = [pathlib.Path(__file__).resolve().parent]
+  roots = [sysconfig.get_path("platlib"), sysconfig.get_path("purelib"), *sys.path]
+  for root in roots:
+    if root:
+      dirs.append(pathlib.Path(root).resolve() / "pallas_gemm" / "matmul")
+  seen = set()
+  paths = []
+  for d in dirs:
+    for name in _LIBRARY_NAMES:
+      path = d / name
+      if path not in seen:
+        seen.add(path)
+        paths.append(path)
+  return paths
+
+
 def _load_library() -> tuple[ctypes.CDLL | None, str | None]:
   """Returns (library, None) or (None, why not)."""
-  return ffi_library.load(pathlib.Path(__file__).parent, "pallas_gemm/matmul",
-                          _LIBRARY_NAMES, LIBRARY_ENV, _declare)
+  explicit = os.environ.get(LIBRARY_ENV)
+  paths = [pathlib.Path(explicit)] if explicit else _candidate_paths()
+  found = [p for p in paths if p.is_file()]
+  if not found:
+    where = f"{LIBRARY_ENV}={explicit}" if explicit else ", ".join(
+        str(p.parent) for p in paths[::len(_LIBRARY_NAMES)])
+    return None, (
+        "the CUDA library _cuda_sgemm.so was not built (no CUDA compiler when "
+        f"pallas_gemm was installed?); looked in: {where}")
+  try:
+    lib = ctypes.CDLL(str(found[0]))
+  except OSError as e:
+    return None, f"could not load {found[0]}: {e}"
+  try:
+    _declare(lib)
+  except AttributeError as e:  # a build from before an entry point was added
+    return None, (f"{found[0]} lacks an entry point this pallas_gemm needs ({e}): a stale"
+                  " build; reinstall pallas_gemm (see BUILD.md)")
+  return lib, None
 
 
 def _declare(lib: ctypes.CDLL) -> None:

@@ -275,12 +275,7 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     gate_up_scales, down_scales = sharding.whole(gate_up_scales, down_scales)
     w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
   weights2 = layer.routed(weights2, ids2, e)
-  # The bf16 layer gathers x's rows in the dispatch kernel where that runs (decode sizes
-  # on a GPU); not for backend="xla", nor under Auto mesh axes (a custom call has no
-  # partitioning rule: XLA would gather x whole to run it).
-  fused_rows = (form is layer.LAYER and backend != "xla" and not sharding.auto_axes()
-                and sharding.explicit_reason(x2, ids2) is None)
-  d_ = layer.dispatch(ids2, e, rows_of=x2 if fused_rows else None)
+  d_ = layer.dispatch(ids2, e)
   # Inside a user's jax.shard_map (tokens split over an axis the weights are whole on):
   # one set of manual axes for every operand, so a weight's gradient is summed over them.
   x2, weights2, w_gate_up, w_down, d_ = sharding.same_varying(x2, weights2, w_gate_up,

@@ -5,8 +5,7 @@ Forward, for T tokens with k experts each (R = T * k rows, one per (token, slot)
      `order` (R,) pair of each sorted row, `token` = order // k, `inverse` (R,) the
      sorted row of each pair, `group_sizes` (E,). Ids outside [0, E) sort last, past
      sum(group_sizes): the grouped GEMMs write zeros there and read nothing there.
-  2. xs = x[token] (R, D): a gather. At decode sizes on a GPU steps 1 and 2 are one
-     kernel (`cuda_dispatch`), where XLA runs several small ones.
+  2. xs = x[token] (R, D): a gather.
   3. h = ragged_dot(xs, w_gate_up) (R, 2F), a = act(gate) * up (R, F): for the gated
      activations on the Mosaic backend one kernel (`grouped.gated`), whose epilogue
      computes a from the f32 products and writes h only for a backward pass; elsewhere
@@ -38,7 +37,6 @@ import jax.numpy as jnp
 from pallas_gemm.core import epilogue, sharding
 from pallas_gemm.grouped import gated_mosaic_reason, gated_ragged_dot, ragged_dot_general
 from pallas_gemm.mgpu import hw
-from pallas_gemm.moe import cuda_dispatch
 
 F32 = jnp.float32
 
@@ -79,14 +77,10 @@ class Dispatch:
   token: jax.Array        # (R,) the token of each sorted row
   inverse: jax.Array      # (R,) the sorted row of each pair
   group_sizes: jax.Array  # (E,) rows per expert
-  # (R, D) x[token], where the dispatch kernel gathered them (`dispatch(rows_of=x)`),
-  # without a gradient: the layer's backward sums x's gradient itself. Else None.
-  rows: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(Dispatch, data_fields=["order", "token", "inverse",
-                                                        "group_sizes", "rows"],
-                                 meta_fields=[])
+                                                        "group_sizes"], meta_fields=[])
 
 
 # Up to this many pairs the dispatch counts instead of sorting (`dispatch`). On the H200,
@@ -95,18 +89,14 @@ jax.tree_util.register_dataclass(Dispatch, data_fields=["order", "token", "inver
 RANKED_MAX_PAIRS = 4096
 
 
-def dispatch(topk_ids, num_experts: int, rows_of=None) -> Dispatch:
+def dispatch(topk_ids, num_experts: int) -> Dispatch:
   """The stable sort of step 1. An id outside [0, E) gets key E: it sorts after every
   expert's rows and is in no group (the pair contributes nothing and gets no gradient).
   Up to RANKED_MAX_PAIRS pairs (a decode step's), each pair's sorted row is counted
   rather than sorted: R x R comparisons in a few fused reductions, where a sort and the
   scatters that invert it and count the groups are several kernels of their own (the
-  same Dispatch either way). With rows_of = x, where the CUDA dispatch kernel runs for
-  these sizes, that kernel computes the same Dispatch and its rows x[token] (step 2) in
-  one launch; elsewhere rows stays None and step 2 gathers."""
+  same Dispatch either way)."""
   t, k = topk_ids.shape
-  if rows_of is not None and cuda_dispatch.unavailable_reason(t * k, num_experts) is None:
-    return Dispatch(*cuda_dispatch.dispatch_rows(rows_of, topk_ids, num_experts))
   flat = topk_ids.reshape(t * k).astype(jnp.int32)
   key = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
   if t * k <= RANKED_MAX_PAIRS:
@@ -255,13 +245,8 @@ def combine_backward(rows, topk_weights, d: Dispatch, g, rows_dtype):
   return drows.astype(rows_dtype), dweights
 
 
-def _rows(x, d: Dispatch):
-  """xs = x[d.token] (step 2), gathered by the dispatch kernel or here."""
-  return x[d.token] if d.rows is None else d.rows
-
-
 def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, write_h=True):
-  y, h, a = experts_forward(plan, _rows(x, d), w_gate_up, w_down, d.group_sizes,
+  y, h, a = experts_forward(plan, x[d.token], w_gate_up, w_down, d.group_sizes,
                             write_h=write_h)
   return combine(y, d.inverse, topk_weights, plan.out_dtype), (h, a, y)
 
@@ -269,7 +254,7 @@ def _forward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, write_
 def _backward(plan: Plan, x, topk_weights, w_gate_up, w_down, d: Dispatch, saved, g):
   h, a, y = saved
   dy, dweights = combine_backward(y, topk_weights, d, g, x.dtype)
-  dxs, dw_gate_up, dw_down = experts_backward(plan, _rows(x, d), h, w_gate_up, w_down,
+  dxs, dw_gate_up, dw_down = experts_backward(plan, x[d.token], h, w_gate_up, w_down,
                                                d.group_sizes, dy, a=a)
   dx = sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down
