@@ -175,3 +175,13 @@ def test_expert_parallel_benchmark_writes_its_table(tmp_path):
   assert "moe_mlp_speedup" in two["moe_mlp/padded"] and "moe_mlp_speedup" in two["moe_mlp/cb"]
   assert "moe_mlp_speedup" in two["infer/fp8/all-slots"]  # against infer/fp8
   assert "fp8_speedup" in two["infer/fp8"] and "moe_mlp_speedup" not in two["infer"]
+
+
+def test_moe_decode_rounds_span_their_roofline():
+  # A decode round runs DECODE_ROUND_MS of its roofline in calls (10 to 400): ~200 calls of
+  # a 0.25 ms layer, 11 of a 4.6 ms one; 40 where no roofline is known (no GPU kind).
+  from benchmarks import moe  # noqa: PLC0415
+  assert moe.decode_calls(0.2516) == 199
+  assert moe.decode_calls(4.61) == 11
+  assert moe.decode_calls(100.0) == 10 and moe.decode_calls(0.01) == 400
+  assert moe.decode_calls(None) == 40
