@@ -200,20 +200,6 @@ def test_counted_dispatch_is_the_stable_sort(rng, monkeypatch, t, k, e):
     np.testing.assert_array_equal(d.group_sizes, np.bincount(key, minlength=e + 1)[:e])
 
 
-@pytest.mark.parametrize("dtype, d", [(BF16, 6), (np.float16, 8), (jnp.float8_e4m3fn, 12),
-                                      (np.float32, 5), (BF16, 7), (jnp.float8_e4m3fn, 6)])
-def test_gather_rows_moves_the_same_bits(rng, dtype, d):
-  # Rows gathered as 4-byte words where the row's bytes allow (the last two: they do
-  # not), NaN and -0.0 included, indices repeated and in any order.
-  x = np.array(jnp.asarray(rng.standard_normal((9, d)), dtype))
-  x[2, 0], x[4, -1] = np.nan, -0.0
-  index = jnp.asarray([4, 0, 8, 2, 2, 7, 1, 4], jnp.int32)
-  got = jax.jit(layer.gather_rows)(jnp.asarray(x), index)
-  want = x[np.asarray(index)]
-  assert got.dtype == want.dtype and got.shape == want.shape
-  np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
-
-
 @pytest.mark.parametrize("change, error, match", [
     (dict(x=np.zeros((4, 16), np.int32)), TypeError, "x.dtype"),
     (dict(topk_ids=np.zeros((4, 2), np.float32)), TypeError, "topk_ids.dtype"),

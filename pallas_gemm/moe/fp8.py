@@ -105,7 +105,7 @@ def _pair_rows8(x, d: layer.Dispatch, dtype):
   row, so the values and scales are the same, for a quantize of T rows instead of T * k
   and a gather of fp8 bytes instead of x's. x: the rows, or their `Quantized`."""
   values, scales = x.pair() if isinstance(x, Quantized) else fp8_ops.quantize(x, dtype)
-  return layer.gather_rows(values, d.token), scales[d.token]
+  return values[d.token], scales[d.token]
 
 
 def send8(x, w_gate_up):
@@ -216,8 +216,8 @@ def _train_backward(plan, x, topk_weights, gate_up: Quantized, down: Quantized, 
   h, y = saved
   dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
   dxs, dw_gate_up, dw_down = layer.experts_backward(
-      plan, layer.gather_rows(x, d.token), h, gate_up.pair(transposed=True),
-      down.pair(transposed=True), d.group_sizes, dy, _product(plan, d.group_sizes, x.dtype),
+      plan, x[d.token], h, gate_up.pair(transposed=True), down.pair(transposed=True),
+      d.group_sizes, dy, _product(plan, d.group_sizes, x.dtype),
       w_dtypes=(gate_up.dtype, down.dtype))
   dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down
