@@ -339,10 +339,11 @@ def main(args=None) -> int:
       # A pipelined sample holds every call's results: one call per sample where those
       # are the weights' gradients of a large config.
       n_calls = 1 if mode == "fwd+bwd" and cfg.weight_bytes() > 4 << 30 else calls
-      if cfg.name.startswith("decode") and on_gpu and opts.calls is None:
-        n_calls = decode_calls(roofline_ms(cfg, kind))
-      row = dict(config=dataclasses.asdict(cfg), mode=mode, calls=n_calls,
-                 roofline_ms=roofline_ms(cfg, kind) if cfg.name.startswith("decode") else None,
+      decode = cfg.name.startswith("decode")
+      roof = roofline_ms(cfg, kind) if decode else None
+      if decode and on_gpu and opts.calls is None:
+        n_calls = decode_calls(roof)
+      row = dict(config=dataclasses.asdict(cfg), mode=mode, calls=n_calls, roofline_ms=roof,
                  variants=run_config(cfg, mode, fns, timer, rounds, n_calls,
                                      kernels=opts.kernels and on_gpu))
       results.append(row)
