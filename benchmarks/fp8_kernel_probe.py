@@ -17,7 +17,7 @@ scale transposes and pads around it). Errors: normwise relative error of the fir
 ERR_ROWS rows against the float64 product of the dequantized operands (bf16 results),
 and per size a line comparing the per-tensor paths' float32-result errors: cuBLASLt fp8,
 the kernel's promoted loop and its fast accumulation. --configs adds the block-scaled
-kernel at other tiles (BMxBNsS[wW][cC][f], e.g. 128x192s4; w: wg_split, default m; c:
+kernel at other tiles (BMxBNsS[wW][cC][eE][f], e.g. 128x192s4; w: wg_split, default m; c:
 clusters of 2 CTAs along m or n), --tensor-configs the per-tensor kernel (promoted, or
 with f fast accumulation).
 """
@@ -76,16 +76,19 @@ def _time(f, *args):
 
 
 def _parse_config(spec: str) -> fp8_config.Config:
-  """BMxBNsS[wW][cC][f] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters of
-  2 CTAs along n; cm: along m), 256x128s4cnf (f: fast accumulation, per tensor only)."""
-  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?(f)?", spec)
+  """BMxBNsS[wW][cC][eE][f] -> Config: e.g. 128x192s4, 256x128s4wm, 128x128s5cn (clusters
+  of 2 CTAs along n; cm: along m), 128x176s4e176 (e: epi_block_n; default the widest of
+  64, 32, 16 dividing the warpgroup tile), 256x128s4cnf (f: fast accumulation, per tensor
+  only)."""
+  match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:w([mn]))?(?:c([mn]))?(?:e(\d+))?(f)?", spec)
   if match is None:
-    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][f]")
-  bm, bn, stages, split, cluster, fast = match.groups()
+    raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][eE][f]")
+  bm, bn, stages, split, cluster, epi, fast = match.groups()
+  wg_n = int(bn) // 2 if split == "n" else int(bn)
+  epi_n = int(epi) if epi else next(e for e in (64, 32, 16, 8) if wg_n % e == 0)
   return fp8_config.Config(block_m=int(bm), block_n=int(bn), stages=int(stages),
                            wg_split=split or "m", cluster_m=2 if cluster == "m" else 1,
-                           cluster_n=2 if cluster == "n" else 1,
-                           epi_block_n=64 if int(bn) % 64 == 0 else 32,
+                           cluster_n=2 if cluster == "n" else 1, epi_block_n=epi_n,
                            fast_accumulation=fast == "f")
 
 

@@ -90,10 +90,11 @@ def test_default_configs_fit(m, promoted, step_scales, column_scales, out_dtype)
     (4096, 4096, True, False, (128, 192)),    # block scales: 128x192 wherever N allows
     (4096, 7168, True, False, (128, 192)),
     (4096, 200, True, False, (128, 128)),     # 192-wide would compute 384 of 200 columns
-    (4096, 4096, False, False, (128, 128)),   # constant scales: 128x192 from ~11 waves
-    (4096, 7168, False, False, (128, 128)),
-    (8192, 8192, False, False, (128, 192)),
-    (4096, 24576, False, False, (128, 192)),
+    (4096, 4096, False, False, (128, 176)),   # constant scales: 128x176 wherever N allows
+    (4096, 7168, False, False, (128, 176)),
+    (8192, 8192, False, False, (128, 176)),
+    (4096, 24576, False, False, (128, 176)),
+    (4096, 768, False, False, (128, 128)),    # 176-wide would compute 880 of 768 columns
     (16384, 4096, True, True, (128, 128)),    # per-column steps: their vector's registers
     (4096, 16384, True, True, (128, 128)),
 ])
@@ -282,9 +283,11 @@ def test_configs_promoted(rng, config, rhs_kind):
            num_sms=3),
     Config(block_m=128, block_n=128, stages=3, num_sms=3),  # promoted (the default)
     Config(block_m=128, block_n=192, stages=2, num_sms=3),  # promoted, 3 column pieces
+    # promoted, the constant-scale default's width (N = 260: a partial second tile)
+    Config(block_m=128, block_n=176, stages=2, epi_block_n=16, num_sms=3),
     Config(block_m=256, block_n=128, stages=2, cluster_n=2, fast_accumulation=True,
            num_sms=4),
-], ids=["wait1", "wait0", "promoted", "promoted192", "cluster_n"])
+], ids=["wait1", "wait0", "promoted", "promoted192", "promoted176", "cluster_n"])
 @pytest.mark.parametrize("lhs_kind, rhs_kind", [("tensor", "tensor"), ("row", "row")])
 def test_configs_constant_scales(rng, config, lhs_kind, rhs_kind):
   _check(rng, 2, 130, 260, 384, lhs_kind=lhs_kind, rhs_kind=rhs_kind, config=config,
@@ -331,7 +334,7 @@ def test_bad_input(args, error, match):
     (4096, 4096, 4096, (1, 4096, 32), (1, 4096, 32), True),   # 1x128 both
     (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), True),           # per tensor (default)
     (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), False),          # fast accumulation
-    (8192, 8192, 8192, (1, 1, 1), (1, 1, 1), True),           # per tensor, 128x192 tiles
+    (8192, 8192, 8192, (1, 1, 1), (1, 1, 1), True),           # per tensor, 128x176 tiles
     (4096, 200, 4096, (1, 4096, 32), (1, 2, 32), True),       # N = 200: 128x128 tiles
     (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), True),     # per row / column, ragged
     (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), False),
@@ -424,7 +427,8 @@ def _kernel_texts(lowered) -> list[str]:
     (Config(block_m=128, block_n=128, stages=5), (1, 32, 32)),  # 128x128 block scales
     (Config(block_m=128, block_n=192, stages=4), (1, 32, 32)),  # two column pieces
     (Config(block_m=128, block_n=128, stages=5), (1, 1, 1)),    # per tensor, promoted
-], ids=["128x128-blocks", "128x192-blocks", "128x128-tensor"])
+    (Config(block_m=128, block_n=176, stages=4, epi_block_n=16), (1, 1, 1)),  # its default
+], ids=["128x128-blocks", "128x192-blocks", "128x128-tensor", "128x176-tensor"])
 def test_promoted_step_waits_for_its_stage_before_the_wgmma_fence(config, rhs_shape):
   # A barrier spin loop between wgmma.fence and the wgmma keeps the zeroed block
   # accumulator's registers live across the loop; the promoted step waits for its stage

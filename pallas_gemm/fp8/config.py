@@ -189,11 +189,16 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   shared memory than 128 x 128; with block scales it ran 1.0-1.2x faster than 128 x 128
   at every shape measured on the H100 (on the H200, 2.4% slower at 4096^3 and as fast
   at 4096 x 4096 x 7168; docs/performance.md). With constant scales (per tensor, row,
-  column) the loop holds no scale loads and 128 x 128 keeps up, so 128 x 192 is taken
-  only where M * N gives >= ~11 waves of its tiles on 132 SMs (M * N >= 6144^2): below
-  that, its coarser last wave cost more than it gained (4096 x 4096, 4096 x 7168). Either
-  way only where its padded columns stay within 5% of 128-wide tiles' (N = 200 would
-  compute 384 columns instead of 256).
+  column) the loop holds no scale loads and no column pieces, so any multiple of 8 is a
+  width: 128 x 176 (88 + 88 registers, 16-column epilogue sub-tiles, the widest that
+  divide 176), which ran 1.06-1.11x the 128 x 128 tiles at M = 4096, N = 4096 and 7168,
+  and 1.02x 128 x 192 at 8192^3, on the H200 (CUPTI, docs/performance.md): the wider tile's
+  MMA per promotion, with a last wave better filled than 192's (4096-wide outputs: 24
+  column tiles against 22, 5.8 waves against 5.3 on 132 SMs). It is not the block
+  scales' tile: a 176-wide tile straddles 128-column scale blocks at every 16 columns
+  (eleven pieces), which ran 0.80-0.96x 128 x 192. Either way only where the padded
+  columns stay within 5% of 128-wide tiles' (N = 200 would compute 384 columns instead
+  of 256).
   Plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel, with CTAs
   paired along n where there are two column tiles or more, multicasting their shared
   lhs tile (the bf16 kernels measured 1-5% from it on the H100 / H200 at these tiles).
@@ -202,9 +207,11 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   """
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
-  elif promoted and not column_scales and (step_scales or m * n >= 6144 * 6144) and (
+  elif promoted and not column_scales and step_scales and (
       round_up(n, 192) <= 1.05 * round_up(n, 128)):
     cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
+  elif promoted and not step_scales and round_up(n, 176) <= 1.05 * round_up(n, 128):
+    cfg = Config(block_m=128, block_n=176, wg_split="m", stages=4, epi_block_n=16)
   elif promoted:
     cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)
   else:
@@ -213,6 +220,6 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   if m > 64 and n > cfg.block_n and not promoted:
     cfg = cfg.replace(cluster_n=2)
   if jnp.dtype(out_dtype).itemsize == 4:
-    cfg = cfg.replace(epi_block_n=32)
+    cfg = cfg.replace(epi_block_n=min(cfg.epi_block_n, 32))
   return deepest_ring(cfg, lambda c: smem_bytes(c, out_dtype, row_scales=promoted,
                                                  column_scales=promoted))
