@@ -170,8 +170,12 @@ def tolerance(dtype, precision, k: int, out_dtype=None) -> float:
   return base + per_sqrt_k * math.sqrt(max(k, 1)) + _OUTPUT_TOL[out]
 
 
-def relative_error(out, ref) -> float:
+def relative_error(out, ref, scale=None) -> float:
   """||out - ref|| / ||ref|| in float64; NaN/Inf where ref is finite (or vice versa) gives inf.
+
+  scale: the array whose norm divides instead of ref's, e.g. the product of the operands'
+  absolute values (a summation's forward-error scale, which cancellation in ref does not
+  shrink).
 
   Large outputs on a GPU are compared there (still float64): a host copy of a 16384^2
   result in float64 would cost seconds per check.
@@ -190,7 +194,9 @@ def relative_error(out, ref) -> float:
     if not bool(xp.all(same_nan & same_inf)):
       return math.inf
     diff = xp.where(finite, out64, 0.0) - xp.where(finite, ref64, 0.0)
-    denom = float(xp.linalg.norm(xp.where(finite, ref64, 0.0)))
+    if scale is not None:
+      ref64 = xp.asarray(scale, dtype=xp.float64)
+    denom = float(xp.linalg.norm(xp.where(xp.isfinite(ref64), ref64, 0.0)))
     err = float(xp.linalg.norm(diff))
   return err / denom if denom > 0 else err
 
