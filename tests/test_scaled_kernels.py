@@ -90,10 +90,10 @@ def test_default_configs_fit(m, promoted, step_scales, column_scales, out_dtype)
     (4096, 4096, True, False, (128, 192)),    # block scales: 128x192 wherever N allows
     (4096, 7168, True, False, (128, 192)),
     (4096, 200, True, False, (128, 128)),     # 192-wide would compute 384 of 200 columns
-    (4096, 4096, False, False, (128, 176)),   # constant scales: 128x176 wherever N allows
-    (4096, 7168, False, False, (128, 176)),
-    (8192, 8192, False, False, (128, 176)),
-    (4096, 24576, False, False, (128, 176)),
+    (4096, 4096, False, False, (128, 176)),   # constant scales: 128x192 from ~11 waves,
+    (4096, 7168, False, False, (128, 176)),   # 128x176 below that
+    (8192, 8192, False, False, (128, 192)),
+    (4096, 24576, False, False, (128, 192)),
     (4096, 768, False, False, (128, 128)),    # 176-wide would compute 880 of 768 columns
     (16384, 4096, True, True, (128, 128)),    # per-column steps: their vector's registers
     (4096, 16384, True, True, (128, 128)),
@@ -334,7 +334,8 @@ def test_bad_input(args, error, match):
     (4096, 4096, 4096, (1, 4096, 32), (1, 4096, 32), True),   # 1x128 both
     (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), True),           # per tensor (default)
     (4096, 4096, 4096, (1, 1, 1), (1, 1, 1), False),          # fast accumulation
-    (8192, 8192, 8192, (1, 1, 1), (1, 1, 1), True),           # per tensor, 128x176 tiles
+    (8192, 8192, 8192, (1, 1, 1), (1, 1, 1), True),           # per tensor, 128x192 tiles
+    (4096, 7168, 2048, (1, 1, 1), (1, 1, 1), True),           # per tensor, 128x176 tiles
     (4096, 200, 4096, (1, 4096, 32), (1, 2, 32), True),       # N = 200: 128x128 tiles
     (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), True),     # per row / column, ragged
     (4097, 4095, 4000, (1, 4097, 1), (1, 4095, 1), False),

@@ -190,15 +190,17 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   at every shape measured on the H100 (on the H200, 2.4% slower at 4096^3 and as fast
   at 4096 x 4096 x 7168; docs/performance.md). With constant scales (per tensor, row,
   column) the loop holds no scale loads and no column pieces, so any multiple of 8 is a
-  width: 128 x 176 (88 + 88 registers, 16-column epilogue sub-tiles, the widest that
-  divide 176), which ran 1.06-1.11x the 128 x 128 tiles at M = 4096, N = 4096 and 7168,
-  and 1.02x 128 x 192 at 8192^3, on the H200 (CUPTI, docs/performance.md): the wider tile's
-  MMA per promotion, with a last wave better filled than 192's (4096-wide outputs: 24
-  column tiles against 22, 5.8 waves against 5.3 on 132 SMs). It is not the block
-  scales' tile: a 176-wide tile straddles 128-column scale blocks at every 16 columns
-  (eleven pieces), which ran 0.80-0.96x 128 x 192. Either way only where the padded
-  columns stay within 5% of 128-wide tiles' (N = 200 would compute 384 columns instead
-  of 256).
+  width. 128 x 192 is taken where M * N gives >= ~11 waves of its tiles on 132 SMs
+  (M * N >= 6144^2). Below that its coarser last wave costs more than it gains, and
+  128 x 176 (88 + 88 registers, 16-column epilogue sub-tiles, the widest that divide
+  176) ran 1.06-1.11x the 128 x 128 tiles at M = 4096, N = 4096 and 7168 on the H200
+  (CUPTI, docs/performance.md): more MMA per promotion than 128 x 128, and a last wave
+  better filled than 192's (4096-wide outputs: 24 column tiles against 22, 5.8 waves
+  against 5.3). From 11 waves the two are close (at 8192^3 176 ran 1.02x, at
+  4096 x 24576 x 1536 0.96x 192). 176 is not the block scales' tile: it straddles
+  128-column scale blocks at every 16 columns (eleven pieces), which ran 0.80-0.96x
+  128 x 192. Each width only where its padded columns stay within 5% of 128-wide tiles'
+  (N = 200 would compute 384 columns instead of 256).
   Plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel, with CTAs
   paired along n where there are two column tiles or more, multicasting their shared
   lhs tile (the bf16 kernels measured 1-5% from it on the H100 / H200 at these tiles).
@@ -207,7 +209,7 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   """
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
-  elif promoted and not column_scales and step_scales and (
+  elif promoted and not column_scales and (step_scales or m * n >= 6144 * 6144) and (
       round_up(n, 192) <= 1.05 * round_up(n, 128)):
     cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
   elif promoted and not step_scales and round_up(n, 176) <= 1.05 * round_up(n, 128):
