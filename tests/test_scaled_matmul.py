@@ -459,16 +459,17 @@ def test_quantize_kernel_matches_xla_bitwise(rng, x_dtype, block_shape):
 
 
 def test_quantize_kernel_choice(monkeypatch):
-  # "auto" takes the kernel for 1x128 blocks on a GPU and keeps 128x128 blocks on XLA;
-  # "mosaic" by name takes 128x128 blocks in whole blocks of rows (test_bad_input: the
-  # rest is refused).
+  # "auto" takes the kernel on a GPU for 1x128 blocks, and for 128x128 blocks in whole
+  # blocks of rows (others stay on XLA; "mosaic" by name refuses them: test_bad_input).
   quantize_module = importlib.import_module("pallas_gemm.fp8.quantize")
   monkeypatch.setattr(quantize_module.hw, "on_gpu", lambda: True)
   x = jnp.zeros((2, 256, 256), jnp.bfloat16)
   choose = quantize_module._choose
   assert choose("auto", (1, 128), 2, 256, 256, x) == (
       "mosaic" if checks.mosaic_unavailable_reason() is None else "xla")
-  assert choose("auto", (128, 128), 2, 256, 256, x) == "xla"
+  assert choose("auto", (128, 128), 2, 256, 256, x) == (
+      "mosaic" if checks.mosaic_unavailable_reason() is None else "xla")
+  assert choose("auto", (128, 128), 2, 200, 256, x) == "xla"
   if checks.mosaic_unavailable_reason() is None:
     assert choose("mosaic", (128, 128), 2, 256, 256, x) == "mosaic"
 

@@ -68,10 +68,6 @@ def _choose(backend, block, b: int, m: int, k: int, x) -> str:
     raise ValueError(f"backend must be 'auto', 'xla' or 'mosaic'; got {backend!r}")
   if b * m == 0 or k == 0:  # nothing to compute
     return "xla"
-  if backend == "auto" and block[0] != 1:
-    # 128x128 blocks (weights) run the kernel when asked for by name: "auto" takes it
-    # where it was timed against XLA's two passes (1x128: 2.4-2.6x), which 128x128 is not.
-    return "xla"
   return checks.choose(backend, None,
                        _kernel_reason(block, b, m) or sharding.explicit_reason(x))
 
@@ -94,7 +90,7 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
       "mosaic": the Hopper kernel of mosaic_quantize.py (one pass, the same numbers
       bit for bit) for block_shape (1, 128) with B * M a multiple of 8, and (128, 128)
       with M a multiple of 128; interpret mode on a CPU. "auto": mosaic on a Hopper GPU
-      for (1, 128) blocks where it takes the call, else xla.
+      where it takes the call, else xla.
 
   Returns:
     (values, scales): values of x's shape in `dtype`; scales float32 of x's rank:
