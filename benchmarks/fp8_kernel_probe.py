@@ -85,7 +85,7 @@ def _parse_config(spec: str) -> fp8_config.Config:
     raise SystemExit(f"--configs: {spec!r} is not BMxBNsS[wm|wn][cm|cn][eE][f]")
   bm, bn, stages, split, cluster, epi, fast = match.groups()
   wg_n = int(bn) // 2 if split == "n" else int(bn)
-  epi_n = int(epi) if epi else next(e for e in (64, 32, 16, 8) if wg_n % e == 0)
+  epi_n = int(epi) if epi else next((e for e in (64, 32, 16) if wg_n % e == 0), 16)
   return fp8_config.Config(block_m=int(bm), block_n=int(bn), stages=int(stages),
                            wg_split=split or "m", cluster_m=2 if cluster == "m" else 1,
                            cluster_n=2 if cluster == "n" else 1, epi_block_n=epi_n,

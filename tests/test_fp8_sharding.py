@@ -263,7 +263,7 @@ def test_kernels_lower_partitioned_for_the_gpu(as_on_a_gpu):
 
   def f(x, w):
     x8, xs = pallas_gemm.quantize(x, E4M3, block_shape=(1, 128), backend="mosaic")
-    w8, ws = pallas_gemm.quantize(w, E4M3, block_shape=(128, 128), backend="xla")
+    w8, ws = pallas_gemm.quantize(w, E4M3, block_shape=(128, 128), backend="mosaic")
     out = pallas_gemm.scaled_matmul(x8, w8, xs, ws, jnp.bfloat16, backend="mosaic")
     grouped = pallas_gemm.scaled_ragged_dot(x8, w8[None], jnp.asarray([100], jnp.int32),
                                             xs, ws[None], jnp.bfloat16, backend="mosaic")
@@ -273,8 +273,8 @@ def test_kernels_lower_partitioned_for_the_gpu(as_on_a_gpu):
   w = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
   text = jax.jit(f).trace(x, w).lower(lowering_platforms=("cuda",)).as_text()
   # The kernels' own modules are lowered per shard when XLA partitions (compiling, on
-  # the GPU); here each call is one partitioned custom call, the quantize and the GEMM.
-  assert text.count("CustomSPMDPartitioning") == 3
+  # the GPU); here each call is one partitioned custom call, the quantizes and the GEMMs.
+  assert text.count("CustomSPMDPartitioning") == 4
   # Under vmap the kernels run unpartitioned (custom_partitioning has no batching rule),
   # also where vmap batches an inner jit, checkpoint or scan that holds the calls.
   batched = [jax.ShapeDtypeStruct((3, *a.shape), a.dtype) for a in (x, w)]

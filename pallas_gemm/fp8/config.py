@@ -199,8 +199,11 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   against 5.3). From 11 waves the two are close (at 8192^3 176 ran 1.02x, at
   4096 x 24576 x 1536 0.96x 192). 176 is not the block scales' tile: it straddles
   128-column scale blocks at every 16 columns (eleven pieces), which ran 0.80-0.96x
-  128 x 192. Each width only where its padded columns stay within 5% of 128-wide tiles'
-  (N = 200 would compute 384 columns instead of 256).
+  128 x 192. A float32 output whose rows 8 does not divide keeps 128 x 128: it is stored
+  through the single-row view (`layout.row_transforms`), whose 64-byte swizzle at 176's
+  16-column sub-tiles has not yet run on a GPU (the 16-bit outputs' 32-byte one has).
+  Each width only where its padded columns stay within 5% of 128-wide tiles' (N = 200
+  would compute 384 columns instead of 256).
   Plain accumulation: two 128x128 tiles of a 256x128 one, as the bf16 kernel, with CTAs
   paired along n where there are two column tiles or more, multicasting their shared
   lhs tile (the bf16 kernels measured 1-5% from it on the H100 / H200 at these tiles).
@@ -212,7 +215,9 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   elif promoted and not column_scales and (step_scales or m * n >= 6144 * 6144) and (
       round_up(n, 192) <= 1.05 * round_up(n, 128)):
     cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
-  elif promoted and not step_scales and round_up(n, 176) <= 1.05 * round_up(n, 128):
+  elif (promoted and not step_scales and not column_scales
+        and round_up(n, 176) <= 1.05 * round_up(n, 128)
+        and (m % 8 == 0 or jnp.dtype(out_dtype).itemsize < 4)):
     cfg = Config(block_m=128, block_n=176, wg_split="m", stages=4, epi_block_n=16)
   elif promoted:
     cfg = Config(block_m=128, block_n=128, wg_split="m", stages=5)

@@ -171,7 +171,8 @@ def tolerance(dtype, precision, k: int, out_dtype=None) -> float:
 
 
 def relative_error(out, ref, scale=None) -> float:
-  """||out - ref|| / ||ref|| in float64; NaN/Inf where ref is finite (or vice versa) gives inf.
+  """||out - ref|| / ||ref|| (or / ||scale||) in float64; NaN/Inf where ref is finite (or
+  vice versa) gives inf.
 
   scale: the array whose norm divides instead of ref's, e.g. the product of the operands'
   absolute values (a summation's forward-error scale, which cancellation in ref does not
