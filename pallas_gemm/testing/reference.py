@@ -195,9 +195,8 @@ def relative_error(out, ref, scale=None) -> float:
     if not bool(xp.all(same_nan & same_inf)):
       return math.inf
     diff = xp.where(finite, out64, 0.0) - xp.where(finite, ref64, 0.0)
-    if scale is not None:
-      ref64 = xp.asarray(scale, dtype=xp.float64)
-    denom = float(xp.linalg.norm(xp.where(xp.isfinite(ref64), ref64, 0.0)))
+    norm_of = ref64 if scale is None else xp.asarray(scale, dtype=xp.float64)
+    denom = float(xp.linalg.norm(xp.where(xp.isfinite(norm_of), norm_of, 0.0)))
     err = float(xp.linalg.norm(diff))
   return err / denom if denom > 0 else err
 
