@@ -9,10 +9,12 @@ amax history): the activation-like operand (lhs) in 1x128 blocks along the contr
 the weight (rhs) in 128x128 blocks, both float8_e4m3fn, with power-of-two scales
 (`quantize`). The three GEMMs of a layer all run through `scaled_matmul`:
   forward  y  = x @ W          x: 1x128 along K,   W: 128x128
-  dgrad    dx = dy @ W^T       dy: 1x128 along N,  W: the forward's fp8 W, transposed
-                                                   (128x128 blocks read either way)
-  wgrad    dW = x^T @ dy       x and dy re-quantized 1x128 along M (the new contraction),
-                               and dW computed as (K, N), the kernel's own layout
+  dgrad    dx = dy @ W^T       dy: 1x128 along N,  W: the forward's fp8 W
+  wgrad    dW = x^T @ dy       x and dy re-quantized 1x128 along M (the new contraction)
+W is quantized once, as it is stored, (K, N) for nn.Dense's kernel: that layout is K-major
+for the dgrad (contracted over N), and the forward reads the same fp8 numbers transposed
+(a 128x128 block's amax, so its scale, does not depend on the direction it is read in):
+the transpose moves fp8 bytes, half of W's bf16 ones, and W's own bf16 is never copied.
 The gradient through the quantization is the identity (straight-through): the scales
 follow the amax, so nothing saturates but infinities.
 
@@ -77,7 +79,7 @@ def _gemm(a, b, a_block, b_block, dtypes, out_dtype, backend):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def fp8_matmul(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
-  """(B, M, N) = x (B, M, K) @ w (B, N, K)^T in fp8 (module docstring); out_dtype,
+  """(B, M, N) = x (B, M, K) @ w (B, K, N) in fp8 (module docstring); out_dtype,
   grad_dtype (numpy dtypes), wgrad, precision (that of an unquantized weight gradient)
   and backend are static."""
   y, _ = _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend)
@@ -86,11 +88,13 @@ def fp8_matmul(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
 
 def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
   del grad_dtype, wgrad, precision
-  n = w.shape[1]
-  # W padded on both axes: its fp8 copy is also the dgrad's operand, contracted over N.
+  n = w.shape[2]
+  # W (K, N) padded on both axes (each is a contraction of one GEMM) and quantized as
+  # stored: the dgrad's K-major operand; the forward's is its transpose.
   w8, sw = quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
   x8, sx = quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
-  y = api.scaled_matmul(x8, w8[:, :n], sx, sw, out_dtype, backend=backend)
+  y = api.scaled_matmul(x8, jnp.swapaxes(w8, 1, 2)[:, :n], sx, jnp.swapaxes(sw, 1, 2),
+                        out_dtype, backend=backend)
   # An empty slice of w: residuals are arrays, and dW must come back in w's dtype and
   # type (its sharding, under Explicit mesh axes).
   return y, (x, w8, sw, w[tuple(slice(0, 0) for _ in w.shape)])
@@ -100,24 +104,20 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
   del out_dtype
   x, w8, sw, w_like = residuals
   k = x.shape[2]
-  # dgrad: dy (B, M, N) @ W (N, K): W^T (K, N) as the K-major rhs, its 128x128 scales
-  # transposed with it: the same fp8 numbers as the forward's.
+  # dgrad: dy (B, M, N) @ W^T, W (K, N) the K-major rhs as quantized in the forward.
   dy8, sdy = quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
-  wt8, swt = jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2)
-  dx = api.scaled_matmul(dy8, wt8, sdy, swt, x.dtype, backend=backend)[:, :, :k]
+  dx = api.scaled_matmul(dy8, w8, sdy, sw, x.dtype, backend=backend)[:, :, :k]
   dx = sharding.typed_like(dx, jax.typeof(x))  # x's type, under Explicit axes too
-  # wgrad: dW^T (K, N) = x^T (K, M) @ dy (M, N), both contracted over M, so both are
-  # quantized 1x128 along M. Computed as (K, N), the layout of a (K, N) kernel such as
-  # nn.Dense's: fp8_dot_general transposes that kernel into w (N, K), so the transpose
-  # below cancels against the one in its gradient, and the optimizer update reads dW
-  # in place (a transposing update of the f32 parameters and moments ran 3x slower).
+  # wgrad: dW (K, N) = x^T (K, M) @ dy (M, N), both contracted over M, so both are
+  # quantized 1x128 along M; (K, N) is also the kernel's own output layout, so the
+  # optimizer update reads dW in place (a transposing update of the f32 parameters and
+  # moments ran 3x slower).
   if wgrad == "input":  # x^T @ dy as the stock layer computes it, in x's and dy's dtype
-    dwt = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,))), precision=precision)
-    dwt = dwt.astype(w_like.dtype)
-    return dx, sharding.typed_like(jnp.swapaxes(dwt, 1, 2), jax.typeof(w_like))
-  dwt = _gemm(jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy, 1, 2), (1, _BLOCK), (1, _BLOCK),
-              (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
-  return dx, sharding.typed_like(jnp.swapaxes(dwt, 1, 2), jax.typeof(w_like))
+    dw = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,))), precision=precision)
+    return dx, sharding.typed_like(dw.astype(w_like.dtype), jax.typeof(w_like))
+  dw = _gemm(jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy, 1, 2), (1, _BLOCK), (1, _BLOCK),
+             (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
+  return dx, sharding.typed_like(dw, jax.typeof(w_like))
 
 
 fp8_matmul.defvjp(_forward, _backward)
@@ -171,10 +171,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
   size = lambda x, dims: math.prod(x.shape[d] for d in dims)  # noqa: E731
   b, m, k, n = (size(lhs, lhs_batch), size(lhs, lhs_free), size(lhs, lhs_contract),
                 size(rhs, rhs_free))
-  # Both operands K-major, (batch, free, contract): the layout fp8 wgmma reads. For
-  # nn.Dense that transposes the (K, N) kernel, which XLA folds into the quantize pass.
+  # x (batch, free, contract): K-major, the layout fp8 wgmma reads; w (batch, contract,
+  # free): nn.Dense's (K, N) kernel as it is stored (no copy), quantized in place.
   x = jnp.transpose(lhs, lhs_batch + lhs_free + lhs_contract).reshape(b, m, k)
-  w = jnp.transpose(rhs, rhs_batch + rhs_free + rhs_contract).reshape(b, n, k)
+  w = jnp.transpose(rhs, rhs_batch + rhs_contract + rhs_free).reshape(b, k, n)
   # A static argument of the custom_vjp, so hashable (a list of two becomes a tuple).
   if wgrad == "fp8":
     precision = None

@@ -17,11 +17,14 @@ The training form (`layer_fp8_train`) quantizes with current scaling in every ca
 treats quantization as the identity in its gradients (straight through):
 - forward: both grouped GEMMs in fp8, e4m3, the weights quantized K-major as
   `quantize_experts` makes them;
-- input gradients: both in fp8, the cotangents quantized to e4m3 in 1x128 blocks, the
-  weights the forward's fp8 copies transposed: a 128x128 block holds the same values
-  read either way, so its scale is the same too, and each weight is quantized once per
-  call of the layer (as `fp8_dot_general` does; expert-parallel with exchange_chunks,
-  once per chunk), its fp8 copy kept for the backward (half the weight's bytes in bf16);
+- input gradients: both in fp8, the cotangents quantized to e4m3 in 1x128 blocks, on
+  the same fp8 weights. Each weight is quantized once per call of the layer (as
+  `fp8_dot_general` does; expert-parallel with exchange_chunks, once per chunk) as it is
+  stored, (E, D, 2F) and (E, F, D): K-major for the input gradients, whose contractions
+  are 2F and D; the forward reads the same fp8 numbers transposed (a 128x128 block's
+  amax, so its scale, does not depend on the direction it is read in), so no bf16 weight
+  is copied, and the stored-layout fp8 copy is kept for the backward (half the weight's
+  bf16 bytes);
 - weight gradients: in the weights' dtype on the bf16 weight-gradient kernel, as
   `fp8_dot_general(wgrad="input")`, the faster dense step.
 D and F must be multiples of 128, the scale blocks along every contraction.
@@ -62,7 +65,7 @@ def quantize_experts(w_gate_up, w_down, dtype=jnp.float8_e4m3fn):
 
 
 def _quantize_weight(w, dtype):
-  """(values, 128x128 block scales) of (E, N, K) weights, K the contraction."""
+  """(values, 128x128 block scales) of (E, rows, columns) weights, the columns K-major."""
   return fp8_ops.quantize(w, dtype, block_shape=(BLOCK, BLOCK))
 
 
@@ -80,17 +83,18 @@ class Quantized:
   - rows (`receive8`: quantized on the device that sent them): fp8 values (T, D) and
     1x128 block scales (T, D/128); dtype, which the layer's intermediates take (x's);
   - a weight w (E, K, N) of the training form (`_prepare8`), K the forward's
-    contraction: e4m3 values K-major (E, N, K) with 128x128 block scales (E, N/128,
-    K/128), as `quantize_experts` makes them, quantized once per layer call; dtype, its
-    gradient's. The backward reads these instead of the weight: half its bytes kept."""
+    contraction: e4m3 values as stored, (E, K, N), with 128x128 block scales (E, K/128,
+    N/128), quantized once per layer call: K-major for the input gradient, which
+    contracts N; dtype, its gradient's. The backward reads these instead of the weight:
+    half its bytes kept."""
   values: jax.Array
   scales: jax.Array
   dtype: Any
 
   def pair(self, transposed: bool = False):
     """(values, scales); transposed (a weight), the same fp8 numbers and block scales
-    read along the other axis, for rows @ w[e]^T (a 128x128 block's amax does not
-    depend on the direction it is read in)."""
+    read along the other axis: (E, N, K), K-major for the forward's rows @ w[e] (a
+    128x128 block's amax does not depend on the direction it is read in)."""
     if not transposed:
       return self.values, self.scales
     return jnp.swapaxes(self.values, 1, 2), jnp.swapaxes(self.scales, 1, 2)
@@ -187,9 +191,9 @@ INFER = layer.Form(_infer, None, None, send=send8, receive=receive8)
 
 
 def _prepare8(w_gate_up, w_down):
-  """The training form's weights, each quantized once (`Quantized`)."""
+  """The training form's weights, each quantized once as stored (`Quantized`)."""
   def of(w):
-    values, scales = _quantize_weight(jnp.swapaxes(w, 1, 2), jnp.float8_e4m3fn)
+    values, scales = _quantize_weight(w, jnp.float8_e4m3fn)
     return Quantized(values, scales, np.dtype(w.dtype))
 
   return of(w_gate_up), of(w_down)
@@ -205,8 +209,8 @@ def _train_forward(plan: layer.Plan, x, topk_weights, gate_up: Quantized, down: 
   """(out, (h, y)): the experts' forward on x's rows quantized with the fp8 products, h
   and y in x's dtype."""
   y, h, _ = layer.experts_forward(plan, _pair_rows8(x, d, jnp.float8_e4m3fn),
-                                  gate_up.pair(), down.pair(), d.group_sizes,
-                                  _product(plan, d.group_sizes, x.dtype))
+                                  gate_up.pair(transposed=True), down.pair(transposed=True),
+                                  d.group_sizes, _product(plan, d.group_sizes, x.dtype))
   return layer.combine(y, d.inverse, topk_weights, plan.out_dtype), (h, y)
 
 
@@ -216,8 +220,8 @@ def _train_backward(plan, x, topk_weights, gate_up: Quantized, down: Quantized, 
   h, y = saved
   dy, dweights = layer.combine_backward(y, topk_weights, d, g, x.dtype)
   dxs, dw_gate_up, dw_down = layer.experts_backward(
-      plan, x[d.token], h, gate_up.pair(transposed=True), down.pair(transposed=True),
-      d.group_sizes, dy, _product(plan, d.group_sizes, x.dtype),
+      plan, x[d.token], h, gate_up.pair(), down.pair(), d.group_sizes, dy,
+      _product(plan, d.group_sizes, x.dtype),
       w_dtypes=(gate_up.dtype, down.dtype))
   dx = layer.sum_pairs(dxs, d, topk_weights.shape[1], x.dtype)
   return dx, dweights, dw_gate_up, dw_down
