@@ -4,6 +4,8 @@
     python -m benchmarks.ragged_kernel_probe                  # four MoE shapes, < 3 minutes
     python -m benchmarks.ragged_kernel_probe --shapes qwen3 --configs 128x128x64s4wm
     python -m benchmarks.ragged_kernel_probe --shapes qwen3,skewed --wgrad-configs 64x256x128e4
+    python -m benchmarks.ragged_kernel_probe --shapes deepseek-gate-up --wgrad-only --no-check \
+        --wgrad-configs 64x256x128e4      # moe_mlp's weight gradients, outputs of 14 GiB
 
 Per shape (G groups, M rows, K, N), in one process: a dense bf16 jnp.dot of the same FLOPs
 ((M, K) @ (K, N)), the forward kernel (rhs (G, K, N)), the forward with rhs read transposed
@@ -14,7 +16,9 @@ fusions included; "alone": the Pallas kernel only). TFLOP/s count 2 * M * K * N.
 normwise relative error against `jax.lax.ragged_dot` (and its vjp for the weight grad) on
 the first CHECK_ROWS rows, where XLA's dense (G, rows, K) formulation still fits.
 The weight grad runs with an f32 output and with a bf16 one (what the vjp of a bf16
-ragged_dot asks for: the output writes are half as large).
+ragged_dot asks for: the output writes are half as large). --wgrad-only times the bf16
+weight grad and --wgrad-configs alone; --no-check skips the float32 reference (too large
+at the layer's shapes) and compares each config's output with the default kernel's.
 
 --configs adds forward runs, --wgrad-configs weight-grad runs, at other configs, written
 BMxBNxBK then any of: sS stages (default: the deepest ring that fits), wM|wN the warpgroup
