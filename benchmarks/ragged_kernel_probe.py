@@ -22,8 +22,8 @@ at the layer's shapes) and compares each config's output with the default kernel
 
 --configs adds forward runs, --wgrad-configs weight-grad runs, at other configs, written
 BMxBNxBK then any of: sS stages (default: the deepest ring that fits), wM|wN the warpgroup
-split, eE epilogue slots per warpgroup, EN epi_block_n, p pingpong (weight grad), and for
-the weight grad @f32 (default bf16 output). E.g. 128x128x64s4wm, 64x256x128e4, 64x256x128s4@f32.
+split, eE epilogue slots per warpgroup, EN epi_block_n, and for the weight grad @f32
+(default bf16 output). E.g. 128x128x64s4wm, 64x256x128e4, 64x256x128s4@f32.
 """
 
 from __future__ import annotations
@@ -77,23 +77,21 @@ def _time(f, *args, iterations: int = ITERATIONS):
   return total, (statistics.median(alone) if any(alone) else None), out
 
 
-_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)((?:s\d+|w[mn]|e\d+|E\d+|p)*)(@f32)?")
+_SPEC = re.compile(r"(\d+)x(\d+)x(\d+)((?:s\d+|w[mn]|e\d+|E\d+)*)(@f32)?")
 
 
 def _parse_config(spec: str, *, weight_grad: bool) -> tuple[Config, object]:
   """(config, out dtype) of a spec (see the module docstring)."""
   match = _SPEC.fullmatch(spec)
   if match is None:
-    raise SystemExit(f"bad config spec {spec!r}: BMxBNxBK[sS][wM|wN][eE][EN][p][@f32]")
+    raise SystemExit(f"bad config spec {spec!r}: BMxBNxBK[sS][wM|wN][eE][EN][@f32]")
   bm, bn, bk = (int(match.group(i)) for i in (1, 2, 3))
   out_dtype = jnp.float32 if match.group(5) else jnp.bfloat16
   fields = dict(block_m=bm, block_n=bn, block_k=bk, wg_split="n",
                 epi_block_n=32 if out_dtype == jnp.float32 else 64)
-  for token in re.findall(r"s\d+|w[mn]|e\d+|E\d+|p", match.group(4)):
+  for token in re.findall(r"s\d+|w[mn]|e\d+|E\d+", match.group(4)):
     key, value = token[0], token[1:]
-    if key == "p":
-      fields["pingpong"] = True
-    elif key == "s":
+    if key == "s":
       fields["stages"] = int(value)
     elif key == "w":
       fields["wg_split"] = value
@@ -190,11 +188,10 @@ def run_shape(name: str, configs: list[str], wgrad_configs: list[str],
   runs += [("weight grad bf16", None, jnp.bfloat16)]
   runs += [(f"weight grad {c}", *_parse_config(c, weight_grad=True)) for c in wgrad_configs]
   for label, config, out_dtype in runs:
-    check = None  # the previous config's output, freed before this one runs
     try:
       # profiler.measure keeps every call's output: at most ~30 GB of them
       calls = int(np.clip(30e9 // (g * k * n * jnp.dtype(out_dtype).itemsize), 2, ITERATIONS))
-      ms, alone = _time(wgrad(config, out_dtype), lhs, dy, sizes, iterations=calls)[:2]
+      ms, alone, _ = _time(wgrad(config, out_dtype), lhs, dy, sizes, iterations=calls)
       check = wgrad(config, out_dtype)(lhs[:rows], dy[:rows], sub)
     except Exception as e:  # noqa: BLE001 - a config that does not fit or lower
       cases.append((f"{label} FAILED {type(e).__name__}: {str(e)[:80]}", None, None, None))

@@ -80,8 +80,6 @@ def weight_grad_reference(lhs, dy, group_sizes, group_offset=None, *, num_groups
     (dict(num_sms=0), "num_sms"),
     (dict(grid_tile_width=True), "grid_tile_width"),
     (dict(epi_slots=0), "epi_slots"),
-    (dict(pingpong=1), "pingpong"),
-    (dict(pingpong=True, num_compute_wgs=1), "pingpong"),
 ])
 def test_config_rejects_invalid_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
@@ -99,18 +97,6 @@ def test_config_tiles_per_kernel():
   with pytest.raises(ValueError, match="epi_slots"):
     Config(epi_slots=3).check_tiles(128)
   assert Config(epi_slots=8).epi_slots_for(128) == 4  # at most one slot per sub-tile
-  # pingpong: each warpgroup holds the whole tile (block_n need not split in two)
-  ping = Config(block_n=64, block_k=128, pingpong=True)
-  assert ping.wg_tile(128) == (128, 64)
-  assert ping.epi_slots_for(128) == 2
-
-
-def test_forward_refuses_pingpong():
-  x = jnp.zeros((64, 64), jnp.bfloat16)
-  with pytest.raises(ValueError, match="pingpong"):
-    mosaic_forward.forward(x, jnp.zeros((1, 64, 128), jnp.bfloat16),
-                           jnp.asarray([64], jnp.int32), None,
-                           config=SMALL.replace(pingpong=True), interpret=True)
 
 
 def test_config_is_frozen_and_keyword_only():
@@ -461,31 +447,6 @@ def test_weight_grad_epilogue_slots(rng, epi_slots):
                      poison_rows=[slice(sum(sizes), m)])
 
 
-# Whole 128 x 128 tiles per warpgroup, in turns.
-WG_PINGPONG = WG_SMALL.replace(pingpong=True)
-
-
-@pytest.mark.parametrize("sizes, num_sms", [
-    ([50, 0, 120, 10], 3),  # masked steps, an empty group, rows past the sum
-    ([90, 0, 7, 140], 2),   # 16 items over 2 CTAs: both warpgroups, several items each
-    ([133], 3),             # 4 items, 3 CTAs: a CTA with one item (warpgroup 1 idle)
-], ids=["mixed", "many_items", "one_group"])
-@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
-def test_weight_grad_pingpong(rng, sizes, num_sms, out_dtype):
-  m = 260
-  _check_weight_grad(rng, m, 136, 130, sizes, out_dtype=out_dtype,
-                     config=WG_PINGPONG.replace(num_sms=num_sms, stages=3),
-                     poison_rows=[slice(sum(sizes), m)])
-
-
-def test_weight_grad_pingpong_narrow_tiles(rng):
-  # 64-column tiles: whole per warpgroup (no split of block_n in two), with a group offset.
-  sizes = [30, 70, 0, 45, 40]
-  cfg = WG_PINGPONG.replace(block_n=64, num_sms=2)
-  _check_weight_grad(rng, 200, 128, 150, sizes, num_groups=3, group_offset=1, config=cfg,
-                     poison_rows=[slice(0, 30), slice(145, 200)], out_dtype=jnp.bfloat16)
-
-
 def test_weight_grad_traced_offset_needs_num_groups():
   x = jnp.zeros((8, 64), jnp.bfloat16)
   f = jax.jit(lambda off: mosaic_weight_grad.weight_grad(
@@ -530,9 +491,6 @@ def test_no_races(rng, cpu_device):
   assert not _races_found()
   jax.block_until_ready(mosaic_weight_grad.weight_grad(
       lhs, lhs, sizes, None, config=WG_SMALL.replace(num_sms=2), interpret=params))
-  assert not _races_found()
-  jax.block_until_ready(mosaic_weight_grad.weight_grad(
-      lhs, lhs, sizes, None, config=WG_PINGPONG.replace(num_sms=2), interpret=params))
   assert not _races_found()
   jax.block_until_ready(mosaic_forward.gated_forward(
       lhs, put(random(rng, (3, 136, 256), jnp.bfloat16)), sizes, activation="silu",
@@ -613,9 +571,7 @@ def test_weight_grad_lowers_for_sm90(shape, out_dtype):
 @pytest.mark.parametrize("variant", [
     dict(epi_slots=4),
     dict(block_m=128, block_n=128, epi_slots=2),
-    dict(block_n=128, pingpong=True),
-    dict(block_k=64, pingpong=True),
-], ids=["epi_slots_4", "128_row_steps", "pingpong_128x128", "pingpong_64x256"])
+], ids=["epi_slots_4", "128_row_steps"])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 def test_weight_grad_variants_lower_for_sm90(shape, variant, out_dtype):
   g, m, k, n = SHAPES[shape]
@@ -693,18 +649,9 @@ def test_gated_forward_gpu(rng, shape, write_h):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, pingpong", [
-    ("mixtral", False), ("deepseek", False), ("qwen3", False), ("skewed", False),
-    ("ragged", False), ("deepseek", True), ("qwen3", True), ("ragged", True)])
-def test_weight_grad_gpu(rng, shape, pingpong):
+@pytest.mark.parametrize("shape", ["mixtral", "deepseek", "qwen3", "skewed", "ragged"])
+def test_weight_grad_gpu(rng, shape):
   g, m, k, n = SHAPES[shape]
-  config = None
-  if pingpong:  # whole 128 x 128 tiles per warpgroup, the deepest ring that fits
-    config = default_config(m, n, k, g, out_dtype=jnp.float32, weight_grad=True).replace(
-        block_n=128, pingpong=True, stages=2)
-    while smem_bytes(config.replace(stages=config.stages + 1), a_tile=(64, 128),
-                     b_tile=(64, 128), dtype=jnp.bfloat16, out_dtype=jnp.float32) <= 232448:
-      config = config.replace(stages=config.stages + 1)
   m = min(m, 8192)
   sizes = _group_sizes(rng, g, m, skew=shape == "skewed", total=m - 77)
   sizes[1] = 0
@@ -713,8 +660,7 @@ def test_weight_grad_gpu(rng, shape, pingpong):
   lhs[m - 77:] = np.nan  # rows past the sum must not contribute
   _poison(g * k * n * 4)
   out = mosaic_weight_grad.weight_grad(jnp.asarray(lhs), jnp.asarray(dy), jnp.asarray(sizes),
-                                       None, out_dtype=jnp.float32, config=config,
-                                       interpret=False)
+                                       None, out_dtype=jnp.float32, interpret=False)
   out = np.asarray(out)
   ref = weight_grad_reference(lhs, dy, sizes)
   assert not np.isnan(out).any()

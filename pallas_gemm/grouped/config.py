@@ -47,11 +47,6 @@ class Config:
     slot per sub-tile of the warpgroup's tile the epilogue never waits on its own stores
     (only on the previous item's, long done) and they drain during the next item.
   num_sms: CTAs of the persistent grid; None: the device's SM count (4 in interpret mode).
-  pingpong: weight_grad only: the two consumer warpgroups take whole items in turns (the
-    CTA's item j is warpgroup j % 2's), each holding the whole block_k x block_n
-    accumulator, so one warpgroup's masking and epilogue run while the other's products
-    do; wg_split is then unused. For short reductions (a few row steps an item), where a
-    shared item's products stop for its stores.
   """
 
   block_m: int = 128
@@ -65,7 +60,6 @@ class Config:
   epi_block_n: int = 64
   epi_slots: int = 2
   num_sms: int | None = None
-  pingpong: bool = False
 
   def __post_init__(self):
     fail = functools.partial(config_error, self)
@@ -84,12 +78,7 @@ class Config:
     if self.block_n % 64:
       fail("block_n", "must be a multiple of 64 (a 128-byte swizzled row of 16-bit"
            " elements: both wgmma operands need the same swizzle)")
-    if not isinstance(self.pingpong, bool):
-      fail("pingpong", "must be a bool")
-    if self.pingpong and self.num_compute_wgs != 2:
-      fail("pingpong", "needs num_compute_wgs=2 (the warpgroups take items in turns)")
-    if (self.num_compute_wgs == 2 and self.wg_split == "n" and self.block_n % 128
-        and not self.pingpong):
+    if self.num_compute_wgs == 2 and self.wg_split == "n" and self.block_n % 128:
       fail("block_n", "splits between 2 warpgroups along n on a 128-byte swizzle atom:"
            " must be a multiple of 128")
     if self.epi_block_m % 64:
@@ -101,11 +90,11 @@ class Config:
   def wg_tile(self, rows: int) -> tuple[int, int]:
     """(rows, columns) of one consumer warpgroup's accumulator for a CTA tile of
     `rows` x block_n (rows: block_m for the forward, block_k for the weight grad)."""
-    if self.pingpong or self.num_compute_wgs == 1:
-      return rows, self.block_n
-    if self.wg_split == "m":
+    if self.num_compute_wgs == 2 and self.wg_split == "m":
       return rows // 2, self.block_n
-    return rows, self.block_n // 2
+    if self.num_compute_wgs == 2:
+      return rows, self.block_n // 2
+    return rows, self.block_n
 
   def check_tiles(self, rows: int) -> None:
     """Raises ValueError unless a CTA tile of `rows` x block_n splits into warpgroup parts
@@ -146,9 +135,7 @@ def smem_bytes(config: Config, *, a_tile: tuple[int, int], b_tile: tuple[int, in
   ring = stages * (a_tile[0] * a_tile[1] + b_tile[0] * b_tile[1]) * itemsize
   epi = (config.num_compute_wgs * config.epi_slots * config.epi_block_m * config.epi_block_n
          * jnp.dtype(out_dtype).itemsize)
-  # produced (per warpgroup with pingpong) and consumed per stage; the weight grad's mask
-  # barrier(s)
-  barriers = 8 * ((3 if config.pingpong else 2) * stages + 2)
+  barriers = 8 * (2 * stages + 1)
   return (-(-ring // 1024) * 1024 + -(-epi // 1024) * 1024 + barriers
           + RESERVED_SMEM_BYTES)
 

@@ -305,9 +305,6 @@ def _launch(lhs, rhs, group_sizes, group_offset, *, m, k, n, out_dtype, config, 
   """The kernel call of `forward` / `gated_forward` (checked operands, m, n, k, g > 0)."""
   dtype = jnp.dtype(lhs.dtype)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
-  if config.pingpong:
-    raise ValueError("Config.pingpong is a layout of the weight-gradient kernel; the forward"
-                     " kernels split each tile between the warpgroups (pingpong=False)")
   config.check_tiles(bm)
   b_cols = bn if gate is None else 2 * bn  # gated: two rhs tiles per step
   check_smem(config, a_tile=(bm, bk), b_tile=(bk, b_cols), dtype=dtype, out_dtype=out_dtype,

@@ -28,12 +28,6 @@ Design (one CTA per SM, persistent):
     slots per warpgroup taken in turn, stored by TMA (clipped at K and N); a slot is only
     waited for when it is rewritten, so with a slot per sub-tile the stores drain while the
     next item reduces.
-  * Pingpong (``Config.pingpong``): the CTA's item j is consumer warpgroup j % 2's alone
-    (the whole tile's accumulator), so that one warpgroup masks and stores while the
-    other's products run, where an item is only a few row steps. As in the gemm kernel's
-    pingpong, each step is released by one warpgroup, each warpgroup waits for its steps'
-    loads on its own set of `produced` barriers (a barrier's phase is tracked by the
-    threads that wait on it), and masks its steps alone behind a barrier of its own.
 """
 
 from __future__ import annotations
@@ -70,7 +64,6 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
   wg_m, wg_n = cfg.wg_tile(bk)
   epi_m, epi_n = cfg.epi_block_m, cfg.epi_block_n
   num_wgs = cfg.num_compute_wgs
-  pingpong = cfg.pingpong
   k_tiles, n_tiles = pl.cdiv(k, bk), pl.cdiv(n, bn)
   per_group = k_tiles * n_tiles
   stages = cfg.stages
@@ -105,12 +98,7 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
     return group, first, steps, start, end, kt, nt
 
   def wg_origin(wg):
-    if pingpong or num_wgs == 1:
-      return 0, 0
-    return (wg * wg_m, 0) if cfg.wg_split == "m" else (0, wg * wg_n)
-
-  def owner(j):  # pingpong: the consumer warpgroup of the CTA's j-th item
-    return lax.rem(j, 2)
+    return (wg * wg_m, 0) if (num_wgs == 2 and cfg.wg_split == "m") else (0, wg * wg_n)
 
   def wgmma(acc_ref, a_smem, b_smem, wg):  # acc_ref += (wg_m, bm) @ (bm, wg_n)
     m0, n0 = wg_origin(wg)
@@ -118,41 +106,35 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
     b_op = b_smem.at[:, pl.ds(n0, wg_n)] if wg_n != bn else b_smem
     plgpu.wgmma(acc_ref, a_op, b_op)
 
-  # The masking pieces of a step's two tiles, shared out among the consumer warpgroups
-  # (pingpong: all of them the item's warpgroup's).
+  # The masking pieces of a step's two tiles, shared out among the consumer warpgroups.
   pieces = ([("a", c) for c in range(0, bk, _MASK_COLS)]
             + [("b", c) for c in range(0, bn, _MASK_COLS)])
-  maskers = 1 if pingpong else num_wgs  # warpgroups that mask a step
 
   scoped = dict(
       a_smem=plgpu.SMEM((stages, bm, bk), dtype, transforms=swizzle_transforms(bk, dtype)),
       b_smem=plgpu.SMEM((stages, bm, bn), dtype, transforms=swizzle_transforms(bn, dtype)),
       out_smem=plgpu.SMEM((num_wgs, epi_slots, epi_m, epi_n), out_gmem.dtype,
                           transforms=row_transforms(epi_n, out_gmem.dtype)),
-      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages * (2 if pingpong else 1)),
-      consumed=plgpu.Barrier(num_arrivals=maskers, num_barriers=stages),
-      masked=plgpu.Barrier(num_arrivals=maskers, num_barriers=2 if pingpong else 1),
+      produced=plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
+      masked=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=1),
   )
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
   def _scope(a_smem, b_smem, out_smem, produced, consumed, masked):
     wg = lax.axis_index("wg")
 
-    def ready(to, slot):  # the `produced` barrier of a slot's loads for warpgroup `to`
-      return produced.at[to * stages + slot] if pingpong else produced.at[slot]
-
     @ring.producer_warp(wg, num_wgs)
     def _loads():
       def load_item(j, step):  # step: the CTA's row steps so far (ring position)
         _, first, steps, _, _, kt, nt = item(j)
-        to = owner(j) if pingpong else None
 
         def load(i, slot):
           rows = pl.ds(step_row0(first, i), bm)
           plgpu.copy_gmem_to_smem(lhs_gmem.at[rows, pl.ds(kt * bk, bk)],  # (bm, bk)
-                                  a_smem.at[slot], ready(to, slot))
+                                  a_smem.at[slot], produced.at[slot])
           plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(nt * bn, bn)],  # (bm, bn)
-                                  b_smem.at[slot], ready(to, slot))
+                                  b_smem.at[slot], produced.at[slot])
 
         ring.fill(consumed, 0, steps, step=lambda i: step + i, stages=stages, load=load)
         return step + steps
@@ -168,32 +150,25 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
         for p, (which, col) in enumerate(pieces):
           ref = (a_smem if which == "a" else b_smem).at[slot, :, pl.ds(col, _MASK_COLS)]
 
-          def zero_outside(ref=ref):
+          @pl.when(wg == p % num_wgs)
+          def _():
             x = ref[...]  # (bm, 64)
             rows = plgpu.broadcasted_iota(jnp.int32, x.shape, 0, layout=plgpu.Layout.WGMMA)
             ref[...] = jnp.where((rows >= lo) & (rows < hi), x, jnp.zeros_like(x))
 
-          if pingpong:
-            zero_outside()
-          else:
-            pl.when(wg == p % num_wgs)(zero_outside)
-
         plgpu.commit_smem()  # visible to wgmma (the async proxy)
-        done = masked.at[wg] if pingpong else masked.at[0]
-        plgpu.barrier_arrive(done)
-        plgpu.barrier_wait(done)
+        plgpu.barrier_arrive(masked.at[0])
+        plgpu.barrier_wait(masked.at[0])
 
       def mma_item(j, step):
         group, first, steps, start, end, kt, nt = item(j)
 
-        def reduce_and_store():
-          pl.run_scoped(reduce_into, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
-
-        def reduce_into(acc_ref):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wg_m, wg_n), jnp.float32))
+        def _acc_scope(acc_ref):
           @pl.loop(0, steps)
           def _rows(i):
             slot = lax.rem(step + i, stages)
-            plgpu.barrier_wait(ready(wg, slot))
+            plgpu.barrier_wait(produced.at[slot])
             row0 = step_row0(first, i)
 
             @pl.when((row0 < start) | (row0 + bm > end))
@@ -210,10 +185,6 @@ def _kernel(bounds_gmem, lhs_gmem, dy_gmem, out_gmem, *, config: Config, k: int,
                   group, pl.ds(kt * bk + m0 + i * epi_m, epi_m),
                   pl.ds(nt * bn + n0 + jj * epi_n, epi_n)])))
 
-        if pingpong:  # its own items only, every other one
-          pl.when(owner(j) == wg)(reduce_and_store)
-        else:
-          reduce_and_store()
         return step + steps
 
       lax.fori_loop(0, local_work, mma_item, jnp.int32(0))
