@@ -240,6 +240,18 @@ def test_fp8_inference(rng, backend):
   assert err <= moe_fp8_tolerance(x.dtype, 256, 128), err
 
 
+@pytest.mark.parametrize("width", [256, 192])  # 2F in whole scale blocks, and not
+def test_quantize_experts_is_quantize_of_the_transposed_weights(rng, width):
+  _, _, _, wgu, wd = _problem(rng, 8, 256, 128, 3, 1)
+  wgu = jnp.asarray(random(rng, (3, 256, width), np.float32) * 4, BF16)
+  for w, (values, scales) in zip((wgu, wd), moe.quantize_experts(wgu, wd)):
+    want_values, want_scales = pallas_gemm.quantize(jnp.swapaxes(w, 1, 2),
+                                                    block_shape=(128, 128))
+    np.testing.assert_array_equal(np.asarray(values.astype(np.float32)),
+                                  np.asarray(want_values.astype(np.float32)))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+
+
 def test_fp8_inference_has_no_gradient(rng):
   x, weights, ids, wgu, wd = _problem(rng, 8, 128, 128, 2, 1)
   experts = moe.quantize_experts(wgu, wd)

@@ -60,8 +60,18 @@ def quantize_experts(w_gate_up, w_down, dtype=jnp.float8_e4m3fn):
     if w.shape[1] % BLOCK:
       raise ValueError(f"{name}.shape={tuple(w.shape)}: its contraction (dim 1) must be a"
                        f" multiple of {BLOCK}, the fp8 scale block; pad it with zeros")
-  return (_quantize_weight(jnp.swapaxes(w_gate_up, 1, 2), dtype),
-          _quantize_weight(jnp.swapaxes(w_down, 1, 2), dtype))
+  return _quantize_transposed(w_gate_up, dtype), _quantize_transposed(w_down, dtype)
+
+
+def _quantize_transposed(w, dtype):
+  """quantize(w^T) in 128x128 blocks for w (E, K, N): computed as w quantized as stored,
+  then transposed, where N fills whole blocks (a block's amax, so its scale and values,
+  do not depend on the direction it is read in): the transpose then moves fp8 bytes, not
+  w's, and no transposed copy of w is made."""
+  if w.shape[2] % BLOCK:
+    return _quantize_weight(jnp.swapaxes(w, 1, 2), dtype)
+  values, scales = _quantize_weight(w, dtype)
+  return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
 
 
 def _quantize_weight(w, dtype):
