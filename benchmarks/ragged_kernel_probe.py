@@ -142,9 +142,12 @@ def run_shape(name: str, configs: list[str], wgrad_configs: list[str],
   ref_fwd = ref_dlhs = ref_wgrad = None
   check_refs = check
   if check:
-    ref_fwd = ragged(f32(lhs[:rows]), f32(rhs))
-    ref_dlhs = ragged(f32(dy[:rows]), jnp.swapaxes(f32(rhs), 1, 2))
-    _, vjp = jax.vjp(lambda r: ragged(f32(lhs[:rows]), r), f32(rhs))
+    if forward:
+      ref_fwd = ragged(f32(lhs[:rows]), f32(rhs))
+      ref_dlhs = ragged(f32(dy[:rows]), jnp.swapaxes(f32(rhs), 1, 2))
+    # (the vjp needs only rhs's shape: zeros where a weight-gradient-only run has none)
+    rhs_like = f32(rhs) if forward else jnp.zeros((g, k, n), jnp.float32)
+    _, vjp = jax.vjp(lambda r: ragged(f32(lhs[:rows]), r), rhs_like)
     ref_wgrad = vjp(f32(dy[:rows]))[0]
 
   def err(out, ref):

@@ -349,6 +349,7 @@ def test_fp8_training_keeps_quantized_weights_for_the_backward(rng):
   fp8 = {shape for dtype, shape in kept if dtype == jnp.float8_e4m3fn}
   # Kept as stored, (E, D, 2F) and (E, F, D): the layouts the input gradients read.
   assert {tuple(wgu.shape), tuple(wd.shape)} <= fp8, kept
+  assert (8, 256, 128) not in fp8, kept  # no transposed copy of w_gate_up kept besides
 
 
 def test_chunks_exchange_on_their_own(rng):

@@ -727,6 +727,29 @@ def test_fp8_dot_general_wgrad_input_batched_bf16(rng, backend):
   assert err <= reference.tolerance(jnp.bfloat16, None, m), err
 
 
+@pytest.mark.parametrize("wgrad", ["fp8", "input"])
+def test_fp8_dot_general_rhs_stored_n_by_k(rng, wgrad):
+  # rhs stored (N, K) (contracted on its last dim) is quantized as stored, (K, N) as well:
+  # the same 128x128 blocks either way, so the same numbers bit for bit, gradients too.
+  m, k, n = 72, 200, 136
+  x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
+  dy = random(rng, (m, n), np.float32)
+  kn = _fp8_grads(x, w, dy, "xla", wgrad=wgrad)
+  nk = _fp8_grads(x, np.ascontiguousarray(w.T), dy, "xla", wgrad=wgrad,
+                  dims=(((1,), (1,)), ((), ())))
+  np.testing.assert_array_equal(nk[0], kn[0])
+  np.testing.assert_array_equal(nk[1], kn[1])
+  np.testing.assert_array_equal(nk[2], np.asarray(kn[2]).T)
+
+
+@pytest.mark.parametrize("k, n", [(0, 8), (128, 0)], ids=["empty_contraction", "no_columns"])
+def test_fp8_dot_general_empty(k, n):
+  x, w, dy = jnp.ones((4, k)), jnp.ones((k, n)), jnp.ones((4, n))
+  y, dx, dw = _fp8_grads(x, w, dy, "xla")
+  assert y.shape == (4, n) and dx.shape == (4, k) and dw.shape == (k, n)
+  assert not np.asarray(y).any() and not np.asarray(dx).any() and not np.asarray(dw).any()
+
+
 def test_fp8_dot_general_in_flax(rng):
   nn = pytest.importorskip("flax.linen")
   x = jnp.asarray(random(rng, (2, 8, 128), np.float32), jnp.bfloat16)

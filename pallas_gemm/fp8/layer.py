@@ -11,10 +11,11 @@ the weight (rhs) in 128x128 blocks, both float8_e4m3fn, with power-of-two scales
   forward  y  = x @ W          x: 1x128 along K,   W: 128x128
   dgrad    dx = dy @ W^T       dy: 1x128 along N,  W: the forward's fp8 W
   wgrad    dW = x^T @ dy       x and dy re-quantized 1x128 along M (the new contraction)
-W is quantized once, as it is stored, (K, N) for nn.Dense's kernel: that layout is K-major
-for the dgrad (contracted over N), and the forward reads the same fp8 numbers transposed
-(a 128x128 block's amax, so its scale, does not depend on the direction it is read in):
-the transpose moves fp8 bytes, half of W's bf16 ones, and W's own bf16 is never copied.
+W is quantized once, in the layout it is stored in: (K, N) for nn.Dense's kernel, which is
+K-major for the dgrad (contracted over N), the forward reading the same fp8 numbers
+transposed; or (N, K), K-major for the forward, the dgrad reading it transposed (a
+128x128 block's amax, so its scale, does not depend on the direction it is read in). The
+transpose moves fp8 bytes, half of W's bf16 ones, and W's own bf16 is not copied.
 The gradient through the quantization is the identity (straight-through): the scales
 follow the amax, so nothing saturates but infinities.
 
@@ -77,36 +78,42 @@ def _gemm(a, b, a_block, b_block, dtypes, out_dtype, backend):
   return api.scaled_matmul(a8, b8, sa, sb, out_dtype, backend=backend)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
-def fp8_matmul(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
-  """(B, M, N) = x (B, M, K) @ w (B, K, N) in fp8 (module docstring); out_dtype,
-  grad_dtype (numpy dtypes), wgrad, precision (that of an unquantized weight gradient)
-  and backend are static."""
-  y, _ = _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
+def fp8_matmul(x, w, out_dtype, grad_dtype, wgrad, precision, backend, w_nk):
+  """(B, M, N) = x (B, M, K) @ w in fp8 (module docstring), w (B, K, N), or (B, N, K)
+  with w_nk; out_dtype, grad_dtype (numpy dtypes), wgrad, precision (that of an
+  unquantized weight gradient), backend and w_nk are static."""
+  y, _ = _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend, w_nk)
   return y
 
 
-def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend):
+def _as_kn(a, w_nk: bool):
+  """A (B, K, N) view of an array in w's layout: swapped if w is (B, N, K)."""
+  return jnp.swapaxes(a, 1, 2) if w_nk else a
+
+
+def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend, w_nk):
   del grad_dtype, wgrad, precision
-  n = w.shape[2]
-  # W (K, N) padded on both axes (each is a contraction of one GEMM) and quantized as
-  # stored: the dgrad's K-major operand; the forward's is its transpose.
+  n = w.shape[1 if w_nk else 2]
+  # W padded on both axes (each is a contraction of one GEMM) and quantized as stored;
+  # the forward reads it as (N, K), the dgrad as (K, N).
   w8, sw = quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
   x8, sx = quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
-  y = api.scaled_matmul(x8, jnp.swapaxes(w8, 1, 2)[:, :n], sx, jnp.swapaxes(sw, 1, 2),
-                        out_dtype, backend=backend)
+  w8_nk, sw_nk = jnp.swapaxes(_as_kn(w8, w_nk), 1, 2), jnp.swapaxes(_as_kn(sw, w_nk), 1, 2)
+  y = api.scaled_matmul(x8, w8_nk[:, :n], sx, sw_nk, out_dtype, backend=backend)
   # An empty slice of w: residuals are arrays, and dW must come back in w's dtype and
   # type (its sharding, under Explicit mesh axes).
   return y, (x, w8, sw, w[tuple(slice(0, 0) for _ in w.shape)])
 
 
-def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
+def _backward(out_dtype, grad_dtype, wgrad, precision, backend, w_nk, residuals, dy):
   del out_dtype
   x, w8, sw, w_like = residuals
   k = x.shape[2]
-  # dgrad: dy (B, M, N) @ W^T, W (K, N) the K-major rhs as quantized in the forward.
+  # dgrad: dy (B, M, N) @ W^T, W (K, N) the K-major rhs, as quantized in the forward.
   dy8, sdy = quantize(_pad_to(dy, 2), grad_dtype, (1, _BLOCK))
-  dx = api.scaled_matmul(dy8, w8, sdy, sw, x.dtype, backend=backend)[:, :, :k]
+  dx = api.scaled_matmul(dy8, _as_kn(w8, w_nk), sdy, _as_kn(sw, w_nk), x.dtype,
+                         backend=backend)[:, :, :k]
   dx = sharding.typed_like(dx, jax.typeof(x))  # x's type, under Explicit axes too
   # wgrad: dW (K, N) = x^T (K, M) @ dy (M, N), both contracted over M, so both are
   # quantized 1x128 along M; (K, N) is also the kernel's own output layout, so the
@@ -114,10 +121,11 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, residuals, dy):
   # moments ran 3x slower).
   if wgrad == "input":  # x^T @ dy as the stock layer computes it, in x's and dy's dtype
     dw = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,))), precision=precision)
-    return dx, sharding.typed_like(dw.astype(w_like.dtype), jax.typeof(w_like))
-  dw = _gemm(jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy, 1, 2), (1, _BLOCK), (1, _BLOCK),
-             (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
-  return dx, sharding.typed_like(dw, jax.typeof(w_like))
+    dw = dw.astype(w_like.dtype)
+  else:
+    dw = _gemm(jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy, 1, 2), (1, _BLOCK), (1, _BLOCK),
+               (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
+  return dx, sharding.typed_like(_as_kn(dw, w_nk), jax.typeof(w_like))
 
 
 fp8_matmul.defvjp(_forward, _backward)
@@ -171,17 +179,24 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
   size = lambda x, dims: math.prod(x.shape[d] for d in dims)  # noqa: E731
   b, m, k, n = (size(lhs, lhs_batch), size(lhs, lhs_free), size(lhs, lhs_contract),
                 size(rhs, rhs_free))
-  # x (batch, free, contract): K-major, the layout fp8 wgmma reads; w (batch, contract,
-  # free): nn.Dense's (K, N) kernel as it is stored (no copy), quantized in place.
+  if k == 0:  # an empty contraction: lax's zeros (and zero gradients)
+    out = jnp.zeros(out_type.shape, out_type.dtype)
+    return out if out_sharding is None else jax.sharding.reshard(out, out_sharding)
+  # x (batch, free, contract): K-major, the layout fp8 wgmma reads. w as it is stored
+  # where that is (batch, free, contract), else (batch, contract, free), as nn.Dense's
+  # (K, N) kernel is: no copy of either, and it is quantized in place (module docstring).
   x = jnp.transpose(lhs, lhs_batch + lhs_free + lhs_contract).reshape(b, m, k)
-  w = jnp.transpose(rhs, rhs_batch + rhs_contract + rhs_free).reshape(b, k, n)
+  w_nk = rhs_batch + rhs_free + rhs_contract == tuple(range(rhs.ndim))
+  w = jnp.transpose(rhs, rhs_batch + (rhs_free + rhs_contract if w_nk
+                                      else rhs_contract + rhs_free))
+  w = w.reshape((b, n, k) if w_nk else (b, k, n))
   # A static argument of the custom_vjp, so hashable (a list of two becomes a tuple).
   if wgrad == "fp8":
     precision = None
   elif isinstance(precision, list):
     precision = tuple(precision)
   out = fp8_matmul(x, w, np.dtype(out_type.dtype), _grad_dtype(grad_dtype), wgrad,
-                   precision, backend)
+                   precision, backend, w_nk)
   out = out.reshape(out_type.shape)
   if out_sharding is not None:
     out = jax.sharding.reshard(out, out_sharding)

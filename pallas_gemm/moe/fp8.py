@@ -68,7 +68,7 @@ def _quantize_transposed(w, dtype):
   then transposed, where N fills whole blocks (a block's amax, so its scale and values,
   do not depend on the direction it is read in): the transpose then moves fp8 bytes, not
   w's, and no transposed copy of w is made."""
-  if w.shape[2] % BLOCK:
+  if w.shape[2] % BLOCK or not w.shape[2]:
     return _quantize_weight(jnp.swapaxes(w, 1, 2), dtype)
   values, scales = _quantize_weight(w, dtype)
   return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
