@@ -140,7 +140,6 @@ def run_shape(name: str, configs: list[str], wgrad_configs: list[str],
   ragged = lambda a, b: jax.lax.ragged_dot(  # noqa: E731
       a, b, sub, precision=jax.lax.Precision.HIGHEST)
   ref_fwd = ref_dlhs = ref_wgrad = None
-  check_refs = check
   if check:
     if forward:
       ref_fwd = ragged(f32(lhs[:rows]), f32(rhs))
@@ -153,7 +152,7 @@ def run_shape(name: str, configs: list[str], wgrad_configs: list[str],
   def err(out, ref):
     if ref is None:
       return None
-    if not check_refs:  # against the default kernel's output, reduced on the device
+    if not check:  # against the default kernel's output, reduced on the device
       return float(_device_relative_error(out, ref))
     return relative_error(np.asarray(out.astype(jnp.float32)), np.asarray(ref, np.float64))
 
@@ -171,11 +170,11 @@ def run_shape(name: str, configs: list[str], wgrad_configs: list[str],
   for label, config in runs:
     try:
       ms, alone, _ = _time(fwd(config, False), lhs, rhs, sizes)
-      check = fwd(config, False)(lhs[:rows], rhs, sub)
+      out = fwd(config, False)(lhs[:rows], rhs, sub)
     except Exception as e:  # noqa: BLE001 - a config that does not fit or lower
       cases.append((f"{label} FAILED {type(e).__name__}: {str(e)[:80]}", None, None, None))
       continue
-    cases.append((label, ms, alone, err(check, ref_fwd)))
+    cases.append((label, ms, alone, err(out, ref_fwd)))
   # dlhs: dy (M, N) @ rhs[g]^T, rhs (G, K, N) read in place as a transposed (G, N', K')
   # with N' = K (the output's columns) and K' = N (the contraction).
   if forward:
@@ -191,17 +190,18 @@ def run_shape(name: str, configs: list[str], wgrad_configs: list[str],
   runs += [("weight grad bf16", None, jnp.bfloat16)]
   runs += [(f"weight grad {c}", *_parse_config(c, weight_grad=True)) for c in wgrad_configs]
   for label, config, out_dtype in runs:
+    out = None  # the previous config's output, freed before this one runs
     try:
       # profiler.measure keeps every call's output: at most ~30 GB of them
       calls = int(np.clip(30e9 // (g * k * n * jnp.dtype(out_dtype).itemsize), 2, ITERATIONS))
-      ms, alone, _ = _time(wgrad(config, out_dtype), lhs, dy, sizes, iterations=calls)
-      check = wgrad(config, out_dtype)(lhs[:rows], dy[:rows], sub)
+      ms, alone = _time(wgrad(config, out_dtype), lhs, dy, sizes, iterations=calls)[:2]
+      out = wgrad(config, out_dtype)(lhs[:rows], dy[:rows], sub)
     except Exception as e:  # noqa: BLE001 - a config that does not fit or lower
       cases.append((f"{label} FAILED {type(e).__name__}: {str(e)[:80]}", None, None, None))
       continue
-    cases.append((label, ms, alone, err(check, ref_wgrad)))
-    if ref_wgrad is None and not check_refs and out_dtype == jnp.bfloat16:
-      ref_wgrad = check  # the default kernel: what the other configs are compared with
+    cases.append((label, ms, alone, err(out, ref_wgrad)))
+    if ref_wgrad is None and not check and out_dtype == jnp.bfloat16:
+      ref_wgrad = out  # the default kernel: what the other configs are compared with
 
   lines = [f"{name}: G={g} M={m} K={k} N={n}, sizes {kind} (max {sizes_np.max()},"
            f" zeros {(sizes_np == 0).sum()}), device {jax.devices()[0].device_kind}"]

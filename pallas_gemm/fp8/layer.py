@@ -99,7 +99,7 @@ def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend, w_nk):
   # the forward reads it as (N, K), the dgrad as (K, N).
   w8, sw = quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
   x8, sx = quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
-  w8_nk, sw_nk = jnp.swapaxes(_as_kn(w8, w_nk), 1, 2), jnp.swapaxes(_as_kn(sw, w_nk), 1, 2)
+  w8_nk, sw_nk = (w8, sw) if w_nk else (jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2))
   y = api.scaled_matmul(x8, w8_nk[:, :n], sx, sw_nk, out_dtype, backend=backend)
   # An empty slice of w: residuals are arrays, and dW must come back in w's dtype and
   # type (its sharding, under Explicit mesh axes).
