@@ -246,6 +246,30 @@ def test_quantize_weight_blocks_shard(rng, rows, split):
   assert bool(GATHER.search(f.lower(placed).compile().as_text())) != split
 
 
+@pytest.mark.parametrize("layout, shape, spec", [
+    ("transposed", (2, 1024, 512), P(None, "x", "y")),   # x (B, K, R): K and R split
+    ("transposed", (4, 256, 1024), P("y", None, "x")),
+    ("batches", (4, 256, 1024), P("y", None, "x")),      # w (B, R, K): B and K split
+    ("batches", (2, 1024, 1024), P(None, "x", "y")),
+])
+def test_transposing_quantize_shards(rng, layout, shape, spec):
+  # The transposed read and the weights' two layouts split with their blocks: no gather,
+  # no reduction, the unsharded call's numbers.
+  x = jnp.asarray(random(rng, shape, np.float32)).astype(jnp.bfloat16)
+  if layout == "transposed":
+    local = lambda x: pallas_gemm.quantize(x, E4M3, transpose=True, backend="xla")  # noqa: E731
+  else:
+    local = lambda w: pallas_gemm.fp8.quantize_weights(w, E4M3, backend="xla")  # noqa: E731
+  placed = jax.device_put(x, NamedSharding(_mesh(), spec))
+  f = jax.jit(functools.partial(partition.quantize_rows, local, block_rows=1 if layout ==
+                                "transposed" else 128, layout=layout, interpret=False))
+  got = f(placed)
+  for a, b in zip(got, local(x), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  hlo = f.lower(placed).compile().as_text()
+  assert not GATHER.search(hlo) and not REDUCE.search(hlo)
+
+
 @pytest.mark.parametrize("k, spec", [(256, P(None, "y")), (512, P(None, ("x", "y"))),
                                      (512, P(None, ("y", "x")))])
 def test_scale_blocks_an_axis_would_cut(rng, k, spec):

@@ -376,6 +376,28 @@ def test_quantize_kernel_lowers_for_cuda(block_rows, x_dtype):
   assert "pallas_gemm_quantize_fp8" in text
 
 
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("case", ["transposed", "transposed-batched", "transposed-128",
+                                  "batches"])
+def test_transposing_quantize_lowers_for_cuda(case, x_dtype):
+  # The tile read through a transposed view (the transposed wgmma layout, then a shuffle
+  # to the wgmma layout), and a weight's values written both ways from one read.
+  from pallas_gemm.fp8 import mosaic_quantize  # noqa: PLC0415
+  f, shape = {
+      "transposed": (lambda x: mosaic_quantize.quantize_rows(
+          x, E4M3, read_transposed=True, num_sms=132), (512, 1024)),
+      "transposed-batched": (lambda x: mosaic_quantize.quantize_rows(
+          x, E4M3, read_transposed=True, num_sms=132), (3, 512, 256)),
+      "transposed-128": (lambda x: mosaic_quantize.quantize_rows(
+          x, E4M3, block_rows=128, read_transposed=True, num_sms=132), (512, 1024)),
+      "batches": (lambda x: mosaic_quantize.quantize_batches(x, E4M3, num_sms=132),
+                  (3, 256, 512)),
+  }[case]
+  text = jax.jit(f).trace(jax.ShapeDtypeStruct(shape, x_dtype)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "pallas_gemm_quantize_fp8" in text
+
+
 def _lower(args, config):
   f = lambda *a: mosaic.scaled_gemm(*a, out_dtype=jnp.bfloat16, config=config)
   text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

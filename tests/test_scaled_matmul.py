@@ -463,6 +463,60 @@ def test_quantize_kernel_matches_xla_bitwise(rng, x_dtype, block_shape):
     np.testing.assert_array_equal(np.asarray(v_k).view(np.uint8), np.asarray(v_x).view(np.uint8))
 
 
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+@pytest.mark.parametrize("x_dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("block_shape, shape", [
+    ((1, 128), (384, 256)),
+    ((1, 128), (2, 256, 384)),    # batched: each entry's own transpose
+    ((1, 128), (2, 128, 200)),    # x^T's rows not whole tiles: transposed copy first
+    ((128, 128), (256, 384)),
+])
+def test_quantize_transpose_is_quantize_of_the_transpose(rng, backend, x_dtype, block_shape,
+                                                         shape):
+  # transpose=True reads x in place on the kernel: bit for bit the values and scales of
+  # quantize(swapaxes(x)), with infinities, NaN, zeros and wide-range columns.
+  _skip_backend(backend)
+  x = random(rng, shape, np.float32) * np.exp2(rng.integers(-60, 60, shape[:-2] + (1, shape[-1])))
+  x[..., 1, :] = 0.0
+  x[..., 2, :3] = [np.inf, -np.inf, np.nan]
+  x = jnp.asarray(x, x_dtype)
+  for dtype in (E4M3, E5M2):
+    values, got_scales = sm.quantize(x, dtype, block_shape, transpose=True, backend=backend)
+    want, want_scales = sm.quantize(jnp.swapaxes(x, -1, -2), dtype, block_shape, backend="xla")
+    assert values.shape == want.shape and got_scales.shape == want_scales.shape
+    np.testing.assert_array_equal(np.asarray(got_scales), np.asarray(want_scales))
+    np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+@pytest.mark.parametrize("shape", [(3, 256, 384), (1, 128, 128)])
+def test_quantize_weights_writes_both_layouts(rng, backend, shape):
+  # One read of w: quantize's 128x128 values and scales, and the values transposed.
+  _skip_backend(backend)
+  w = random(rng, shape, np.float32) * np.exp2(rng.integers(-40, 40, shape[:-1] + (1,)))
+  w[0, 5, 7], w[-1, 3, 1] = np.nan, -np.inf
+  w = jnp.asarray(w, jnp.bfloat16)
+  values, got_scales, values_t = pallas_gemm.fp8.quantize_weights(w, backend=backend)
+  want, want_scales = sm.quantize(w, E4M3, (128, 128), backend="xla")
+  np.testing.assert_array_equal(np.asarray(got_scales), np.asarray(want_scales))
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint8), np.asarray(want).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(values_t).view(np.uint8),
+                                np.asarray(jnp.swapaxes(want, 1, 2)).view(np.uint8))
+
+
+def test_quantize_transpose_and_weights_bad_input():
+  x = jnp.zeros((256, 256), jnp.bfloat16)
+  with pytest.raises(TypeError, match="transpose must be a bool"):
+    sm.quantize(x, transpose=1)
+  with pytest.raises(ValueError, match=r"w must be a \(B, K, N\) array"):
+    pallas_gemm.fp8.quantize_weights(x)
+  with pytest.raises(TypeError, match="w.dtype must be"):
+    pallas_gemm.fp8.quantize_weights(jnp.zeros((1, 128, 128), jnp.int8))
+  with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
+    pallas_gemm.fp8.quantize_weights(x[None], jnp.bfloat16)
+
+
 def test_quantize_kernel_choice(monkeypatch):
   # "auto" takes the kernel on a GPU for 1x128 blocks, and for 128x128 blocks in whole
   # blocks of rows (others stay on XLA; "mosaic" by name refuses them: test_bad_input).

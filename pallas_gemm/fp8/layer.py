@@ -10,12 +10,13 @@ the weight (rhs) in 128x128 blocks, both float8_e4m3fn, with power-of-two scales
 (`quantize`). The three GEMMs of a layer all run through `scaled_matmul`:
   forward  y  = x @ W          x: 1x128 along K,   W: 128x128
   dgrad    dx = dy @ W^T       dy: 1x128 along N,  W: the forward's fp8 W
-  wgrad    dW = x^T @ dy       x and dy re-quantized 1x128 along M (the new contraction)
+  wgrad    dW = x^T @ dy       x and dy re-quantized 1x128 along M (the new contraction),
+                               each read in place (`quantize(..., transpose=True)`)
 W is quantized once, in the layout it is stored in: (K, N) for nn.Dense's kernel, which is
-K-major for the dgrad (contracted over N), the forward reading the same fp8 numbers
-transposed; or (N, K), K-major for the forward, the dgrad reading it transposed (a
-128x128 block's amax, so its scale, does not depend on the direction it is read in). The
-transpose moves fp8 bytes, half of W's bf16 ones, and W's own bf16 is not copied.
+K-major for the dgrad (contracted over N), or (N, K), K-major for the forward; the same
+pass writes the fp8 values transposed for the other GEMM (`quantize_weights`: a 128x128
+block's amax, so its scale, does not depend on the direction it is read in). W's own bf16
+is not copied, and only the stored layout's fp8 copy is kept for the backward.
 The gradient through the quantization is the identity (straight-through): the scales
 follow the amax, so nothing saturates but infinities.
 
@@ -53,7 +54,7 @@ import numpy as np
 from pallas_gemm.core import sharding
 from pallas_gemm.fp8 import api
 from pallas_gemm.fp8 import checks, scales
-from pallas_gemm.fp8.quantize import quantize
+from pallas_gemm.fp8.quantize import quantize, quantize_weights
 
 _BLOCK = 128
 FORWARD_DTYPE = jnp.float8_e4m3fn
@@ -69,13 +70,12 @@ def _pad_to(x, axis: int, multiple: int = _BLOCK):
   return jnp.pad(x, pads)
 
 
-def _gemm(a, b, a_block, b_block, dtypes, out_dtype, backend):
-  """a (B, M, K) @ b (B, N, K)^T with K padded to 128s, each operand quantized in
-  its block shape and fp8 dtype."""
-  a, b = _pad_to(a, 2), _pad_to(b, 2)
-  a8, sa = quantize(a, dtypes[0], a_block)
-  b8, sb = quantize(b, dtypes[1], b_block)
-  return api.scaled_matmul(a8, b8, sa, sb, out_dtype, backend=backend)
+def _weight_gradient(x, dy, dtypes, out_dtype, backend):
+  """x (B, M, K)^T @ dy (B, M, N): (B, K, N), both quantized 1x128 along M (padded to
+  128s), each read in place and written transposed."""
+  x8, sx = quantize(_pad_to(x, 1), dtypes[0], transpose=True)
+  dy8, sdy = quantize(_pad_to(dy, 1), dtypes[1], transpose=True)
+  return api.scaled_matmul(x8, dy8, sx, sdy, out_dtype, backend=backend)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
@@ -96,10 +96,16 @@ def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend, w_nk):
   del grad_dtype, wgrad, precision
   n = w.shape[1 if w_nk else 2]
   # W padded on both axes (each is a contraction of one GEMM) and quantized as stored;
-  # the forward reads it as (N, K), the dgrad as (K, N).
-  w8, sw = quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
+  # the forward reads (N, K), the dgrad (K, N), and the backward keeps the stored
+  # layout's copy.
+  padded = _pad_to(_pad_to(w, 2), 1)
+  if w_nk:  # (N, K): the forward's layout; the dgrad transposes the kept copy
+    w8, sw = quantize(padded, FORWARD_DTYPE, (_BLOCK, _BLOCK))
+    w8_nk, sw_nk = w8, sw
+  else:
+    w8, sw, w8_nk = quantize_weights(padded, FORWARD_DTYPE)
+    sw_nk = jnp.swapaxes(sw, 1, 2)
   x8, sx = quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
-  w8_nk, sw_nk = (w8, sw) if w_nk else (jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2))
   y = api.scaled_matmul(x8, w8_nk[:, :n], sx, sw_nk, out_dtype, backend=backend)
   # An empty slice of w: residuals are arrays, and dW must come back in w's dtype and
   # type (its sharding, under Explicit mesh axes).
@@ -123,8 +129,7 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, w_nk, residuals,
     dw = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,))), precision=precision)
     dw = dw.astype(w_like.dtype)
   else:
-    dw = _gemm(jnp.swapaxes(x, 1, 2), jnp.swapaxes(dy, 1, 2), (1, _BLOCK), (1, _BLOCK),
-               (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
+    dw = _weight_gradient(x, dy, (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
   return dx, sharding.typed_like(_as_kn(dw, w_nk), jax.typeof(w_like))
 
 

@@ -72,7 +72,8 @@ def _choose(backend, block, b: int, m: int, k: int, x) -> str:
                        _kernel_reason(block, b, m) or sharding.explicit_reason(x))
 
 
-def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"):
+def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, transpose=False,
+             backend="auto"):
   """Splits x into fp8 values and float32 scales in the layout `scaled_matmul` takes.
 
       values, scales = quantize(x)                       # 1x128 blocks (activations)
@@ -86,6 +87,10 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
     block_shape: (1, bk): a scale per row and bk columns; (128, bk): per 128 rows and bk
       columns (the last block of rows may be partial); None: one scale per tensor (per
       batch entry). bk must divide K (jax.nn.scaled_matmul's block size is K // K_s).
+    transpose: quantize x with its last two dims swapped (the operands of a weight
+      gradient, contracted over what were x's rows): the same values and scales as
+      `quantize(jnp.swapaxes(x, -1, -2), ...)`; the Hopper kernel reads x in place
+      (one pass, no transposed copy of x).
     backend: "xla": a reduction and a scaled cast (two passes over x), everywhere.
       "mosaic": the Hopper kernel of mosaic_quantize.py (one pass, the same numbers
       bit for bit) for block_shape (1, 128) with B * M a multiple of 8, and (128, 128)
@@ -120,25 +125,71 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, backend="auto"
   if x.ndim not in (2, 3):
     raise ValueError(f"x must be (M, K) or (B, M, K); got shape {tuple(x.shape)}")
   dtype = check_dtype(dtype)
+  if not isinstance(transpose, bool):
+    raise TypeError(f"transpose must be a bool; got {transpose!r}")
   squeeze = x.ndim == 2
   x3 = jnp.asarray(x)[None] if squeeze else jnp.asarray(x)
   b, m, k = x3.shape
+  if transpose:  # x3 (B, K, M) holds the (B, M, K) operand transposed
+    m, k = k, m
+    if m % 128:  # the kernel reads x's rows (M long) in whole 128-wide tiles
+      x3, transpose = jnp.swapaxes(x3, 1, 2), False
   block = _block(block_shape, m, k)
   if _choose(backend, block[:2], b, m, k, x3) == "mosaic":
     interpret = not hw.on_gpu()
     rows = block[0]
 
-    def kernel(x2):
+    def kernel(x_local):
       with primitive.kernel_x64("mosaic"):
-        return mosaic_quantize.quantize_rows(x2, dtype, block_rows=rows,
-                                             interpret=interpret)
+        if not transpose:
+          return mosaic_quantize.quantize_rows(x_local, dtype, block_rows=rows,
+                                               interpret=interpret)
+        bl, kl, ml = x_local.shape
+        values, scales = mosaic_quantize.quantize_rows(
+            x_local, dtype, block_rows=rows, read_transposed=True, interpret=interpret)
+        return values.reshape(bl, ml, kl), scales.reshape(bl, ml // rows, kl // 128)
 
-    values, scales = partition.quantize_rows(kernel, x3.reshape(b * m, k),
-                                             block_rows=rows, interpret=interpret)
+    if transpose:
+      values, scales = partition.quantize_rows(kernel, x3, block_rows=rows,
+                                               layout="transposed", interpret=interpret)
+    else:
+      values, scales = partition.quantize_rows(kernel, x3.reshape(b * m, k),
+                                               block_rows=rows, interpret=interpret)
     values, scales = values.reshape(b, m, k), scales.reshape(b, m // rows, k // 128)
   else:
-    values, scales = _quantize(x3, dtype=dtype, block=block)
+    values, scales = _quantize(jnp.swapaxes(x3, 1, 2) if transpose else x3, dtype=dtype,
+                               block=block)
   return (values[0], scales[0]) if squeeze else (values, scales)
+
+
+def quantize_weights(w, dtype=jnp.float8_e4m3fn, *, backend="auto"):
+  """(values, scales, values_t) of w (B, K, N) (weights as stored) in 128x128 blocks:
+  `quantize(w, dtype, (128, 128))` and its values transposed (B, N, K), the layout in
+  which the other GEMM of a layer reads them (a block's amax, so its scale, does not
+  depend on the direction it is read in). backend as `quantize`'s: on the Hopper kernel,
+  with K and N multiples of 128, one pass writes both from one read of w; elsewhere the
+  values are transposed after."""
+  if not hasattr(w, "ndim") or w.ndim != 3:
+    raise ValueError(f"w must be a (B, K, N) array; got {getattr(w, 'shape', w)!r}")
+  if np.dtype(w.dtype) not in INPUT_DTYPES:
+    raise TypeError(f"w.dtype must be float32, bfloat16 or float16; got {np.dtype(w.dtype)}")
+  dtype = check_dtype(dtype)
+  b, k, n = w.shape
+  if n % 128 == 0 and _choose(backend, (128, 128), b, k, n, w) == "mosaic":
+    interpret = not hw.on_gpu()
+
+    def kernel(w_local):
+      with primitive.kernel_x64("mosaic"):
+        values, scales, values_t = mosaic_quantize.quantize_batches(
+            w_local, dtype, interpret=interpret)
+        bl, kl, nl = w_local.shape
+        return (values.reshape(w_local.shape), scales.reshape(bl, kl // 128, nl // 128),
+                values_t)
+
+    return partition.quantize_rows(kernel, w, block_rows=128, layout="batches",
+                                   interpret=interpret)
+  values, scales = quantize(w, dtype, (128, 128), backend=backend)
+  return values, scales, jnp.swapaxes(values, 1, 2)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "block"))
