@@ -489,32 +489,9 @@ def test_quantize_transpose_is_quantize_of_the_transpose(rng, backend, x_dtype, 
                                   np.asarray(want).view(np.uint8))
 
 
-@pytest.mark.parametrize("backend", ["xla", "mosaic"])
-@pytest.mark.parametrize("shape", [(3, 256, 384), (1, 128, 128)])
-def test_quantize_weights_writes_both_layouts(rng, backend, shape):
-  # One read of w: quantize's 128x128 values and scales, and the values transposed.
-  _skip_backend(backend)
-  w = random(rng, shape, np.float32) * np.exp2(rng.integers(-40, 40, shape[:-1] + (1,)))
-  w[0, 5, 7], w[-1, 3, 1] = np.nan, -np.inf
-  w = jnp.asarray(w, jnp.bfloat16)
-  values, got_scales, values_t = pallas_gemm.fp8.quantize_weights(w, backend=backend)
-  want, want_scales = sm.quantize(w, E4M3, (128, 128), backend="xla")
-  np.testing.assert_array_equal(np.asarray(got_scales), np.asarray(want_scales))
-  np.testing.assert_array_equal(np.asarray(values).view(np.uint8), np.asarray(want).view(np.uint8))
-  np.testing.assert_array_equal(np.asarray(values_t).view(np.uint8),
-                                np.asarray(jnp.swapaxes(want, 1, 2)).view(np.uint8))
-
-
-def test_quantize_transpose_and_weights_bad_input():
-  x = jnp.zeros((256, 256), jnp.bfloat16)
+def test_quantize_transpose_bad_input():
   with pytest.raises(TypeError, match="transpose must be a bool"):
-    sm.quantize(x, transpose=1)
-  with pytest.raises(ValueError, match=r"w must be a \(B, K, N\) array"):
-    pallas_gemm.fp8.quantize_weights(x)
-  with pytest.raises(TypeError, match="w.dtype must be"):
-    pallas_gemm.fp8.quantize_weights(jnp.zeros((1, 128, 128), jnp.int8))
-  with pytest.raises(TypeError, match="float8_e4m3fn or float8_e5m2"):
-    pallas_gemm.fp8.quantize_weights(x[None], jnp.bfloat16)
+    sm.quantize(jnp.zeros((256, 256), jnp.bfloat16), transpose=1)
 
 
 def test_quantize_kernel_choice(monkeypatch):
@@ -784,7 +761,9 @@ def test_fp8_dot_general_wgrad_input_batched_bf16(rng, backend):
 @pytest.mark.parametrize("wgrad", ["fp8", "input"])
 def test_fp8_dot_general_rhs_stored_n_by_k(rng, wgrad):
   # rhs stored (N, K) (contracted on its last dim) is quantized as stored, (K, N) as well:
-  # the same 128x128 blocks either way, so the same numbers bit for bit, gradients too.
+  # the same 128x128 blocks either way, so the same numbers bit for bit, gradients too
+  # (wgrad="input" aside: XLA's unquantized dot for the two layouts' weight gradients may
+  # sum in different orders on a GPU, so those agree to float32 rounding).
   m, k, n = 72, 200, 136
   x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
   dy = random(rng, (m, n), np.float32)
@@ -793,7 +772,10 @@ def test_fp8_dot_general_rhs_stored_n_by_k(rng, wgrad):
                   dims=(((1,), (1,)), ((), ())))
   np.testing.assert_array_equal(nk[0], kn[0])
   np.testing.assert_array_equal(nk[1], kn[1])
-  np.testing.assert_array_equal(nk[2], np.asarray(kn[2]).T)
+  if wgrad == "input":
+    np.testing.assert_allclose(nk[2], np.asarray(kn[2]).T, rtol=1e-5, atol=1e-5)
+  else:
+    np.testing.assert_array_equal(nk[2], np.asarray(kn[2]).T)
 
 
 @pytest.mark.parametrize("k, n", [(0, 8), (128, 0)], ids=["empty_contraction", "no_columns"])

@@ -13,7 +13,7 @@ checks.py (operand, scale and dtype checks, the backend choice), scales.py (the 
 layouts, dequantize, the power-of-two scale arithmetic), quantize.py (quantize and its
 backend choice), api.py (scaled_matmul), xla.py (dequantize + float32 dot: the reference
 and CPU path), mosaic_gemm.py (the Hopper kernel), mosaic_quantize.py (the Hopper kernel
-of quantize: 1x128 and 128x128 blocks, x read transposed, a weight's transposed copy),
+of quantize: 1x128 and 128x128 blocks, x read in place or transposed),
 layer.py (fp8_dot_general and its backward GEMMs), ragged.py
 and mosaic_ragged.py (scaled_ragged_dot and its Hopper kernel), gated.py and
 mosaic_gated.py (a gated expert MLP's first grouped GEMM, activation and quantize of its
@@ -25,8 +25,8 @@ from pallas_gemm.fp8.api import scaled_matmul
 from pallas_gemm.fp8.gated import gated_kernel_reason, gated_quantized
 from pallas_gemm.fp8.layer import fp8_dot_general
 from pallas_gemm.fp8.ragged import scaled_ragged_dot
-from pallas_gemm.fp8.quantize import quantize, quantize_weights
+from pallas_gemm.fp8.quantize import quantize
 from pallas_gemm.fp8.scales import dequantize
 
 __all__ = ["dequantize", "fp8_dot_general", "gated_kernel_reason", "gated_quantized", "quantize",
-           "quantize_weights", "scaled_matmul", "scaled_ragged_dot"]
+           "scaled_matmul", "scaled_ragged_dot"]

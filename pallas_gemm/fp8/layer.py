@@ -13,10 +13,10 @@ the weight (rhs) in 128x128 blocks, both float8_e4m3fn, with power-of-two scales
   wgrad    dW = x^T @ dy       x and dy re-quantized 1x128 along M (the new contraction),
                                each read in place (`quantize(..., transpose=True)`)
 W is quantized once, in the layout it is stored in: (K, N) for nn.Dense's kernel, which is
-K-major for the dgrad (contracted over N), or (N, K), K-major for the forward; the same
-pass writes the fp8 values transposed for the other GEMM (`quantize_weights`: a 128x128
-block's amax, so its scale, does not depend on the direction it is read in). W's own bf16
-is not copied, and only the stored layout's fp8 copy is kept for the backward.
+K-major for the dgrad (contracted over N), the forward reading the same fp8 numbers
+transposed; or (N, K), K-major for the forward, the dgrad reading it transposed (a
+128x128 block's amax, so its scale, does not depend on the direction it is read in). The
+transpose moves fp8 bytes, half of W's bf16 ones, and W's own bf16 is not copied.
 The gradient through the quantization is the identity (straight-through): the scales
 follow the amax, so nothing saturates but infinities.
 
@@ -54,7 +54,7 @@ import numpy as np
 from pallas_gemm.core import sharding
 from pallas_gemm.fp8 import api
 from pallas_gemm.fp8 import checks, scales
-from pallas_gemm.fp8.quantize import quantize, quantize_weights
+from pallas_gemm.fp8.quantize import quantize
 
 _BLOCK = 128
 FORWARD_DTYPE = jnp.float8_e4m3fn
@@ -96,16 +96,10 @@ def _forward(x, w, out_dtype, grad_dtype, wgrad, precision, backend, w_nk):
   del grad_dtype, wgrad, precision
   n = w.shape[1 if w_nk else 2]
   # W padded on both axes (each is a contraction of one GEMM) and quantized as stored;
-  # the forward reads (N, K), the dgrad (K, N), and the backward keeps the stored
-  # layout's copy.
-  padded = _pad_to(_pad_to(w, 2), 1)
-  if w_nk:  # (N, K): the forward's layout; the dgrad transposes the kept copy
-    w8, sw = quantize(padded, FORWARD_DTYPE, (_BLOCK, _BLOCK))
-    w8_nk, sw_nk = w8, sw
-  else:
-    w8, sw, w8_nk = quantize_weights(padded, FORWARD_DTYPE)
-    sw_nk = jnp.swapaxes(sw, 1, 2)
+  # the forward reads it as (N, K), the dgrad as (K, N).
+  w8, sw = quantize(_pad_to(_pad_to(w, 2), 1), FORWARD_DTYPE, (_BLOCK, _BLOCK))
   x8, sx = quantize(_pad_to(x, 2), FORWARD_DTYPE, (1, _BLOCK))
+  w8_nk, sw_nk = (w8, sw) if w_nk else (jnp.swapaxes(w8, 1, 2), jnp.swapaxes(sw, 1, 2))
   y = api.scaled_matmul(x8, w8_nk[:, :n], sx, sw_nk, out_dtype, backend=backend)
   # An empty slice of w: residuals are arrays, and dW must come back in w's dtype and
   # type (its sharding, under Explicit mesh axes).

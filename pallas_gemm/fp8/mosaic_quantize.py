@@ -30,11 +30,10 @@ Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mgpu.ring`
     transposed view of the tile, in the transposed wgmma layout, which a shuffle of 2x2
     pairs between lane pairs takes to the wgmma layout; the rest is the same. No
     transposed copy of x is written (XLA's transpose wrote and read x's bytes once more).
-  * A weight's two layouts (`quantize_batches`, 128x128 blocks): after writing a block's
-    values, the warpgroup reads the same tile transposed (the scale is the block's, the
-    same either way) and writes it to (B, K, R): the layout the other GEMM of a layer
-    reads, from the one read of x, where XLA transposed the fp8 values in a pass of its
-    own.
+  * Not done here: a weight's values written in both layouts from one read (128x128
+    blocks, the second read of the tile through the transposed view): on an H200 it ran
+    0.75x quantize and then XLA's transpose of the fp8 values (2.0-2.1 TB/s against
+    3.7-3.9), its one warpgroup busy with twice the arithmetic.
   * Rows past R: TMA reads zeros and clips the stores.
 """
 
@@ -91,13 +90,10 @@ def _num_consumers(block_rows: int) -> int:
   return NUM_WGS if block_rows == 1 else 1
 
 
-def _kernel(x_gmem, values_gmem, scales_gmem, *extra_gmem, dtype, rows: int,
-            batch_rows: int, k_blocks: int, num_ctas: int, block_rows: int,
-            read_transposed: bool):
+def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, batch_rows: int,
+            k_blocks: int, num_ctas: int, block_rows: int, read_transposed: bool):
   """values_gmem (R, K) fp8 and scales_gmem (K / 128, R') f32 of x_gmem (R, K), or with
-  read_transposed of x_gmem (B, K, R / B) read transposed (R = B * batch_rows);
-  extra_gmem: nothing, or (with 128x128 blocks) values_t_gmem (B, K, R / B) fp8, each
-  batch entry's values transposed."""
+  read_transposed of x_gmem (B, K, R / B) read transposed (R = B * batch_rows)."""
   num_wgs = _num_consumers(block_rows)
   stages = RING_BYTES // (BLOCK_ROWS * BLOCK * x_gmem.dtype.itemsize)
   row_tiles = pl.cdiv(rows, BLOCK_ROWS)
@@ -128,9 +124,6 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *extra_gmem, dtype, rows: int,
       produced=plgpu.Barrier(num_arrivals=1, num_barriers=stages),
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
-  if extra_gmem:
-    scoped["values_t_smem"] = plgpu.SMEM((OUT_SLOTS, BLOCK, BLOCK_ROWS), dtype,
-                                         transforms=swizzle_transforms(BLOCK_ROWS, dtype))
 
   def read(tile_smem, rows_here, transposed):  # (len(rows_here), 128) of the tile, as x
     if not transposed:
@@ -142,7 +135,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *extra_gmem, dtype, rows: int,
     return plgpu.layout_cast(x, plgpu.Layout.WGMMA)
 
   @functools.partial(pl.run_scoped, collective_axes="wg", **scoped)
-  def _scope(x_smem, values_smem, scales_smem, produced, consumed, values_t_smem=None):
+  def _scope(x_smem, values_smem, scales_smem, produced, consumed):
     wg = lax.axis_index("wg")
 
     @ring.producer_warp(wg, num_wgs)
@@ -166,27 +159,17 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *extra_gmem, dtype, rows: int,
         out = lax.rem(j, OUT_SLOTS)
         plgpu.barrier_wait(produced.at[slot])
         x = read(x_smem.at[slot], my_rows, read_transposed)
-        if values_t_smem is None:
-          plgpu.barrier_arrive(consumed.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
         e, q = row_scales(x.astype(jnp.float32), dtype, whole_tile=block_rows > 1)
         # The stores from OUT_SLOTS tiles ago must have read this slot.
         plgpu.wait_smem_to_gmem(OUT_SLOTS - 1, wait_read_only=True)
         values_smem[wg, out] = q.astype(dtype)
         scales_smem[wg, out] = pow2(e)
-        if values_t_smem is not None:
-          # The block read the other way (K, R), after x's registers are free: one
-          # 128x128 block, so the same amax and scale.
-          x_t = read(x_smem.at[slot], pl.ds(0, BLOCK_ROWS), not read_transposed)
-          plgpu.barrier_arrive(consumed.at[slot])
-          values_t_smem[out] = row_scales(x_t.astype(jnp.float32), dtype,
-                                          whole_tile=True)[1].astype(dtype)
         plgpu.commit_smem()
         row0 = ri * BLOCK_ROWS + wg * wg_rows
         plgpu.copy_smem_to_gmem(values_smem.at[wg, out],
                                 values_gmem.at[pl.ds(row0, wg_rows), pl.ds(kj * BLOCK, BLOCK)])
         plgpu.copy_smem_to_gmem(scales_smem.at[wg, out], scales_gmem.at[kj, pl.ds(row0, wg_rows)])
-        if values_t_smem is not None:
-          plgpu.copy_smem_to_gmem(values_t_smem.at[out], kr(extra_gmem[0], ri, kj))
 
   del _scope
   plgpu.wait_smem_to_gmem(0)
@@ -213,25 +196,11 @@ def quantize_rows(x, dtype, *, block_rows: int = 1, read_transposed: bool = Fals
                      f" R / B a multiple of 128, and K of 128, block_rows 1 or 128 (got"
                      f" {block_rows})")
   return _call(x3, dtype, r=r, k=k, batch_rows=batch_rows, block_rows=block_rows,
-               read_transposed=read_transposed, write_transposed=False, num_sms=num_sms,
-               interpret=interpret)
-
-
-def quantize_batches(x, dtype, *, num_sms: int | None = None, interpret=False):
-  """(values, scales, values_t) of x (B, R, K), R and K multiples of 128, in 128x128
-  blocks: `quantize_rows` of the (B * R, K) rows, and each batch entry's values
-  transposed, (B, K, R), from the same read of x."""
-  b, r, k = x.shape
-  if not supports((b * r, k), x.dtype, BLOCK_ROWS) or r % BLOCK_ROWS:
-    raise ValueError(f"x: shape {x.shape} / {x.dtype}; quantize_batches takes float32,"
-                     " bfloat16 or float16 (B, R, K) with R and K multiples of 128")
-  return _call(x.reshape(b * r, k), dtype, r=b * r, k=k, batch_rows=r,
-               block_rows=BLOCK_ROWS, read_transposed=False, write_transposed=True,
-               num_sms=num_sms, interpret=interpret)
+               read_transposed=read_transposed, num_sms=num_sms, interpret=interpret)
 
 
 def _call(x, dtype, *, r: int, k: int, batch_rows: int, block_rows: int,
-          read_transposed: bool, write_transposed: bool, num_sms, interpret):
+          read_transposed: bool, num_sms, interpret):
   dtype = jnp.dtype(dtype)
   k_blocks = k // BLOCK
   num_ctas = launch.grid_sms(num_sms, interpret, need_gpu=True)
@@ -244,10 +213,8 @@ def _call(x, dtype, *, r: int, k: int, batch_rows: int, block_rows: int,
                            read_transposed=read_transposed)
   out_type = (jax.ShapeDtypeStruct((r, k), dtype),
               jax.ShapeDtypeStruct((k_blocks, r_all), jnp.float32))
-  if write_transposed:
-    out_type += (jax.ShapeDtypeStruct((r // batch_rows, k, batch_rows), dtype),)
   kernel = launch.warpgroup_kernel(
       body, out_type=out_type, num_ctas=num_ctas,
       num_compute_wgs=_num_consumers(block_rows), kernel_name="pallas_gemm_quantize_fp8")
-  values, scales_t, *values_t = launch.call(kernel, x, interpret=interpret)
-  return (values, scales_t[:, :r:block_rows].T, *values_t)
+  values, scales_t = launch.call(kernel, x, interpret=interpret)
+  return values, scales_t[:, :r:block_rows].T

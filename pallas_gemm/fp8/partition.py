@@ -12,8 +12,7 @@ partitioned`), where XLA would otherwise gather every operand of a Mosaic kernel
   a's 1x128 scales need a row's whole block; `moe_mlp` runs expert parallelism itself).
 - `quantize_rows` (quantize's kernel): x (R, K) in 1x128 blocks (128x128): R split in
   multiples of 8 (128) and K in multiples of 128, values and scales with it; no
-  communication. The same for x (B, K, R) read transposed and for `quantize_batches`
-  (B, R, K), its transposed values with them (R in multiples of 128).
+  communication. The same for x (B, K, R) read transposed (R in multiples of 128).
 A split that does not divide so is not made: that factor is whole on every device.
 
 Each takes the kernel call `local` and `interpret`, and runs `local` as it is in interpret mode
@@ -68,8 +67,7 @@ def gemm(local, lhs, rhs, lhs_scales, rhs_scales, out_dtype, *, interpret):
 def quantize_rows(local, x, *, block_rows: int = 1, layout: str = "rows", interpret):
   """local(x) -> its results, run per shard (module docstring). layout "rows": x (R, K)
   -> (values, scales (R/block_rows, K/128)); "transposed": x (B, K, R) -> (values (B, R,
-  K), scales (B, R, K/128)); "batches": x (B, R, K) -> (values, scales (B, R/128,
-  K/128), values transposed (B, K, R))."""
+  K), scales (B, R / block_rows, K/128))."""
   if sharding.unpartitioned(interpret):
     return tuple(local(x))
   b, r, k = ("b", 1), ("r", 1), ("k", 1)
@@ -77,9 +75,8 @@ def quantize_rows(local, x, *, block_rows: int = 1, layout: str = "rows", interp
   labels, results = {
       "rows": ((r, k), ((r, k), scales)),
       "transposed": ((b, k, r), ((b, r, k), (b, *scales))),
-      "batches": ((b, r, k), ((b, r, k), (b, *scales), (b, k, r))),
   }[layout]
-  # Read transposed or batched, the kernel takes whole 128-row tiles of each entry.
+  # Read transposed, the kernel takes whole 128-row tiles of each entry.
   rows = max(8, block_rows) if layout == "rows" else 128
 
   def shard(x, *, partial, start):

@@ -162,36 +162,6 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, transpose=Fals
   return (values[0], scales[0]) if squeeze else (values, scales)
 
 
-def quantize_weights(w, dtype=jnp.float8_e4m3fn, *, backend="auto"):
-  """(values, scales, values_t) of w (B, K, N) (weights as stored) in 128x128 blocks:
-  `quantize(w, dtype, (128, 128))` and its values transposed (B, N, K), the layout in
-  which the other GEMM of a layer reads them (a block's amax, so its scale, does not
-  depend on the direction it is read in). backend as `quantize`'s: on the Hopper kernel,
-  with K and N multiples of 128, one pass writes both from one read of w; elsewhere the
-  values are transposed after."""
-  if not hasattr(w, "ndim") or w.ndim != 3:
-    raise ValueError(f"w must be a (B, K, N) array; got {getattr(w, 'shape', w)!r}")
-  if np.dtype(w.dtype) not in INPUT_DTYPES:
-    raise TypeError(f"w.dtype must be float32, bfloat16 or float16; got {np.dtype(w.dtype)}")
-  dtype = check_dtype(dtype)
-  b, k, n = w.shape
-  if n % 128 == 0 and _choose(backend, (128, 128), b, k, n, w) == "mosaic":
-    interpret = not hw.on_gpu()
-
-    def kernel(w_local):
-      with primitive.kernel_x64("mosaic"):
-        values, scales, values_t = mosaic_quantize.quantize_batches(
-            w_local, dtype, interpret=interpret)
-        bl, kl, nl = w_local.shape
-        return (values.reshape(w_local.shape), scales.reshape(bl, kl // 128, nl // 128),
-                values_t)
-
-    return partition.quantize_rows(kernel, w, block_rows=128, layout="batches",
-                                   interpret=interpret)
-  values, scales = quantize(w, dtype, (128, 128), backend=backend)
-  return values, scales, jnp.swapaxes(values, 1, 2)
-
-
 @functools.partial(jax.jit, static_argnames=("dtype", "block"))
 def _quantize(x3, *, dtype, block):
   """`quantize` of a validated (B, M, K) x; block from `_block`."""

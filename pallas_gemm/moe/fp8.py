@@ -64,14 +64,14 @@ def quantize_experts(w_gate_up, w_down, dtype=jnp.float8_e4m3fn):
 
 
 def _quantize_transposed(w, dtype):
-  """quantize(w^T) in 128x128 blocks for w (E, K, N): w read as stored and its values
-  written transposed (`quantize_weights`), where N fills whole blocks (a block's amax, so
-  its scale and values, do not depend on the direction it is read in): no transposed
-  copy of w is made."""
+  """quantize(w^T) in 128x128 blocks for w (E, K, N): computed as w quantized as stored,
+  then transposed, where N fills whole blocks (a block's amax, so its scale and values,
+  do not depend on the direction it is read in): the transpose then moves fp8 bytes, not
+  w's, and no transposed copy of w is made."""
   if w.shape[2] % BLOCK or not w.shape[2]:
     return _quantize_weight(jnp.swapaxes(w, 1, 2), dtype)
-  _, scales, values_t = fp8_ops.quantize_weights(w, dtype)
-  return values_t, jnp.swapaxes(scales, 1, 2)
+  values, scales = _quantize_weight(w, dtype)
+  return jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
 
 
 def _quantize_weight(w, dtype):
@@ -95,13 +95,11 @@ class Quantized:
   - a weight w (E, K, N) of the training form (`_prepare8`), K the forward's
     contraction: e4m3 values as stored, (E, K, N), with 128x128 block scales (E, K/128,
     N/128), quantized once per layer call: K-major for the input gradient, which
-    contracts N; dtype, its gradient's; values_t, the values transposed (E, N, K) in the
-    same pass, for the forward (None once the forward is done: `kept`). The backward
-    reads these instead of the weight: half its bytes kept."""
+    contracts N; dtype, its gradient's. The backward reads these instead of the weight:
+    half its bytes kept."""
   values: jax.Array
   scales: jax.Array
   dtype: Any
-  values_t: jax.Array | None = None
 
   def pair(self, transposed: bool = False):
     """(values, scales); transposed (a weight), the same fp8 numbers and block scales
@@ -109,15 +107,10 @@ class Quantized:
     128x128 block's amax does not depend on the direction it is read in)."""
     if not transposed:
       return self.values, self.scales
-    values_t = jnp.swapaxes(self.values, 1, 2) if self.values_t is None else self.values_t
-    return values_t, jnp.swapaxes(self.scales, 1, 2)
-
-  def kept(self) -> "Quantized":
-    """What the backward keeps: the stored layout's values, not their transpose."""
-    return dataclasses.replace(self, values_t=None)
+    return jnp.swapaxes(self.values, 1, 2), jnp.swapaxes(self.scales, 1, 2)
 
 
-jax.tree_util.register_dataclass(Quantized, data_fields=["values", "scales", "values_t"],
+jax.tree_util.register_dataclass(Quantized, data_fields=["values", "scales"],
                                  meta_fields=["dtype"])
 
 
@@ -208,17 +201,12 @@ INFER = layer.Form(_infer, None, None, send=send8, receive=receive8)
 
 
 def _prepare8(w_gate_up, w_down):
-  """The training form's weights, each quantized once as stored with its values also
-  transposed, in one pass (`Quantized`)."""
+  """The training form's weights, each quantized once as stored (`Quantized`)."""
   def of(w):
-    values, scales, values_t = fp8_ops.quantize_weights(w, jnp.float8_e4m3fn)
-    return Quantized(values, scales, np.dtype(w.dtype), values_t)
+    values, scales = _quantize_weight(w, jnp.float8_e4m3fn)
+    return Quantized(values, scales, np.dtype(w.dtype))
 
   return of(w_gate_up), of(w_down)
-
-
-def _kept8(gate_up: Quantized, down: Quantized):
-  return gate_up.kept(), down.kept()
 
 
 def _product(plan: layer.Plan, group_sizes, dtype):
@@ -257,4 +245,4 @@ def layer_fp8_train(plan: layer.Plan, x, topk_weights, w_gate_up, w_down,
 
 
 TRAIN = layer.Form(layer_fp8_train, _train_forward, _train_backward,
-                   prepare=_prepare8, keep=_kept8).defvjp()
+                   prepare=_prepare8).defvjp()

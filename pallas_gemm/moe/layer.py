@@ -268,8 +268,6 @@ class Form:
     prepare(w_gate_up, w_down) -> what the halves read in the weights' place, made once
       per call (the fp8 form's quantized copies, with the weights' dtypes; None: the
       weights), and kept for the backward instead of the weights;
-    keep(gate_up, down) -> what the backward keeps of them (None: all of it; the fp8
-      form drops the transposed copies its forward read);
     forward(plan, x, topk_weights, gate_up, down, d) -> (out, saved), gate_up and down
       as prepared: saved, what the backward reads besides its arguments;
     backward(plan, x, topk_weights, gate_up, down, d, saved, g)
@@ -284,22 +282,17 @@ class Form:
   prepare: Any = None
   send: Any = None
   receive: Any = None
-  keep: Any = None
 
   def prepared(self, w_gate_up, w_down):
     """(gate_up, down): the weights as forward and backward read them."""
     return (w_gate_up, w_down) if self.prepare is None else self.prepare(w_gate_up, w_down)
-
-  def kept(self, gate_up, down):
-    """(gate_up, down) as prepared, less what the backward does not read."""
-    return (gate_up, down) if self.keep is None else self.keep(gate_up, down)
 
   def defvjp(self):
     """Makes `call` (a custom_vjp) differentiate through forward and backward."""
     def fwd(plan, x, topk_weights, w_gate_up, w_down, d):
       gate_up, down = self.prepared(w_gate_up, w_down)
       out, saved = self.forward(plan, x, topk_weights, gate_up, down, d)
-      return out, (x, topk_weights, *self.kept(gate_up, down), d, saved)
+      return out, (x, topk_weights, gate_up, down, d, saved)
 
     def bwd(plan, residuals, g):  # the dispatch is integer: no cotangent
       return (*self.backward(plan, *residuals, g), None)

@@ -289,7 +289,7 @@ def _capped_fwd(form, plan, cap, x, weights, w_gate_up, w_down, d):
     return typed((out, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), saved_shapes)))
 
   out, saved = jax.lax.cond(fits, capped, full)
-  return out, (x, weights, *form.kept(gate_up, down), d, saved)
+  return out, (x, weights, gate_up, down, d, saved)
 
 
 def _capped_bwd(form, plan, cap, residuals, g):
