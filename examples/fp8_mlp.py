@@ -4,7 +4,7 @@
     python examples/fp8_mlp.py --full           # GPU: x 8192x4096, hidden 16384
     python examples/fp8_mlp.py --out DIR        # + losses.json and loss curves (losses.png)
 
-Four models, one set of initial parameters (bf16 compute, float32 master weights in
+Five models, one set of initial parameters (bf16 compute, float32 master weights in
 Adam), the same steps:
   bf16       nn.Dense layers, dtype bfloat16 (XLA's bf16 dot);
   fp8        the same layers with `dot_general=pallas_gemm.fp8_dot_general`:
@@ -12,6 +12,8 @@ Adam), the same steps:
              step, e4m3 forward and gradients, the three GEMMs of each layer through
              `scaled_matmul`;
   fp8_e5m2   as fp8 with e5m2 gradients (the per-tensor recipes' choice), for comparison;
+  fp8_wgrad_block  as fp8 with dy in 128x128 blocks for the weight gradients
+             (wgrad="fp8-block": the kernel's faster scale layout);
   fp8_wgrad_bf16  as fp8 with the weight gradients in bf16 (wgrad="input").
 The task: regress a fixed random "teacher" MLP from Gaussian inputs (mean squared error).
 Prints each model's step time (median of the timed steps, wall clock of the jitted step,
@@ -54,7 +56,7 @@ FULL = dict(batch=8192, d_in=4096, hidden=16384, d_out=4096, steps=30)
 # variant alike), the fp8 loss follows within ~1.5% of the bf16 loss there.
 LOSS_ATOL = 1e-2
 LOSS_RTOL = 2e-2
-VARIANTS = ("bf16", "fp8", "fp8_e5m2", "fp8_wgrad_bf16")
+VARIANTS = ("bf16", "fp8", "fp8_e5m2", "fp8_wgrad_block", "fp8_wgrad_bf16")
 
 
 class MLP(nn.Module):
@@ -74,7 +76,7 @@ def _dot_general(variant: str, backend: str):
   if variant == "bf16":
     return None
   grad_dtype = jnp.float8_e5m2 if variant == "fp8_e5m2" else jnp.float8_e4m3fn
-  wgrad = "input" if variant == "fp8_wgrad_bf16" else "fp8"
+  wgrad = {"fp8_wgrad_bf16": "input", "fp8_wgrad_block": "fp8-block"}.get(variant, "fp8")
   return functools.partial(fp8_dot_general, grad_dtype=grad_dtype, wgrad=wgrad,
                            backend=backend)
 

@@ -742,6 +742,26 @@ def test_fp8_dot_general_gemms(rng, backend):
 
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic"])
+def test_fp8_dot_general_wgrad_fp8_block(rng, backend):
+  # wgrad="fp8-block": the forward and dgrad of "fp8" bit for bit, the weight gradient
+  # the product of x^T in 1x128 blocks and dy^T in 128x128 blocks along the batch (ragged
+  # M, N and K, padded to 128s inside).
+  _skip_backend(backend)
+  m, k, n = (64, 128, 136) if backend == "mosaic" and not ON_GPU else (300, 200, 260)
+  x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
+  dy = random(rng, (m, n), np.float32)
+  y, dx, dw = _fp8_grads(x, w, dy, backend, wgrad="fp8-block")
+  y1, dx1, _ = _fp8_grads(x, w, dy, backend)
+  np.testing.assert_array_equal(y, y1)
+  np.testing.assert_array_equal(dx, dx1)
+  pad = lambda a, rows, cols: np.pad(a, ((0, rows), (0, cols)))  # noqa: E731
+  xt8, sxt = sm.quantize(pad(x.T, 0, -m % 128))
+  dyt8, sdyt = sm.quantize(pad(dy.T, -n % 128, -m % 128), block_shape=(128, 128))
+  _check(dw, xt8, dyt8[:n], sxt, sdyt)
+  assert dw.dtype == w.dtype and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic"])
 def test_fp8_dot_general_wgrad_input_batched_bf16(rng, backend):
   # A batched bf16 layer: the unquantized weight gradient per batch entry, in bf16.
   _skip_backend(backend)
@@ -810,7 +830,8 @@ def test_fp8_dot_general_bad_input():
   with pytest.raises(TypeError, match="grad_dtype must be float8"):
     sm.fp8_dot_general(jnp.ones((4, 128)), jnp.ones((128, 8)), (((1,), (0,)), ((), ())),
                        grad_dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="wgrad must be 'fp8' or 'input'; got 'bf16'"):
+  with pytest.raises(ValueError, match=r"wgrad must be one of \('fp8', 'fp8-block', 'input'\);"
+                     " got 'bf16'"):
     sm.fp8_dot_general(jnp.ones((4, 128)), jnp.ones((128, 8)), (((1,), (0,)), ((), ())),
                        wgrad="bf16")
 

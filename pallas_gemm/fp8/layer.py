@@ -28,6 +28,13 @@ halves the rounding error: DeepSeek-V3 and TransformerEngine's block-scaling rec
 (Float8BlockScaling, MXFP8BlockScaling) use e4m3 for every tensor. grad_dtype=e5m2 is
 kept for comparison (examples/fp8_mlp.py runs both).
 
+wgrad="fp8-block" quantizes dy for the weight gradient in 128x128 blocks (128 rows of
+the batch by 128 of N) instead of 1x128 ones along the batch, x as for "fp8": the
+weight gradient then runs in the kernel's fast scale layout, a weight's (block scales
+fold into the row scales), for one scale per 128 rows of dy where "fp8" has one per row.
+TransformerEngine's Float8BlockScaling offers the same choice for gradients (2-D
+blocks); `examples/fp8_mlp.py` checks its loss curve against bf16's like the others'.
+
 wgrad="input" computes the weight gradient as the stock layer does, x^T @ dy in the
 operands' own dtype at the call's `precision`, and keeps fp8 for the forward and dgrad
 GEMMs. Its operands then need no quantization down the batch (a transposing pass over x
@@ -58,6 +65,7 @@ from pallas_gemm.fp8.quantize import quantize
 
 _BLOCK = 128
 FORWARD_DTYPE = jnp.float8_e4m3fn
+WGRADS = ("fp8", "fp8-block", "input")
 
 
 def _pad_to(x, axis: int, multiple: int = _BLOCK):
@@ -70,12 +78,16 @@ def _pad_to(x, axis: int, multiple: int = _BLOCK):
   return jnp.pad(x, pads)
 
 
-def _weight_gradient(x, dy, dtypes, out_dtype, backend):
-  """x (B, M, K)^T @ dy (B, M, N): (B, K, N), both quantized 1x128 along M (padded to
-  128s), each read in place and written transposed."""
+def _weight_gradient(x, dy, dtypes, out_dtype, backend, dy_block=(1, _BLOCK)):
+  """x (B, M, K)^T @ dy (B, M, N): (B, K, N), both quantized along M (padded to 128s),
+  each read in place and written transposed: x^T in 1x128 blocks, dy^T in dy_block
+  ((1, 128), or (128, 128): N padded to 128s too)."""
   x8, sx = quantize(_pad_to(x, 1), dtypes[0], transpose=True)
-  dy8, sdy = quantize(_pad_to(dy, 1), dtypes[1], transpose=True)
-  return api.scaled_matmul(x8, dy8, sx, sdy, out_dtype, backend=backend)
+  n = dy.shape[2]
+  if dy_block[0] > 1:
+    dy = _pad_to(dy, 2)
+  dy8, sdy = quantize(_pad_to(dy, 1), dtypes[1], dy_block, transpose=True)
+  return api.scaled_matmul(x8, dy8, sx, sdy, out_dtype, backend=backend)[:, :, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
@@ -123,7 +135,9 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, w_nk, residuals,
     dw = jax.lax.dot_general(x, dy, (((1,), (1,)), ((0,), (0,))), precision=precision)
     dw = dw.astype(w_like.dtype)
   else:
-    dw = _weight_gradient(x, dy, (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend)
+    dy_block = (_BLOCK, _BLOCK) if wgrad == "fp8-block" else (1, _BLOCK)
+    dw = _weight_gradient(x, dy, (FORWARD_DTYPE, grad_dtype), w_like.dtype, backend,
+                          dy_block)
   return dx, sharding.typed_like(_as_kn(dw, w_nk), jax.typeof(w_like))
 
 
@@ -151,15 +165,16 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     precision: ignored by the fp8 GEMMs (fp8 is their precision); with wgrad="input",
       the precision of the weight gradient's dot_general, as in the stock layer.
     grad_dtype: the fp8 dtype of the output gradient in the backward fp8 GEMMs: the
-      dgrad's, and the weight gradient's with wgrad="fp8" (float8_e4m3fn by default;
-      see the module docstring for why).
-    wgrad: "fp8" (default) computes the weight gradient in fp8 as above; "input"
-      computes it as the stock layer does, from lhs and the output gradient in their
-      own dtype (no transposed quantization passes; see the module docstring).
+      dgrad's, and the weight gradient's with wgrad="fp8" or "fp8-block"
+      (float8_e4m3fn by default; see the module docstring for why).
+    wgrad: "fp8" (default) computes the weight gradient in fp8 as above; "fp8-block"
+      the same with the output gradient in 128x128 blocks (the faster kernel layout);
+      "input" computes it as the stock layer does, from lhs and the output gradient in
+      their own dtype (see the module docstring).
     backend: scaled_matmul's backend ("auto" | "xla" | "mosaic").
   """
-  if wgrad not in ("fp8", "input"):
-    raise ValueError(f"fp8_dot_general's wgrad must be 'fp8' or 'input'; got {wgrad!r}")
+  if wgrad not in WGRADS:
+    raise ValueError(f"fp8_dot_general's wgrad must be one of {WGRADS}; got {wgrad!r}")
   lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
   for name, x in (("lhs", lhs), ("rhs", rhs)):
     if np.dtype(x.dtype) not in scales.INPUT_DTYPES:
@@ -190,7 +205,7 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
                                       else rhs_contract + rhs_free))
   w = w.reshape((b, n, k) if w_nk else (b, k, n))
   # A static argument of the custom_vjp, so hashable (a list of two becomes a tuple).
-  if wgrad == "fp8":
+  if wgrad != "input":
     precision = None
   elif isinstance(precision, list):
     precision = tuple(precision)
