@@ -778,7 +778,7 @@ def test_fp8_dot_general_wgrad_input_batched_bf16(rng, backend):
   assert err <= reference.tolerance(jnp.bfloat16, None, m), err
 
 
-@pytest.mark.parametrize("wgrad", ["fp8", "input"])
+@pytest.mark.parametrize("wgrad", ["fp8", "fp8-block", "input"])
 def test_fp8_dot_general_rhs_stored_n_by_k(rng, wgrad):
   # rhs stored (N, K) (contracted on its last dim) is quantized as stored, (K, N) as well:
   # the same 128x128 blocks either way, so the same numbers bit for bit, gradients too

@@ -26,7 +26,8 @@ treats quantization as the identity in its gradients (straight through):
   is copied, and the stored-layout fp8 copy is kept for the backward (half the weight's
   bf16 bytes);
 - weight gradients: in the weights' dtype on the bf16 weight-gradient kernel, as
-  `fp8_dot_general(wgrad="input")`, the faster dense step.
+  `fp8_dot_general(wgrad="input")` (there is no grouped fp8 weight-gradient kernel; the
+  dense layer's fastest step, `wgrad="fp8-block"`, runs them in fp8).
 D and F must be multiples of 128, the scale blocks along every contraction.
 """
 
