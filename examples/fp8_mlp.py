@@ -144,7 +144,7 @@ def main(argv=None) -> int:
     band_used = float(np.max(gap / (LOSS_ATOL * bf16[0] + LOSS_RTOL * bf16)))
     results[v] = dict(losses=losses, step_ms=ms, band_used=band_used)
     agree &= band_used <= 1
-    print(f"{v:14s} {ms:9.3f} ms/step  {base / ms:5.3f}x bf16  loss {losses[0]:.5f} ->"
+    print(f"{v:16s} {ms:9.3f} ms/step  {base / ms:5.3f}x bf16  loss {losses[0]:.5f} ->"
           f" {losses[-1]:.5f}  largest |loss - bf16's| {band_used:.2f} of the band"
           + ("" if v == "bf16" else f" ({'within' if band_used <= 1 else 'OUTSIDE'})"),
           flush=True)

@@ -265,6 +265,27 @@ def test_transposing_quantize_shards(rng, shape, spec):
   assert not GATHER.search(hlo) and not REDUCE.search(hlo)
 
 
+def test_transposing_quantize_keeps_whole_tiles(rng):
+  # The kernel reads x's last dim (the quantized operand's rows) in whole 128-wide tiles:
+  # 256 of them split 4 ways would leave 64 per device, so they stay whole (gathered),
+  # and each shard the partitioned call runs sees a multiple of 128.
+  x = jnp.asarray(random(rng, (1, 256, 256), np.float32)).astype(jnp.bfloat16)
+  seen = []
+
+  def local(x):
+    seen.append(x.shape[-1])
+    return pallas_gemm.quantize(x, E4M3, transpose=True, backend="xla")
+
+  placed = jax.device_put(x, NamedSharding(_mesh(), P(None, None, ("x", "y"))))
+  f = jax.jit(functools.partial(partition.quantize_rows, local, layout="transposed",
+                                interpret=False))
+  got = f(placed)
+  np.testing.assert_array_equal(np.asarray(got[0], np.float32),
+                                np.asarray(local(x)[0], np.float32))
+  assert all(r % 128 == 0 for r in seen), seen
+  assert GATHER.search(f.lower(placed).compile().as_text())
+
+
 @pytest.mark.parametrize("k, spec", [(256, P(None, "y")), (512, P(None, ("x", "y"))),
                                      (512, P(None, ("y", "x")))])
 def test_scale_blocks_an_axis_would_cut(rng, k, spec):

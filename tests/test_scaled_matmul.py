@@ -470,6 +470,7 @@ def test_quantize_kernel_matches_xla_bitwise(rng, x_dtype, block_shape):
     ((1, 128), (2, 256, 384)),    # batched: each entry's own transpose
     ((1, 128), (2, 128, 200)),    # x^T's rows not whole tiles: transposed copy first
     ((128, 128), (256, 384)),
+    ((128, 128), (2, 384, 256)),  # batched 128x128 blocks of each entry's transpose
 ])
 def test_quantize_transpose_is_quantize_of_the_transpose(rng, backend, x_dtype, block_shape,
                                                          shape):
@@ -492,6 +493,9 @@ def test_quantize_transpose_is_quantize_of_the_transpose(rng, backend, x_dtype, 
 def test_quantize_transpose_bad_input():
   with pytest.raises(TypeError, match="transpose must be a bool"):
     sm.quantize(jnp.zeros((256, 256), jnp.bfloat16), transpose=1)
+  # The contraction is x's second-to-last dim here: the message names that one.
+  with pytest.raises(ValueError, match="must divide x's second-to-last .contraction. dim 200"):
+    sm.quantize(jnp.zeros((200, 256), jnp.bfloat16), transpose=True)
 
 
 def test_quantize_kernel_choice(monkeypatch):
@@ -745,7 +749,7 @@ def test_fp8_dot_general_gemms(rng, backend):
 def test_fp8_dot_general_wgrad_fp8_block(rng, backend):
   # wgrad="fp8-block": the forward and dgrad of "fp8" bit for bit, the weight gradient
   # the product of x^T in 1x128 blocks and dy^T in 128x128 blocks along the batch (ragged
-  # M, N and K, padded to 128s inside).
+  # M and N, padded to 128s inside; K, the weight gradient's rows, ragged too).
   _skip_backend(backend)
   m, k, n = (64, 128, 136) if backend == "mosaic" and not ON_GPU else (300, 200, 260)
   x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
@@ -759,6 +763,20 @@ def test_fp8_dot_general_wgrad_fp8_block(rng, backend):
   dyt8, sdyt = sm.quantize(pad(dy.T, -n % 128, -m % 128), block_shape=(128, 128))
   _check(dw, xt8, dyt8[:n], sxt, sdyt)
   assert dw.dtype == w.dtype and dw.shape == w.shape
+
+
+@pytest.mark.parametrize("wgrad", ["fp8", "fp8-block"])
+def test_fp8_dot_general_batched_is_each_entry(rng, wgrad):
+  # A batched layer: each batch entry's forward and gradients, bit for bit those of the
+  # entry alone (each quantized, transposed for the weight gradient, on its own).
+  b, m, k, n = 2, 130, 256, 136
+  x, w = random(rng, (b, m, k), np.float32), random(rng, (b, k, n), np.float32)
+  dy = random(rng, (b, m, n), np.float32)
+  got = _fp8_grads(x, w, dy, "xla", wgrad=wgrad, dims=(((2,), (1,)), ((0,), (0,))))
+  for i in range(b):
+    one = _fp8_grads(x[i], w[i], dy[i], "xla", wgrad=wgrad)
+    for a, e in zip(got, one, strict=True):
+      np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(e))
 
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic"])

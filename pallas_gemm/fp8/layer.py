@@ -31,14 +31,15 @@ kept for comparison (examples/fp8_mlp.py runs both).
 wgrad="fp8-block" quantizes dy for the weight gradient in 128x128 blocks (128 rows of
 the batch by 128 of N) instead of 1x128 ones along the batch, x as for "fp8": the
 weight gradient then runs in the kernel's fast scale layout, a weight's (block scales
-fold into the row scales), for one scale per 128 rows of dy where "fp8" has one per row.
+fold into the row scales), with one scale per 128x128 block of dy where "fp8" has one
+per column of dy and 128 rows.
 TransformerEngine's Float8BlockScaling offers the same choice for gradients (2-D
 blocks); `examples/fp8_mlp.py` checks its loss curve against bf16's like the others'.
 
 wgrad="input" computes the weight gradient as the stock layer does, x^T @ dy in the
 operands' own dtype at the call's `precision`, and keeps fp8 for the forward and dgrad
-GEMMs. Its operands then need no quantization down the batch (a transposing pass over x
-and one over dy), and it avoids the kernel's costliest scale layout: with both operands
+GEMMs. Its operands then need no quantization down the batch (a pass over x and one over
+dy), and it avoids the kernel's costliest scale layout: with both operands
 scaled per 1x128 block, every step of K multiplies each product by a row and a column
 scale, where 128x128 weight blocks fold into the row scales. docs/performance.md gives
 what each choice costs in a training step; "fp8" (the default) keeps every GEMM in fp8, as
@@ -128,7 +129,8 @@ def _backward(out_dtype, grad_dtype, wgrad, precision, backend, w_nk, residuals,
                          backend=backend)[:, :, :k]
   dx = sharding.typed_like(dx, jax.typeof(x))  # x's type, under Explicit axes too
   # wgrad: dW (K, N) = x^T (K, M) @ dy (M, N), both contracted over M, so both are
-  # quantized 1x128 along M; (K, N) is also the kernel's own output layout, so the
+  # quantized along M (x^T in 1x128 blocks, dy^T in 1x128 or, with "fp8-block", 128x128
+  # ones); (K, N) is also the kernel's own output layout, so the
   # optimizer update reads dW in place (a transposing update of the f32 parameters and
   # moments ran 3x slower).
   if wgrad == "input":  # x^T @ dy as the stock layer computes it, in x's and dy's dtype

@@ -3,12 +3,15 @@
 ``quantize_rows(x, dtype)`` is `quantize.quantize(x, dtype, block_shape=(1, 128))` for x
 (R, K) with R a multiple of 8 and K of 128, and ``quantize_rows(x, dtype, block_rows=128)``
 its block_shape=(128, 128) for R a multiple of 128: bitwise the same values and scales,
-from one read of x. XLA computes the same thing in two kernels (the blocks' amax, then the
-scaled cast), which read x twice; this kernel reads each block into registers once, takes
-its amax there and writes its fp8 values and scale.
+from one read of x. With read_transposed, x is (K, R) (or (B, K, R / B), R / B a multiple
+of 128) and the values and scales are those of its (batch entries') transpose. XLA
+computes the same thing in two kernels (the blocks' amax, then the scaled cast), which
+read x twice; this kernel reads each block into registers once, takes its amax there and
+writes its fp8 values and scale.
 
 Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mgpu.ring`):
-  * Work: (128, 128) tiles of x, row tile-major, CTA c taking tiles c, c + num_ctas, ...
+  * Work: (128, 128) tiles of the quantized operand (x, or read transposed x^T), row
+    tile-major, CTA c taking tiles c, c + num_ctas, ...
     One warp of a producer warpgroup loads them by TMA into a ring of 128 KiB;
     several tiles in flight per SM are what keep HBM busy.
   * 1x128 blocks: two consumer warpgroups each take 64 rows of a tile into registers
@@ -34,7 +37,8 @@ Design (persistent, one CTA per SM, warp-specialized like the GEMMs, `mgpu.ring`
     blocks, the second read of the tile through the transposed view): on an H200 it ran
     0.75x quantize and then XLA's transpose of the fp8 values (2.0-2.1 TB/s against
     3.7-3.9), its one warpgroup busy with twice the arithmetic.
-  * Rows past R: TMA reads zeros and clips the stores.
+  * Rows past R (read in place): TMA reads zeros and clips the stores. Read transposed,
+    every tile is whole.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, batch_rows: i
   def rk(ref, ri, kj):  # the (row tile, k block) tile of an (R, K) ref
     return ref.at[pl.ds(ri * BLOCK_ROWS, BLOCK_ROWS), pl.ds(kj * BLOCK, BLOCK)]
 
-  batch_tiles = pl.cdiv(batch_rows, BLOCK_ROWS)  # no tile straddles two batch entries
+  batch_tiles = batch_rows // BLOCK_ROWS  # read transposed: whole tiles per batch entry
 
   def kr(ref, ri, kj):  # the same tile of a (B, K, R / B) ref
     b, ri = lax.div(ri, batch_tiles), lax.rem(ri, batch_tiles)
@@ -179,28 +183,27 @@ def quantize_rows(x, dtype, *, block_rows: int = 1, read_transposed: bool = Fals
                   num_sms: int | None = None, interpret=False):
   """(values (R, K) dtype, scales (R / block_rows, K / 128) f32) of x (R, K), `supports`
   it: each 1x128 (block_rows=1) or 128x128 (block_rows=128) block scaled by a power of
-  two, as `quantize.quantize` does. read_transposed: x is (K, R), or (B, K, R / B), R / B
-  a multiple of 128 (whole tiles along x's rows, a TMA box's swizzled width), and its
-  (batch entries') transpose is quantized, read in place: no transposed copy of x."""
+  two, as `quantize.quantize` does. read_transposed: x is (K, R), or (B, K, R / B) with
+  R / B a multiple of 128 (whole tiles along x's last dim), and its (batch entries')
+  transpose is quantized, read in place: no transposed copy of x."""
+  if x.ndim not in ((2, 3) if read_transposed else (2,)):
+    takes = "(K, R) or (B, K, R / B)" if read_transposed else "(R, K)"
+    raise ValueError(f"x must be {takes} with read_transposed={read_transposed}; got shape"
+                     f" {x.shape}")
+  x3 = x[None] if read_transposed and x.ndim == 2 else x
   if read_transposed:
-    x3 = x if x.ndim == 3 else x[None]
     b, k, batch_rows = x3.shape
     r = b * batch_rows
   else:
-    x3 = x
-    (r, k), b, batch_rows = x.shape, 1, x.shape[0]
-  if not supports((r, k), x.dtype, block_rows) or (read_transposed and batch_rows % BLOCK_ROWS):
-    raise ValueError(f"x: shape {x.shape} / {x.dtype}; quantize_rows takes float32,"
-                     f" bfloat16 or float16 (R, K) with R a multiple of"
-                     f" {max(8, block_rows)}, or (K, R) / (B, K, R / B) read transposed with"
-                     f" R / B a multiple of 128, and K of 128, block_rows 1 or 128 (got"
-                     f" {block_rows})")
-  return _call(x3, dtype, r=r, k=k, batch_rows=batch_rows, block_rows=block_rows,
-               read_transposed=read_transposed, num_sms=num_sms, interpret=interpret)
-
-
-def _call(x, dtype, *, r: int, k: int, batch_rows: int, block_rows: int,
-          read_transposed: bool, num_sms, interpret):
+    (r, k), batch_rows = x.shape, x.shape[0]
+  if not supports((r, k), x.dtype, block_rows):
+    raise ValueError(f"x: shape {x.shape} / {x.dtype} with read_transposed={read_transposed};"
+                     f" quantize_rows takes float32, bfloat16 or float16 with R (rows of the"
+                     f" quantized operand) a multiple of {max(8, block_rows)} and K of 128,"
+                     f" block_rows 1 or 128 (got {block_rows})")
+  if read_transposed and batch_rows % BLOCK_ROWS:
+    raise ValueError(f"x: shape {x.shape} read transposed: its last dim must be a multiple"
+                     f" of {BLOCK_ROWS} (whole tiles)")
   dtype = jnp.dtype(dtype)
   k_blocks = k // BLOCK
   num_ctas = launch.grid_sms(num_sms, interpret, need_gpu=True)
@@ -216,5 +219,5 @@ def _call(x, dtype, *, r: int, k: int, batch_rows: int, block_rows: int,
   kernel = launch.warpgroup_kernel(
       body, out_type=out_type, num_ctas=num_ctas,
       num_compute_wgs=_num_consumers(block_rows), kernel_name="pallas_gemm_quantize_fp8")
-  values, scales_t = launch.call(kernel, x, interpret=interpret)
+  values, scales_t = launch.call(kernel, x3, interpret=interpret)
   return values, scales_t[:, :r:block_rows].T

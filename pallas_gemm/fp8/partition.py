@@ -72,10 +72,11 @@ def quantize_rows(local, x, *, block_rows: int = 1, layout: str = "rows", interp
     return tuple(local(x))
   b, r, k = ("b", 1), ("r", 1), ("k", 1)
   scales = (("r", block_rows), ("k", BLOCK))
-  labels, results = {
-      "rows": ((r, k), ((r, k), scales)),
-      "transposed": ((b, k, r), ((b, r, k), (b, *scales))),
-  }[layout]
+  layouts = {"rows": ((r, k), ((r, k), scales)),
+             "transposed": ((b, k, r), ((b, r, k), (b, *scales)))}
+  if layout not in layouts:
+    raise ValueError(f"layout must be one of {tuple(layouts)}; got {layout!r}")
+  labels, results = layouts[layout]
   # Read transposed, the kernel takes whole 128-row tiles of each entry.
   rows = max(8, block_rows) if layout == "rows" else 128
 

@@ -29,8 +29,10 @@ def check_dtype(dtype) -> np.dtype:
   return dtype
 
 
-def _block(block_shape, m: int, k: int) -> tuple[int, int, int, int]:
-  """(rows per block, block_k, scale rows, scale columns) for x (., m, k); ValueError."""
+def _block(block_shape, m: int, k: int, contracted: str = "last"
+           ) -> tuple[int, int, int, int]:
+  """(rows per block, block_k, scale rows, scale columns) for x (., m, k), k the
+  contraction, x's `contracted` dim; ValueError."""
   if block_shape is None:
     return max(m, 1), k, 1, 1
   ok = (isinstance(block_shape, (tuple, list)) and len(block_shape) == 2
@@ -43,9 +45,10 @@ def _block(block_shape, m: int, k: int) -> tuple[int, int, int, int]:
     raise ValueError(f"block_shape's rows must be 1 or {ROW_BLOCK} (the layouts scaled_matmul"
                      f" reads from a scale's shape); got {block_shape!r}")
   if block_k < 1 or k % block_k:
-    raise ValueError(f"block_shape's cols {block_k} must divide x's last (contraction) dim"
-                     f" {k}, as jax.nn.scaled_matmul's block size K // K_s does; pad x's last"
-                     f" dim with zeros to a multiple, or pass block_shape=({rows}, {k})")
+    raise ValueError(f"block_shape's cols {block_k} must divide x's {contracted}"
+                     f" (contraction) dim {k}, as jax.nn.scaled_matmul's block size K // K_s"
+                     f" does; pad that dim with zeros to a multiple, or pass"
+                     f" block_shape=({rows}, {k})")
   return rows, block_k, (m if rows == 1 else math.ceil(m / rows)), k // block_k
 
 
@@ -82,15 +85,16 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, transpose=Fals
 
   Args:
     x: (M, K) or (B, M, K), float32, bfloat16 or float16; the last dim is the one a
-      matmul contracts.
+      matmul contracts (with transpose=True: (K, M) or (B, K, M), the second-to-last).
     dtype: float8_e4m3fn (448 max, 3 mantissa bits) or float8_e5m2 (57344, 2 bits).
     block_shape: (1, bk): a scale per row and bk columns; (128, bk): per 128 rows and bk
       columns (the last block of rows may be partial); None: one scale per tensor (per
       batch entry). bk must divide K (jax.nn.scaled_matmul's block size is K // K_s).
     transpose: quantize x with its last two dims swapped (the operands of a weight
       gradient, contracted over what were x's rows): the same values and scales as
-      `quantize(jnp.swapaxes(x, -1, -2), ...)`; the Hopper kernel reads x in place
-      (one pass, no transposed copy of x).
+      `quantize(jnp.swapaxes(x, -1, -2), ...)`, values and scales shaped as for that
+      (M, K) operand. The Hopper kernel reads x in place (one pass, no transposed copy
+      of x) where x's last dim (M) is a multiple of 128; otherwise x is transposed first.
     backend: "xla": a reduction and a scaled cast (two passes over x), everywhere.
       "mosaic": the Hopper kernel of mosaic_quantize.py (one pass, the same numbers
       bit for bit) for block_shape (1, 128) with B * M a multiple of 8, and (128, 128)
@@ -98,7 +102,8 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, transpose=Fals
       where it takes the call, else xla.
 
   Returns:
-    (values, scales): values of x's shape in `dtype`; scales float32 of x's rank:
+    (values, scales): values of x's shape (its last two dims swapped with transpose) in
+    `dtype`; scales float32 of x's rank:
     (B, M, K/bk), (B, ceil(M/128), K/bk) or (B, 1, 1) (batch dim dropped for 2-D x), with
     x == values * scales expanded over each block, up to fp8 rounding.
 
@@ -130,11 +135,12 @@ def quantize(x, dtype=jnp.float8_e4m3fn, block_shape=(1, 128), *, transpose=Fals
   squeeze = x.ndim == 2
   x3 = jnp.asarray(x)[None] if squeeze else jnp.asarray(x)
   b, m, k = x3.shape
+  block = _block(block_shape, *((k, m) if transpose else (m, k)),
+                 "second-to-last" if transpose else "last")
   if transpose:  # x3 (B, K, M) holds the (B, M, K) operand transposed
     m, k = k, m
-    if m % 128:  # the kernel reads x's rows (M long) in whole 128-wide tiles
+    if m % 128:  # the kernel reads x's last dim (M) in whole 128-wide tiles
       x3, transpose = jnp.swapaxes(x3, 1, 2), False
-  block = _block(block_shape, m, k)
   if _choose(backend, block[:2], b, m, k, x3) == "mosaic":
     interpret = not hw.on_gpu()
     rows = block[0]
