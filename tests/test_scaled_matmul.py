@@ -716,23 +716,33 @@ def _fp8_grads(x, w, dy, backend, grad_dtype=E4M3, wgrad="fp8",
   return (y, *vjp(dy))
 
 
+def _layer_case(rng, backend):
+  """(m, k, n, x, w, dy) of a layer with ragged M, N and K (small under the CPU's
+  interpreter), the backend skipped where it cannot run."""
+  _skip_backend(backend)
+  m, k, n = (64, 128, 136) if backend == "mosaic" and not ON_GPU else (300, 200, 260)
+  x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
+  return m, k, n, x, w, random(rng, (m, n), np.float32)
+
+
+def _pad(a, rows, cols):
+  """a (2-D) with zero rows and columns appended."""
+  return np.pad(a, ((0, rows), (0, cols)))
+
+
 @pytest.mark.parametrize("backend", ["xla", "mosaic"])
 def test_fp8_dot_general_gemms(rng, backend):
   # Forward, dgrad and wgrad are the scaled products of the operands quantized as the
   # layer's docstring says (ragged M, N and K: the layer pads them to 128s).
-  _skip_backend(backend)
-  m, k, n = (64, 128, 136) if backend == "mosaic" and not ON_GPU else (300, 200, 260)
-  x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
-  dy = random(rng, (m, n), np.float32)
+  m, k, n, x, w, dy = _layer_case(rng, backend)
   y, dx, dw = _fp8_grads(x, w, dy, backend, E5M2)
-  pad = lambda a, rows, cols: np.pad(a, ((0, rows), (0, cols)))  # noqa: E731
-  x8, sx = sm.quantize(pad(x, 0, -k % 128))
-  w8, sw = sm.quantize(pad(w.T, -n % 128, -k % 128), block_shape=(128, 128))
+  x8, sx = sm.quantize(_pad(x, 0, -k % 128))
+  w8, sw = sm.quantize(_pad(w.T, -n % 128, -k % 128), block_shape=(128, 128))
   _check(y, x8, w8[:n], sx, sw)
-  dy8, sdy = sm.quantize(pad(dy, 0, -n % 128), E5M2)
+  dy8, sdy = sm.quantize(_pad(dy, 0, -n % 128), E5M2)
   _check(dx, dy8, w8.T[:k], sdy, sw.T)
-  dyt8, sdyt = sm.quantize(pad(dy.T, 0, -m % 128), E5M2)
-  xt8, sxt = sm.quantize(pad(x.T, 0, -m % 128))
+  dyt8, sdyt = sm.quantize(_pad(dy.T, 0, -m % 128), E5M2)
+  xt8, sxt = sm.quantize(_pad(x.T, 0, -m % 128))
   _check(dw.T, dyt8, xt8, sdyt, sxt)
   assert dx.dtype == x.dtype and dw.dtype == w.dtype
   # wgrad="input": the same forward and dgrad, the weight gradient x^T @ dy unquantized
@@ -750,17 +760,13 @@ def test_fp8_dot_general_wgrad_fp8_block(rng, backend):
   # wgrad="fp8-block": the forward and dgrad of "fp8" bit for bit, the weight gradient
   # the product of x^T in 1x128 blocks and dy^T in 128x128 blocks along the batch (ragged
   # M and N, padded to 128s inside; K, the weight gradient's rows, ragged too).
-  _skip_backend(backend)
-  m, k, n = (64, 128, 136) if backend == "mosaic" and not ON_GPU else (300, 200, 260)
-  x, w = random(rng, (m, k), np.float32), random(rng, (k, n), np.float32)
-  dy = random(rng, (m, n), np.float32)
+  m, k, n, x, w, dy = _layer_case(rng, backend)
   y, dx, dw = _fp8_grads(x, w, dy, backend, wgrad="fp8-block")
   y1, dx1, _ = _fp8_grads(x, w, dy, backend)
   np.testing.assert_array_equal(y, y1)
   np.testing.assert_array_equal(dx, dx1)
-  pad = lambda a, rows, cols: np.pad(a, ((0, rows), (0, cols)))  # noqa: E731
-  xt8, sxt = sm.quantize(pad(x.T, 0, -m % 128))
-  dyt8, sdyt = sm.quantize(pad(dy.T, -n % 128, -m % 128), block_shape=(128, 128))
+  xt8, sxt = sm.quantize(_pad(x.T, 0, -m % 128))
+  dyt8, sdyt = sm.quantize(_pad(dy.T, -n % 128, -m % 128), block_shape=(128, 128))
   _check(dw, xt8, dyt8[:n], sxt, sdyt)
   assert dw.dtype == w.dtype and dw.shape == w.shape
 

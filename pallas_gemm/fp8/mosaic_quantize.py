@@ -129,8 +129,8 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, batch_rows: i
       consumed=plgpu.Barrier(num_arrivals=num_wgs, num_barriers=stages),
   )
 
-  def read(tile_smem, rows_here, transposed):  # (len(rows_here), 128) of the tile, as x
-    if not transposed:
+  def read(tile_smem, rows_here):  # (len(rows_here), 128) of the quantized operand
+    if not read_transposed:
       return plgpu.load(tile_smem.at[rows_here], layout=plgpu.Layout.WGMMA)
     # The tile holds (K, R): its columns are our rows. A transposed view loads in the
     # transposed wgmma layout; a shuffle of 2x2 pairs takes it to the wgmma layout.
@@ -162,7 +162,7 @@ def _kernel(x_gmem, values_gmem, scales_gmem, *, dtype, rows: int, batch_rows: i
         slot = lax.rem(j, stages)
         out = lax.rem(j, OUT_SLOTS)
         plgpu.barrier_wait(produced.at[slot])
-        x = read(x_smem.at[slot], my_rows, read_transposed)
+        x = read(x_smem.at[slot], my_rows)
         plgpu.barrier_arrive(consumed.at[slot])
         e, q = row_scales(x.astype(jnp.float32), dtype, whole_tile=block_rows > 1)
         # The stores from OUT_SLOTS tiles ago must have read this slot.
