@@ -2,11 +2,11 @@
 
 flax_mlp: stock layers, dot_general and fused layers reach the same losses. moe: the MoE block
 trains to the same losses with jax.lax.ragged_dot, pallas_gemm.ragged_dot and moe_mlp (in fp8
-within the fp8 band), and its
-expert-parallel form (shard_map over 8 CPU devices, group_offset and all-to-all) computes the
-one-device block's loss and gradients. moe_transformer: a small MoE transformer (attention and
-the Flax MoEBlock) trains to the same losses on moe_mlp and on the ragged_dot block. fp8_mlp: the fp8 MLP's loss curves stay within the band
-of the bf16 curve."""
+within the fp8 band), and its expert-parallel form (shard_map over 8 CPU devices,
+group_offset and all-to-all) computes the one-device block's loss and gradients.
+moe_transformer: a small MoE transformer (attention and the Flax MoEBlock) trains to the same
+losses on moe_mlp and on the ragged_dot block. fp8_mlp: the fp8 MLP's loss curves stay within
+the band of the bf16 curve, its losses fetched every step or once a round of steps."""
 
 import importlib.util
 import json
