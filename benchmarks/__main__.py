@@ -1,6 +1,6 @@
 """python -m benchmarks: time pallas_gemm's backends against jnp.dot.
 
-  python -m benchmarks                      # GPU: the headline sweep (~1-2 min); CPU: --quick
+  python -m benchmarks                      # GPU: the headline sweep (minutes); CPU: --quick
   python -m benchmarks --quick              # the small sweep, 128^3-512^3 (also on a CPU)
   python -m benchmarks --headline           # the headline sweep anywhere (tiny on a CPU)
   python -m benchmarks --gpu-default        # a ~2 min GPU check of the main regimes
@@ -22,7 +22,9 @@
 
 The headline sweep compares bf16 (aligned and misaligned), f32 HIGHEST, float32_accurate
 and a fused bias + GELU layer with jnp.dot in the same run: ratios per round, variants in
-rotated order, median with the quartiles and extremes (benchmarks/headline.py).
+rotated order, median with the quartiles and extremes; then the grouped GEMM's, fp8's and
+the MoE layer's key rows from their own benchmarks, and one line per family
+(benchmarks/headline.py).
 
 Writes results.json, results.md and PNG plots to --out, by default to
 benchmarks/out/<YYYY-MM-DD>-<device>/ (git-ignored) or, with --record, to the dated record

@@ -6,7 +6,7 @@
 #   test        the test suite (PYTEST_ARGS, PYTEST_FILES, TEST_TIMEOUT; TEST_WORKERS parallel
 #               workers on the one GPU when pytest-xdist's wheels are carried in .whl/)
 #   sanitize    compute-sanitizer memcheck / racecheck / synccheck on the cuda kernel
-#   headline    python -m benchmarks: the headline sweep vs jnp.dot (~1-2 min)
+#   headline    python -m benchmarks: the headline sweep vs jnp.dot, then each family's key rows
 #   mlp         python -m benchmarks --mlp: SGD and AdamW training steps, A/A check (~3-4 min)
 #   precision   python -m benchmarks --precision: float32 presets, speed and error
 #   ragged      python -m benchmarks --ragged: grouped GEMM
@@ -108,8 +108,8 @@ if has sanitize; then
 fi
 
 if has headline; then
-  log "headline sweep: bf16, f32 HIGHEST, float32_accurate, dense bias+gelu vs jnp.dot"
-  bench 300 headline --headline
+  log "headline sweep: bf16, f32 HIGHEST, float32_accurate, dense bias+gelu vs jnp.dot; ragged_dot, fp8, moe_mlp"
+  bench 480 headline --headline
   grep '^|' "$OUT/headline/headline.md" | summary "headline table"
 fi
 

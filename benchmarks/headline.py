@@ -3,7 +3,12 @@
     python -m benchmarks              # on a GPU (a CPU runs the small sweep: --quick)
     python -m benchmarks --headline   # this sweep on any machine (tiny sizes on a CPU)
 
-It ends with the MoE layer's key row (`benchmarks.moe`, Qwen3-like, forward and backward).
+Then each other family's key rows from its own benchmark, in the same process: the grouped
+GEMM at Mixtral-like sizes (`benchmarks.ragged`, forward: against the dense GEMM of its
+FLOPs, lax and tokamax), block-scaled and per-tensor fp8 at 4096^3 (`benchmarks.fp8
+--quick`) and the MoE layer (`benchmarks.moe`, Qwen3-like, forward and backward), their
+tables written under families/; last, one table with a line per family (`families`), also
+appended to headline.md.
 
 Each case times a baseline (jnp.dot, or the jnp expression a user would write) and
 pallas_gemm's call in the same process, over `ROUNDS` rounds in rotated order, each round
@@ -30,13 +35,17 @@ import pallas_gemm
 from pallas_gemm.testing import reference as ref_lib
 from pallas_gemm.matmul import tuning
 
+from benchmarks import fp8 as fp8_bench
 from benchmarks import moe
+from benchmarks import ragged as ragged_bench
 from benchmarks import precision as precision_bench
 from benchmarks import report
 from benchmarks.timing import Timer, ratio_stats, rounds_ms
 
 HIGHEST = jax.lax.Precision.HIGHEST
 ROUNDS, CALLS = 7, 10
+# The folder under --out for the other families' benchmark tables.
+FAMILIES_DIR = "families"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,12 +264,78 @@ def main(argv: list[str], out_dir: pathlib.Path, rounds: int = ROUNDS,
     written.append("headline.png")
   print("\n".join(f"wrote {out_dir / name}" for name in written), flush=True)
   print(text, flush=True)
-  # The MoE layer's key row: a training step's layer (fwd+bwd) at Qwen3-like sizes against
-  # the unfused layer on the same grouped GEMM and the dense-MLP ceiling (`benchmarks.moe`).
-  moe_status = moe.main(["--configs", "qwen3", "--modes", "fwd+bwd" if on_gpu else "fwd",
-                         "--variants", "moe_mlp,unfused/pallas_gemm,dense",
-                         "--rounds", "5" if on_gpu else "1", "--out", str(out_dir)])
+  # The other families' key rows, each from its own benchmark: the grouped GEMM (forward,
+  # Mixtral-like), fp8 at 4096^3, and the MoE layer in a training step (fwd+bwd, Qwen3-like)
+  # against the unfused layer on the same grouped GEMM and the dense-MLP ceiling.
+  # Their tables go to a folder of their own, so that they neither overwrite a full run's
+  # of the same day (ragged.json, fp8.json, moe.json) nor are mistaken for one.
+  sub = out_dir / FAMILIES_DIR
+  for name in ("ragged.json", "fp8.json", "moe.json"):
+    (sub / name).unlink(missing_ok=True)  # a failed run leaves no earlier result behind
+  statuses = [
+      ragged_bench.main(["--problems", "mixtral", "--modes", "fwd", "--rounds",
+                         "5" if on_gpu else "1", "--out", str(sub)]),
+      fp8_bench.main(["--quick", "--out", str(sub)]),
+      moe.main(["--configs", "qwen3", "--modes", "fwd+bwd" if on_gpu else "fwd",
+                "--variants", "moe_mlp,unfused/pallas_gemm,dense",
+                "--rounds", "5" if on_gpu else "1", "--out", str(sub)])]
+  summary = families(sub, rows)
+  with open(out_dir / "headline.md", "a") as f:
+    f.write("\n" + summary)
+  print(summary, flush=True)
   # The baselines' errors are reported, not judged: jnp's bf16 expression rounds z.
-  return 1 if moe_status or any(
+  return 1 if any(statuses) or any(
       r["status"] != "ok" or (not r.get("baseline") and r["correct"] is False)
       for r in rows) else 0
+
+
+def _load(path: pathlib.Path):
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError):
+    return None
+
+
+def families(out_dir: pathlib.Path, rows: list[dict]) -> str:
+  """One line per op family, from this run's tables: the headline cases' ratios to their
+  baselines, and the JSON that benchmarks.ragged, .fp8 and .moe wrote into out_dir.
+  Ratios are medians of per-round ratios (> 1: pallas_gemm faster), +- half the IQR."""
+  def ratio(median, spread=None):
+    return f"**{median:.2f}x**" + ("" if spread is None else f" +-{spread:.2f}")
+
+  baseline = {r["case"]: r["variant"] for r in rows if r.get("baseline")}
+  dense = [f"{r['case']}: {ratio(r['ratio'], (r['p75'] - r['p25']) / 2)} {baseline[r['case']]}"
+           for r in rows if not r.get("baseline") and r["status"] == "ok" and "ratio" in r
+           and (r["case"].startswith("bf16") or r["case"].startswith("float32_accurate"))]
+  lines = ["| family | key result (this run) |", "|---|---|",
+           f"| dense (`gemm`) | {'; '.join(dense) or 'no result'} |"]
+  grouped = "no result"
+  for res in (_load(out_dir / "ragged.json") or {}).get("results", []):
+    mine = res["variants"].get("pallas_gemm", {})
+    if res["mode"] == "fwd" and "vs_dense" in mine:
+      p = res["problem"]
+      grouped = (f"{p['name']} (G {p['g']}, M {p['m']}, K {p['k']}, N {p['n']}) forward: "
+                 f"{ratio(mine['vs_dense']['median'], mine['vs_dense']['spread'])} the dense "
+                 "GEMM of its FLOPs" + (f", {ratio(mine['vs_lax']['median'])} lax.ragged_dot"
+                                       if "vs_lax" in mine else ""))
+      break
+  lines.append(f"| grouped (`ragged_dot`) | {grouped} |")
+  fp8_rows = {}  # each kind's first shape (a CPU smoke run has two)
+  for r in (_load(out_dir / "fp8.json") or {}).get("rows", []):
+    if "vs_bf16" in r:
+      fp8_rows.setdefault(r["impl"], r)
+  fp8 = [f"{r['m']}x{r['n']}x{r['k']} {name}: {ratio(r['vs_bf16'], r['vs_bf16_spread'])} bf16"
+         " jnp.dot" for name, r in fp8_rows.items()
+         if name in ("pallas blocks", "pallas per tensor")]
+  lines.append(f"| fp8 (`scaled_matmul`) | {'; '.join(fp8) or 'no result'} |")
+  layer = "no result"
+  for res in (_load(out_dir / "moe.json") or {}).get("results", []):
+    v = res["variants"]
+    unfused, dense_ = (v.get(n, {}).get("moe_mlp_speedup") for n in ("unfused/pallas_gemm",
+                                                                    "dense"))
+    if unfused and dense_:
+      layer = (f"{res['config']['name']}-like {res['mode']}: "
+               f"{ratio(unfused['median'], unfused['spread'])} the unfused layer on "
+               f"ragged_dot, {dense_['median']:.2f} of the dense-MLP ceiling")
+  lines.append(f"| MoE layer (`moe_mlp`) | {layer} |")
+  return "\n".join(lines) + "\n"

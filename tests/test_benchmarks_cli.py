@@ -62,7 +62,15 @@ def test_headline_on_cpu(tmp_path):
     assert r["low"] <= r["p25"] <= r["ratio"] <= r["p75"] <= r["high"]
     assert r["verdict"] in ("faster", "slower", "parity") and len(r["round_ms"]) == 2
   assert all("rel_err_wide" in r for r in rows if "f32" in r["case"] or "float32" in r["case"])
-  assert "| case |" in (tmp_path / "headline.md").read_text()
+  text = (tmp_path / "headline.md").read_text()
+  assert "| case |" in text
+  # the last table: a key result for each family, from the benchmarks run beside
+  for family in ("dense (`gemm`)", "grouped (`ragged_dot`)", "fp8 (`scaled_matmul`)",
+                 "MoE layer (`moe_mlp`)"):
+    line = next(x for x in text.splitlines() if x.startswith(f"| {family} |"))
+    assert "no result" not in line and "x**" in line, line
+  assert {"ragged.json", "fp8.json", "moe.json"} <= {
+      f.name for f in (tmp_path / "families").iterdir()}
 
 
 def test_mlp_steps_on_cpu(tmp_path):
