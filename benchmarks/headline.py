@@ -272,19 +272,26 @@ def main(argv: list[str], out_dir: pathlib.Path, rounds: int = ROUNDS,
   sub = out_dir / FAMILIES_DIR
   for name in ("ragged.json", "fp8.json", "moe.json"):
     (sub / name).unlink(missing_ok=True)  # a failed run leaves no earlier result behind
-  statuses = [
-      ragged_bench.main(["--problems", "mixtral", "--modes", "fwd", "--rounds",
-                         "5" if on_gpu else "1", "--out", str(sub)]),
-      fp8_bench.main(["--quick", "--out", str(sub)]),
-      moe.main(["--configs", "qwen3", "--modes", "fwd+bwd" if on_gpu else "fwd",
-                "--variants", "moe_mlp,unfused/pallas_gemm,dense",
-                "--rounds", "5" if on_gpu else "1", "--out", str(sub)])]
+  runs = [
+      (ragged_bench.main, ["--problems", "mixtral", "--modes", "fwd", "--rounds",
+                           "5" if on_gpu else "1", "--out", str(sub)]),
+      (fp8_bench.main, ["--quick", "--out", str(sub)]),
+      (moe.main, ["--configs", "qwen3", "--modes", "fwd+bwd" if on_gpu else "fwd",
+                  "--variants", "moe_mlp,unfused/pallas_gemm,dense",
+                  "--rounds", "5" if on_gpu else "1", "--out", str(sub)])]
+  statuses = []
+  for bench_main, bench_args in runs:  # one family's failure leaves the others' rows
+    try:
+      statuses.append(bench_main(bench_args))
+    except Exception as e:  # noqa: BLE001 - reported, and the run's status says so
+      print(f"{bench_main.__module__}: failed: {type(e).__name__}: {e}", flush=True)
+      statuses.append(1)
   summary = families(sub, rows)
   with open(out_dir / "headline.md", "a") as f:
     f.write("\n" + summary)
   print(summary, flush=True)
   # The baselines' errors are reported, not judged: jnp's bf16 expression rounds z.
-  return 1 if any(statuses) or any(
+  return 1 if any(statuses) or "no result" in summary or any(
       r["status"] != "ok" or (not r.get("baseline") and r["correct"] is False)
       for r in rows) else 0
 
@@ -305,6 +312,7 @@ def families(out_dir: pathlib.Path, rows: list[dict]) -> str:
 
   baseline = {r["case"]: r["variant"] for r in rows if r.get("baseline")}
   dense = [f"{r['case']}: {ratio(r['ratio'], (r['p75'] - r['p25']) / 2)} {baseline[r['case']]}"
+           + ("" if r["correct"] else " (WRONG: outside its tolerance)")
            for r in rows if not r.get("baseline") and r["status"] == "ok" and "ratio" in r
            and (r["case"].startswith("bf16") or r["case"].startswith("float32_accurate"))]
   lines = ["| family | key result (this run) |", "|---|---|",

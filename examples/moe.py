@@ -1,6 +1,7 @@
-"""A Flax (linen) Mixture-of-Experts block trained three ways side by side: its grouped
+"""A Flax (linen) Mixture-of-Experts block trained four ways side by side: its grouped
 GEMMs on jax.lax.ragged_dot, on pallas_gemm.ragged_dot, and the whole block as one
-pallas_gemm.moe_mlp call; and the same block expert-parallel in jax.shard_map.
+pallas_gemm.moe_mlp call, in bf16 and in fp8; and the same block expert-parallel in
+jax.shard_map.
 
     python examples/moe.py                      # small config: runs on a CPU in seconds
     python examples/moe.py --full               # GPU: 8192 tokens, d 4096, 8 experts of 6144
@@ -21,8 +22,8 @@ only), whose loss curve is held to a band of its own around moe_mlp's (LOSS_ATOL
 The task: regress a fixed random teacher MLP (mean squared error), Adam, the same initial
 parameters and data for every implementation. Prints each step time (median over the
 steps, wall clock of the whole jitted step; the models step in turns) and checks that
-each loss curve agrees with the first implementation's within the band of LOSS_ATOL and
-LOSS_RTOL.
+each bf16 loss curve agrees with the first implementation's within the band of LOSS_ATOL
+and LOSS_RTOL, and the fp8 curve with moe_mlp's within LOSS_ATOL_FP8 and LOSS_RTOL_FP8.
 
 Expert parallelism (`moe_expert_parallel`): tokens and experts split over one mesh axis
 of D devices. Each device routes its tokens, sends every other device the rows for its
