@@ -367,7 +367,7 @@ def main(argv=None) -> int:
   print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg}",
         flush=True)
   # The fp8 form trains from bf16 weights and activations: a float32 config leaves it out.
-  impls = IMPLS if cfg["dtype"] == "bfloat16" else IMPLS[:-1]
+  impls = tuple(i for i in IMPLS if i != FP8 or cfg["dtype"] == "bfloat16")
   runs = in_turns({impl: trainer(impl, cfg, args.backend) for impl in impls}, cfg["steps"])
   first = impls[0]
   results = {}
