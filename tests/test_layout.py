@@ -152,7 +152,10 @@ def test_rules_see_the_package():
 
 
 RESULTS = PACKAGE.parent / "benchmarks" / "results"
-RESULTS_MAX_BYTES = 2_000_000
+# A dated record is a README, small JSON, plots and the probes as run: 20-200 KB each.
+# The cap keeps raw device output and large artifacts out of the repository, which
+# travels to the GPU machine whole.
+RESULTS_MAX_BYTES = 2_250_000
 # What .gitignore keeps out of the records (raw device output), left out of the count here too.
 RAW = (".log", ".hlo.txt", ".tgz", ".ncu-rep", ".tmp")
 
