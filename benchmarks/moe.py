@@ -16,6 +16,9 @@ Variants, each given the same routing (topk weights and ids: the router is not t
                     three passes instead of the fused fp8 gated kernel, where that runs
   moe_mlp/fp8-train moe_mlp(precision="fp8"): bf16 master weights quantized in the call,
                     forward and input gradients in fp8, weight gradients in bf16
+  moe_mlp/fp8-train-cached  the same with the weights quantized once, before timing
+                    (`moe.quantize_experts_for_training`, passed as fp8_weights): a
+                    microbatch's layer when the optimizer step quantizes them for all
   unfused/<gemm>    MaxText-style: argsort by expert, x repeated and permuted, three grouped
                     GEMMs with SwiGLU between them, the rows unsorted by a scatter and
                     combined with the weights; jax.grad of that; <gemm> is pallas_gemm's
@@ -51,7 +54,8 @@ import jax.numpy as jnp
 from benchmarks.ragged import import_tokamax
 from benchmarks.timing import PipelinedTimer, ratio_stats, rounds_ms
 from pallas_gemm import moe_mlp, ragged_dot
-from pallas_gemm.moe import fp8 as moe_fp8, layer as moe_layer, quantize_experts, softmax_topk
+from pallas_gemm.moe import (fp8 as moe_fp8, layer as moe_layer, quantize_experts,
+                             quantize_experts_for_training, softmax_topk)
 
 MODES = ("fwd", "fwd+bwd")
 DTYPE = jnp.bfloat16
@@ -102,7 +106,7 @@ def parse_args(argv):
   p.add_argument("--modes", default=",".join(MODES), help="fwd, fwd+bwd")
   p.add_argument("--variants", default=None,
                  help="comma-separated subset of moe_mlp, moe_mlp/two-pass, moe_mlp/fp8,"
-                      " moe_mlp/fp8-3pass, moe_mlp/fp8-train,"
+                      " moe_mlp/fp8-3pass, moe_mlp/fp8-train, moe_mlp/fp8-train-cached,"
                       " unfused/pallas_gemm, unfused/tokamax, unfused/lax, dense (default: all"
                       " that can run)")
   p.add_argument("--rounds", type=int, default=None, help="rounds (GPU 7, CPU 2)")
@@ -173,7 +177,9 @@ def dense(x, topk_weights, topk_ids, w_gate_up, w_down):
 # moe_mlp/fp8's weights are quantized once, before timing, as a served model holds them.
 _QUANTIZED = lambda x, w, ids, wgu, wd, *rest: (x, w, ids, *quantize_experts(wgu, wd),  # noqa: E731
                                                *rest)
-PREPARE = {"moe_mlp/fp8": _QUANTIZED, "moe_mlp/fp8-3pass": _QUANTIZED}
+PREPARE = {"moe_mlp/fp8": _QUANTIZED, "moe_mlp/fp8-3pass": _QUANTIZED,
+           # the weights stay, their fp8 copies come last (not differentiated)
+           "moe_mlp/fp8-train-cached": lambda *a: (*a, quantize_experts_for_training(*a[3:5]))}
 # variants that have no backward pass
 FORWARD_ONLY = ("moe_mlp/fp8", "moe_mlp/fp8-3pass")
 
@@ -190,6 +196,8 @@ def variants(on_gpu: bool, wanted: list[str] | None) -> tuple[dict, dict]:
   }
   fns["moe_mlp/two-pass"] = functools.partial(two_pass, backend)
   fns["moe_mlp/fp8-train"] = functools.partial(moe_mlp, backend=backend, precision="fp8")
+  fns["moe_mlp/fp8-train-cached"] = lambda x, w, ids, wgu, wd, cached: moe_mlp(
+      x, w, ids, wgu, wd, backend=backend, precision="fp8", fp8_weights=cached)
   fns["moe_mlp/fp8"] = functools.partial(moe_mlp, backend=backend)  # on PREPARE's operands
   fns["moe_mlp/fp8-3pass"] = functools.partial(fp8_three_pass, backend)
   missing = {}
@@ -210,8 +218,8 @@ def _program(layer, mode: str):
   if mode == "fwd":
     return jax.jit(layer)
 
-  def fwd_bwd(x, w, ids, wgu, wd, ct):
-    out, vjp = jax.vjp(lambda x, w, wgu, wd: layer(x, w, ids, wgu, wd), x, w, wgu, wd)
+  def fwd_bwd(x, w, ids, wgu, wd, ct, *rest):  # rest: operands not differentiated
+    out, vjp = jax.vjp(lambda x, w, wgu, wd: layer(x, w, ids, wgu, wd, *rest), x, w, wgu, wd)
     return (out,) + vjp(ct)
 
   return jax.jit(fwd_bwd)

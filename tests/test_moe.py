@@ -296,6 +296,69 @@ def test_fp8_training_bad_input(rng):
     pallas_gemm.moe_mlp(x, weights, ids, *moe.quantize_experts(wgu, wd), precision="fp8")
 
 
+def _fp8_step(args, activation, backend, fp8_weights):
+  """precision="fp8"'s output and four gradients, the weights quantized in the call (None)
+  or given as fp8_weights."""
+  x, weights, ids, wgu, wd = args
+  layer = functools.partial(pallas_gemm.moe_mlp, activation=activation, backend=backend,
+                            precision="fp8")
+
+  def step(x, w, a, b, cached):
+    out, vjp = jax.vjp(lambda x, w, a, b: layer(x, w, ids, a, b, fp8_weights=cached),
+                       x, w, a, b)
+    return (out, *vjp(jnp.ones_like(out) + out))  # a cotangent that depends on the output
+
+  return jax.block_until_ready(jax.jit(step)(x, weights, wgu, wd, fp8_weights))
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("activation, paired", [("swiglu", False), ("swiglu", True),
+                                                ("gelu", False)])
+def test_fp8_training_on_cached_weights_is_the_same_step(rng, backend, activation, paired):
+  # Weights quantized once (quantize_experts_for_training) give the very numbers of the
+  # form that quantizes them in the call: output and all four gradients, bit for bit.
+  args = _problem(rng, 29, 256, 128, 4, 2, gated=activation == "swiglu")
+  if paired:  # w_gate_up as (E, D, 2, F), the tensor-parallel layout
+    args = (*args[:3], args[3].reshape(4, 256, 2, 128), args[4])
+  want = _fp8_step(args, activation, backend, None)
+  got = _fp8_step(args, activation, backend, moe.quantize_experts_for_training(*args[3:]))
+  for name, a, b in zip(("out", "x", "topk_weights", "w_gate_up", "w_down"), got, want):
+    assert a.dtype == b.dtype and a.shape == b.shape, name
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                  err_msg=name)
+
+
+def test_fp8_cached_weights_get_no_gradient(rng):
+  x, weights, ids, wgu, wd = _problem(rng, 8, 128, 128, 2, 1)
+  cached = moe.quantize_experts_for_training(wgu, wd)
+  grads = jax.grad(lambda c: jnp.sum(pallas_gemm.moe_mlp(
+      x, weights, ids, wgu, wd, precision="fp8", backend="xla", fp8_weights=c)
+      .astype(jnp.float32)))(cached)
+  for g in jax.tree.leaves(grads):
+    assert not np.any(np.asarray(g, np.float32))
+
+
+def test_fp8_cached_weights_bad_input(rng):
+  x, weights, ids, wgu, wd = _problem(rng, 8, 128, 128, 2, 1)
+  cached = moe.quantize_experts_for_training(wgu, wd)
+  layer = functools.partial(pallas_gemm.moe_mlp, x, weights, ids, wgu, wd)
+  with pytest.raises(ValueError, match="fp8_weights is for precision='fp8'"):
+    layer(fp8_weights=cached)
+  with pytest.raises(TypeError, match="must be the pair quantize_experts_for_training"):
+    layer(precision="fp8", fp8_weights=moe.quantize_experts(wgu, wd))
+  other = moe.quantize_experts_for_training(jnp.concatenate([wgu, wgu]),
+                                            jnp.concatenate([wd, wd]))
+  with pytest.raises(ValueError, match=r"fp8_weights\[0\] .* must have shapes"):
+    layer(precision="fp8", fp8_weights=other)
+  as_f32 = moe.quantize_experts_for_training(wgu.astype(np.float32), wd.astype(np.float32))
+  with pytest.raises(TypeError, match="made from float32 weights"):
+    layer(precision="fp8", fp8_weights=as_f32)
+  with pytest.raises(ValueError, match="fp8_weights runs on one device"):
+    layer(precision="fp8", fp8_weights=cached, expert_axis="experts")
+  with pytest.raises(ValueError, match="multiples of 128"):
+    moe.quantize_experts_for_training(wgu[:, :, :64], wd)
+
+
 # ----------------------------------------------------------------------------- routers
 
 

@@ -39,7 +39,10 @@ Semantics a user can rely on:
   the weights are resharded as the layer needs them.
 - fp8 training: precision="fp8" quantizes x's rows, the activations, the cotangents and
   the (bf16 master) weights in every call and runs the forward and input-gradient GEMMs
-  in fp8; quantization is the identity to its gradients (`fp8.py`).
+  in fp8; quantization is the identity to its gradients (`fp8.py`). With gradient
+  accumulation, `fp8_weights=quantize_experts_for_training(w_gate_up, w_down)` made once
+  per optimizer step lets each microbatch's layer skip that pass over the weights (one
+  device, or inside a jax.shard_map that gives each device every expert).
 - fp8 inference: w_gate_up and w_down given as `quantize` pairs (`quantize_experts` makes
   them from the bf16 weights) run both grouped GEMMs in fp8 with block scales, activations
   quantized in the call (`fp8.py`); that form has no gradient. Expert and data parallel
@@ -85,10 +88,34 @@ def _pair(w, name: str):
   return values, scales
 
 
+def _cached_pair(fp8_weights, e: int, d: int, w: int, f: int, dtype):
+  """fp8_weights checked for what `quantize_experts_for_training` makes of weights
+  (E, D, W) and (E, F, D)."""
+  if (not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2
+      or not all(isinstance(q, fp8.Quantized) and q.values_t is not None
+                 for q in fp8_weights)):
+    raise TypeError("fp8_weights must be the pair quantize_experts_for_training(w_gate_up,"
+                    f" w_down) returns; got {type(fp8_weights).__name__}")
+  for name, q, (k, n) in (("fp8_weights[0]", fp8_weights[0], (d, w)),
+                          ("fp8_weights[1]", fp8_weights[1], (f, d))):
+    want = ((e, k, n), (e, k // fp8.BLOCK, n // fp8.BLOCK), (e, n, k))
+    got = tuple(tuple(a.shape) for a in (q.values, q.scales, q.values_t))
+    if got != want:
+      raise ValueError(f"{name} (values, scales, transposed values) must have shapes {want},"
+                       f" made from the layer's weights; got {got}")
+    if np.dtype(q.values.dtype) != np.dtype(jnp.float8_e4m3fn):
+      raise TypeError(f"{name} values must be float8_e4m3fn; got {np.dtype(q.values.dtype)}")
+    if np.dtype(q.dtype) != dtype:
+      raise TypeError(f"{name} was made from {np.dtype(q.dtype)} weights; the layer's are"
+                      f" {dtype}")
+  return tuple(fp8_weights)
+
+
 def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "swiglu",
             precision=None, preferred_element_type=None, backend: str = "auto",
             config=None, expert_axis: str | None = None, exchange: str = "auto",
-            exchange_chunks: int = 1, data_axes=None, model_axis: str | None = None):
+            exchange_chunks: int = 1, data_axes=None, model_axis: str | None = None,
+            fp8_weights=None):
   """The MoE layer of the module docstring.
 
   Args:
@@ -132,6 +159,13 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       the axis of an enclosing `jax.shard_map` (the weights given as this device's F/n:
       w_gate_up (E, D, 2, F/n) for the gated activations), or of the context mesh. None:
       the axis w_gate_up's type splits F over, if any (module docstring).
+    fp8_weights: with precision="fp8", the pair `quantize_experts_for_training(w_gate_up,
+      w_down)` made from these very weights (e.g. once per optimizer step, for every
+      microbatch of a gradient accumulation): the GEMMs read it instead of quantizing
+      the weights in the call, with the same results; the gradients still go to w_gate_up
+      and w_down, none to the pair. One device, or inside a jax.shard_map that gives
+      each device every expert (not expert, data or tensor parallel). None: quantize in
+      the call.
 
   Returns:
     (..., D) in preferred_element_type.
@@ -219,6 +253,12 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     if d % fp8.BLOCK or f % fp8.BLOCK:
       raise ValueError(f'precision="fp8" needs D and F multiples of {fp8.BLOCK} (the scale'
                        f" blocks along every contraction); got D = {d}, F = {f}")
+  if fp8_weights is not None:
+    if not fp8_training:
+      raise ValueError(f"fp8_weights is for precision='fp8' (training from bf16 master"
+                       f" weights); got precision={precision!r}")
+    fp8_weights = _cached_pair(fp8_weights, e, d, gate_up_shape[-1] * (
+        2 if pair_axis else 1), f, dtype)
   k = topk_weights.shape[-1]
   tokens = math.prod(lead)
   plan = layer.Plan(activation=activation, precision=None if fp8_training else precision,
@@ -241,6 +281,11 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   else:
     data = parallel.token_axes(x2, axis, model)
   if axis is not None or data or model is not None:
+    if fp8_weights is not None:
+      raise ValueError("fp8_weights runs on one device, or inside a jax.shard_map that gives"
+                       " each device every expert; expert, data and tensor parallel forms"
+                       f" quantize in the call (axes here: expert {axis!r}, data {data!r},"
+                       f" model {model!r}): leave fp8_weights out")
     if quantized and model is not None:
       raise ValueError(f"fp8 expert pairs (quantize_experts) split over experts and tokens,"
                        f" not F: tensor parallelism over {model!r} is not available with"
@@ -274,6 +319,10 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if quantized:
     gate_up_scales, down_scales = sharding.whole(gate_up_scales, down_scales)
     w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
+  if fp8_weights is not None:  # the GEMMs read the copies; the gradients go to the weights
+    gate_up8, down8 = jax.tree.map(lambda a: sharding.whole(a)[0], fp8_weights)
+    w_gate_up, w_down = fp8.Master(w_gate_up, gate_up8), fp8.Master(w_down, down8)
+    form = fp8.TRAIN_CACHED
   weights2 = layer.routed(weights2, ids2, e)
   d_ = layer.dispatch(ids2, e)
   # Inside a user's jax.shard_map (tokens split over an axis the weights are whole on):

@@ -101,17 +101,20 @@ class Quantized:
   values: jax.Array
   scales: jax.Array
   dtype: Any
+  values_t: jax.Array | None = None  # a weight's values transposed, made once (or None)
 
   def pair(self, transposed: bool = False):
     """(values, scales); transposed (a weight), the same fp8 numbers and block scales
     read along the other axis: (E, N, K), K-major for the forward's rows @ w[e] (a
-    128x128 block's amax does not depend on the direction it is read in)."""
+    128x128 block's amax does not depend on the direction it is read in). The values
+    are transposed here unless values_t holds them already."""
     if not transposed:
       return self.values, self.scales
-    return jnp.swapaxes(self.values, 1, 2), jnp.swapaxes(self.scales, 1, 2)
+    values_t = jnp.swapaxes(self.values, 1, 2) if self.values_t is None else self.values_t
+    return values_t, jnp.swapaxes(self.scales, 1, 2)
 
 
-jax.tree_util.register_dataclass(Quantized, data_fields=["values", "scales"],
+jax.tree_util.register_dataclass(Quantized, data_fields=["values", "scales", "values_t"],
                                  meta_fields=["dtype"])
 
 
@@ -247,3 +250,64 @@ def layer_fp8_train(plan: layer.Plan, x, topk_weights, w_gate_up, w_down,
 
 TRAIN = layer.Form(layer_fp8_train, _train_forward, _train_backward,
                    prepare=_prepare8).defvjp()
+
+
+# ------------------------------------------------------- the training form, weights cached
+# Quantizing the weights is a pass over all of them: at DeepSeek-V3-like sizes (22.5 GB of
+# bf16 experts, ~256 rows each) it and the forward's transposes took 15 of the fp8 step's
+# 50 ms. With gradient accumulation the weights do not change between microbatches, so
+# they are quantized once per optimizer step (`quantize_experts_for_training`) and every
+# microbatch's layer reads the copies; the gradients still go to the bf16 weights.
+
+def quantize_experts_for_training(w_gate_up, w_down):
+  """(gate_up, down): the bf16 master weights w_gate_up (E, D, 2F) (or (E, D, 2, F)) and
+  w_down (E, F, D) quantized as `moe_mlp(precision="fp8")` quantizes them in each call
+  (e4m3, 128x128 blocks, as stored), with the forward's transposed copies made here too,
+  for `moe_mlp(..., precision="fp8", fp8_weights=(gate_up, down))`. Not differentiable:
+  make them from the weights of the current optimizer step, outside the gradient."""
+  for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+    if not hasattr(w, "ndim") or w.ndim not in (3, 4 if name == "w_gate_up" else 3):
+      raise ValueError(f"{name} must be a 3-D (E, ...) array (w_gate_up also (E, D, 2, F));"
+                       f" got {getattr(w, 'shape', w)!r}")
+    if w.shape[1] % BLOCK or w.shape[-1] % BLOCK:
+      raise ValueError(f"{name}.shape={tuple(w.shape)}: D and F must be multiples of"
+                       f" {BLOCK}, the fp8 scale block")
+  if w_gate_up.ndim == 4:
+    w_gate_up = jnp.reshape(w_gate_up, (*w_gate_up.shape[:2], -1))
+
+  def of(w):
+    w = jax.lax.stop_gradient(w)
+    values, scales = _quantize_weight(w, jnp.float8_e4m3fn)
+    return Quantized(values, scales, np.dtype(w.dtype), jnp.swapaxes(values, 1, 2))
+
+  return of(w_gate_up), of(w_down)
+
+
+@dataclasses.dataclass(frozen=True)
+class Master:
+  """A bf16 weight and its fp8 copy made from it: the layer's GEMMs read the copy (so
+  the weight's own values are not read), its gradient goes to the weight."""
+  weight: jax.Array
+  fp8: Quantized
+
+
+jax.tree_util.register_dataclass(Master, data_fields=["weight", "fp8"], meta_fields=[])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def layer_fp8_cached(plan: layer.Plan, x, topk_weights, w_gate_up: Master, w_down: Master,
+                     d: layer.Dispatch):
+  """`layer_fp8_train` on weights quantized before the call (`Master`)."""
+  return _train_forward(plan, x, topk_weights, w_gate_up.fp8, w_down.fp8, d)[0]
+
+
+def _cached_backward(plan, x, topk_weights, gate_up, down, d, saved, g):
+  """`_train_backward`'s gradients, each weight's on the `Master` it came in (None: the
+  fp8 copies get none)."""
+  dx, dweights, dw_gate_up, dw_down = _train_backward(plan, x, topk_weights, gate_up, down,
+                                                      d, saved, g)
+  return dx, dweights, Master(dw_gate_up, None), Master(dw_down, None)
+
+
+TRAIN_CACHED = layer.Form(layer_fp8_cached, _train_forward, _cached_backward,
+                          prepare=lambda gate_up, down: (gate_up.fp8, down.fp8)).defvjp()
