@@ -148,7 +148,8 @@ def test_a_plain_run_leaves_the_work_tree_clean():
 def test_moe_benchmark_writes_its_table(tmp_path):
   from benchmarks import moe  # noqa: PLC0415
   args = ["--configs", "qwen3", "--modes", "fwd,fwd+bwd", "--variants",
-          "moe_mlp,moe_mlp/fp8,moe_mlp/fp8-train,dense", "--kernels", "--out", str(tmp_path)]
+          "moe_mlp,moe_mlp/fp8,moe_mlp/fp8-train,moe_mlp/fp8-train-cached,dense", "--kernels",
+          "--out", str(tmp_path)]
   assert moe.main(args) == 0
   results = json.loads((tmp_path / "moe.json").read_text())["results"]
   # --kernels: each variant that ran has its kernels by name on a GPU (CUPTI), none elsewhere
@@ -157,9 +158,11 @@ def test_moe_benchmark_writes_its_table(tmp_path):
              if v["status"] == "ok")
   assert [r["mode"] for r in results] == ["fwd", "fwd+bwd"]
   assert {v: row["status"] for v, row in results[0]["variants"].items()} == {
-      "moe_mlp": "ok", "moe_mlp/fp8": "ok", "moe_mlp/fp8-train": "ok", "dense": "ok"}
+      "moe_mlp": "ok", "moe_mlp/fp8": "ok", "moe_mlp/fp8-train": "ok",
+      "moe_mlp/fp8-train-cached": "ok", "dense": "ok"}
   assert results[1]["variants"]["moe_mlp/fp8"] == dict(status="failed", reason="inference only")
   assert results[1]["variants"]["moe_mlp/fp8-train"]["status"] == "ok"
+  assert results[1]["variants"]["moe_mlp/fp8-train-cached"]["status"] == "ok"
 
 
 def test_expert_parallel_counts_leave_out_missing_devices(capsys):
