@@ -664,6 +664,56 @@ def test_fp8_training_expert_parallel(rng, exchange):
   _check_fp8(args, ct, got, grads)
 
 
+def _fp8_cached_step(layer, args, ct, cached):
+  """out and the four gradients of layer(precision="fp8") on placed args, the weights
+  quantized in the call (cached None) or given as fp8_weights (made here from them)."""
+  if cached:
+    cached = jax.jit(pallas_gemm.moe.quantize_experts_for_training)(*args[3:])
+  return _value_and_grads(functools.partial(layer, fp8_weights=cached or None), args, ct)
+
+
+@pytest.mark.parametrize("split, exchange", [("expert", "padded"), ("data", "padded"),
+                                             ("shard_map", "padded"),
+                                             *[("expert", e) for e in _exchanges()[1:]]])
+def test_fp8_training_on_cached_weights_split(rng, split, exchange):
+  # fp8_weights split as the weights are (on E over the expert axis; whole per device
+  # over a data axis; a user's shard_map passing each device its experts' copies): the
+  # numbers of the form that quantizes each device's weights in the call, bit for bit.
+  args = _problem(rng, 32, 128, 128, 8, 2, dtype=jnp.bfloat16)
+  layer = functools.partial(pallas_gemm.moe_mlp, precision="fp8", backend=_backend(),
+                            exchange=exchange)
+  if split == "data":
+    mesh = _mesh((2,), ("data",))
+    tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    args = [jax.device_put(a, tokens if i < 3 else whole) for i, a in enumerate(args)]
+  else:
+    mesh = _mesh(4)
+    args = _put(mesh, args)
+  if split == "shard_map":
+    inner = functools.partial(layer, expert_axis=AXIS)
+
+    def layer(x, w, ids, a, b, fp8_weights=None):
+      run = lambda *o: inner(*o[:5], fp8_weights=o[5] if o[5:] else None)  # noqa: E731
+      operands = (x, w, ids, a, b) + (() if fp8_weights is None else (fp8_weights,))
+      return jax.shard_map(run, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))(*operands)
+
+  ct = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
+  want = _fp8_cached_step(layer, args, ct, False)
+  got = _fp8_cached_step(layer, args, ct, True)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_fp8_cached_weights_tensor_parallel_is_refused(rng):
+  mesh = _mesh(2, (MODEL,))
+  args = _problem(rng, 16, 128, 256, 2, 2, dtype=jnp.bfloat16)
+  cached = pallas_gemm.moe.quantize_experts_for_training(*args[3:])
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="fp8_weights split over experts"):
+    pallas_gemm.moe_mlp(*args, precision="fp8", backend="xla", model_axis=MODEL,
+                        fp8_weights=cached)
+
+
 def test_mosaic_kernels_inside_shard_map_lower_for_the_gpu(as_on_a_gpu):
   # The fp8 family calls its Mosaic kernels (quantize, the fp8 grouped GEMM) without a
   # primitive of its own; inside shard_map their operands vary over the manual axes,

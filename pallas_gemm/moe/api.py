@@ -42,7 +42,7 @@ Semantics a user can rely on:
   in fp8; quantization is the identity to its gradients (`fp8.py`). With gradient
   accumulation, `fp8_weights=quantize_experts_for_training(w_gate_up, w_down)` made once
   per optimizer step lets each microbatch's layer skip that pass over the weights (one
-  device, or inside a jax.shard_map that gives each device every expert).
+  device, data and expert parallel; not tensor parallel).
 - fp8 inference: w_gate_up and w_down given as `quantize` pairs (`quantize_experts` makes
   them from the bf16 weights) run both grouped GEMMs in fp8 with block scales, activations
   quantized in the call (`fp8.py`); that form has no gradient. Expert and data parallel
@@ -163,9 +163,8 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
       w_down)` made from these very weights (e.g. once per optimizer step, for every
       microbatch of a gradient accumulation): the GEMMs read it instead of quantizing
       the weights in the call, with the same results; the gradients still go to w_gate_up
-      and w_down, none to the pair. One device, or inside a jax.shard_map that gives
-      each device every expert (not expert, data or tensor parallel). None: quantize in
-      the call.
+      and w_down, none to the pair. On one device, data and expert parallel (the pair
+      split as the weights are, on E), not tensor parallel. None: quantize in the call.
 
   Returns:
     (..., D) in preferred_element_type.
@@ -281,17 +280,19 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   else:
     data = parallel.token_axes(x2, axis, model)
   if axis is not None or data or model is not None:
-    if fp8_weights is not None:
-      raise ValueError("fp8_weights runs on one device, or inside a jax.shard_map that gives"
-                       " each device every expert; expert, data and tensor parallel forms"
-                       f" quantize in the call (axes here: expert {axis!r}, data {data!r},"
-                       f" model {model!r}): leave fp8_weights out")
+    if fp8_weights is not None and model is not None:
+      raise ValueError(f"fp8_weights split over experts and tokens, not F: tensor parallelism"
+                       f" over {model!r} quantizes in the call; leave fp8_weights out")
     if quantized and model is not None:
       raise ValueError(f"fp8 expert pairs (quantize_experts) split over experts and tokens,"
                        f" not F: tensor parallelism over {model!r} is not available with"
                        " them")
     if quantized:  # the (values, scales) pairs travel whole: E splits them both
       w_gate_up, w_down = (w_gate_up, gate_up_scales), (w_down, down_scales)
+    elif fp8_weights is not None:  # each weight with its copies, E split alike
+      w_gate_up, w_down = (fp8.Master(jnp.reshape(w_gate_up, (e, d, -1)), fp8_weights[0]),
+                           fp8.Master(w_down, fp8_weights[1]))
+      form = fp8.TRAIN_CACHED
     elif not pair_axis:
       if model is not None and gated and (
           parallel.splits_last_dim(w_gate_up)

@@ -276,8 +276,8 @@ def _capped_fwd(form, plan, cap, x, weights, w_gate_up, w_down, d):
   gate_up, down = form.prepared(w_gate_up, w_down)
   saved_shapes = jax.eval_shape(lambda *a: form.forward(plan, *a, small)[1],
                                 x, weights, gate_up, down)
-  vary = frozenset().union(*(sharding.varying_axes(a) for a in (x, weights, w_gate_up,
-                                                                  w_down, d.inverse)))
+  vary = frozenset().union(*map(sharding.varying_axes, jax.tree.leaves(
+      (x, weights, w_gate_up, w_down, d.inverse))))
   typed = lambda tree: jax.tree.map(  # noqa: E731 - one type for both branches' outputs
       lambda a: sharding.cast_varying(a, tuple(sorted(vary))), tree)
 
@@ -459,7 +459,7 @@ def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exch
   of F and all of the device group's tokens: its partial sums, in the result's dtype,
   are added over the axis (one all-reduce of (T_l, D), as a row-parallel linear layer's;
   the backward all-reduces d x)."""
-  if not isinstance(w_gate_up, tuple):  # fp8 pairs (values, scales) come as they are
+  if getattr(w_gate_up, "ndim", None) == 4:  # fp8 pairs and `fp8.Master`s come as they are
     e, d, g, f = w_gate_up.shape
     w_gate_up = w_gate_up.reshape(e, d, g * f)  # this device's [gate_l | up_l]
   e = _experts(w_down)
@@ -485,17 +485,21 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
   expert axis the experts over it, and with a model axis F over it (tensor parallel).
   w_gate_up comes as (E, D, G, F): G = 2 for [gate | up], 1 otherwise, so that a split
   of F keeps each device's gate and up columns together; for the fp8 inference form
-  (`fp8.INFER`) both weights are `quantize_experts` pairs, split on E only. Inside a
+  (`fp8.INFER`) both weights are `quantize_experts` pairs, and for the fp8 training form
+  on weights quantized before the call (`fp8.TRAIN_CACHED`) `fp8.Master`s, (E, D, W) and
+  (E, F, D) with their copies: each split on E only. Inside a
   manual `axis` or `model_axis` (a user's jax.shard_map): this device's shard.
   Otherwise a `jax.shard_map` over those axes: expert-parallel over `axis`, each group
   of devices along data_axes on its own tokens (no communication), and without an
-  expert axis each device runs form (`layer.LAYER`, `fp8.TRAIN` or `fp8.INFER`), whose
+  expert axis each device runs form (`layer.LAYER`, `fp8.TRAIN`, `fp8.TRAIN_CACHED` or
+  `fp8.INFER`), whose
   F must be a multiple of f_multiple on each device."""
   names = (*data_axes, *(() if axis is None else (axis,)))
   split = tuple(a for a in (axis, model_axis) if a is not None)
   mesh = _mesh_with(names + (() if model_axis is None else (model_axis,)),
                     (*jax.tree.leaves(w_down), *jax.tree.leaves(w_gate_up), x))
-  pairs = isinstance(w_gate_up, tuple)  # fp8 (values, scales): E split, nothing else
+  # fp8 (values, scales) pairs and weights with their fp8 copies: E split, nothing else
+  pairs = not hasattr(w_gate_up, "ndim")
   e = _experts(w_down)
   manual = [a for a in split if a in mesh.manual_axes]
   if manual:
@@ -527,13 +531,14 @@ def run(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *,
     topk_ids = jnp.pad(topk_ids, ((0, pad), (0, 0)), constant_values=-1)
   P = jax.sharding.PartitionSpec
   tokens = P(sharding.entry(names))
-  specs = (tokens, tokens, tokens) + (((P(axis),) * 2,) * 2 if pairs else (
+  specs = (tokens, tokens, tokens) + ((P(axis),) * 2 if pairs else (
       P(axis, None, None, model_axis), P(axis, model_axis)))
   args = (x, topk_weights, topk_ids, w_gate_up, w_down)
   explicit = bool((set(names) | set(split)) & set(getattr(mesh, "explicit_axes", ())))
   if explicit:  # Explicit axes type every value: move them to the split they need
-    args = jax.tree.map(lambda a, spec: jax.sharding.reshard(
-        a, jax.sharding.NamedSharding(mesh, spec)), args, specs)
+    args = jax.tree.map(lambda spec, arg: jax.tree.map(lambda a: jax.sharding.reshard(
+        a, jax.sharding.NamedSharding(mesh, spec)), arg), specs, args,
+        is_leaf=lambda s: isinstance(s, P))
   def body(x, weights, ids, w_gate_up, w_down):
     return _sharded(plan, x, weights, ids, w_gate_up, w_down, axis=axis,
                     model_axis=model_axis, exchange=exchange, chunks=chunks,
