@@ -7,8 +7,9 @@
 Modules: api.py (moe_mlp: checks and semantics), layer.py (the dataflow and its
 gradients, gathers only), parallel.py (expert parallelism: the experts split over a mesh
 axis, rows exchanged by all-to-all), fp8.py (the fp8 inference and training forms,
-`quantize_experts` and `quantize_experts_for_training`), routing.py (routers and the load-balancing loss),
-flax_block.py (a Flax MoE block; needs the `flax` extra, imported on its own).
+`quantize_experts` and `quantize_experts_for_training`), routing.py (routers and the
+load-balancing loss), flax_block.py (a Flax MoE block; needs the `flax` extra, imported
+on its own).
 """
 
 from pallas_gemm.moe.api import moe_mlp
