@@ -672,9 +672,10 @@ def _fp8_cached_step(layer, args, ct, cached):
   return _value_and_grads(functools.partial(layer, fp8_weights=cached or None), args, ct)
 
 
-@pytest.mark.parametrize("split, exchange", [("expert", "padded"), ("data", "padded"),
-                                             ("shard_map", "padded"),
-                                             *[("expert", e) for e in _exchanges()[1:]]])
+@pytest.mark.parametrize("split, exchange", [
+    ("expert", "padded"), ("data", "padded"), ("shard_map", "padded"),
+    pytest.param("expert", "ragged", marks=pytest.mark.skipif(
+        not ON_GPU, reason="XLA:CPU does not implement ragged-all-to-all"))])
 def test_fp8_training_on_cached_weights_split(rng, split, exchange):
   # fp8_weights split as the weights are (on E over the expert axis; whole per device
   # over a data axis; a user's shard_map passing each device its experts' copies): the
@@ -686,8 +687,8 @@ def test_fp8_training_on_cached_weights_split(rng, split, exchange):
     mesh = _mesh((2,), ("data",))
     tokens, whole = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
     args = [jax.device_put(a, tokens if i < 3 else whole) for i, a in enumerate(args)]
-  else:
-    mesh = _mesh(4)
+  else:  # two devices: the ragged exchange runs wherever two GPUs do
+    mesh = _mesh(2)
     args = _put(mesh, args)
   if split == "shard_map":
     inner = functools.partial(layer, expert_axis=AXIS)
