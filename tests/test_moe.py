@@ -355,6 +355,14 @@ def test_fp8_cached_weights_bad_input(rng):
     layer(precision="fp8", fp8_weights=as_f32)
   with pytest.raises(ValueError, match="multiples of 128"):
     moe.quantize_experts_for_training(wgu[:, :, :64], wd)
+  with pytest.raises(TypeError, match=r"w_gate_up.dtype must be .* got int32"):
+    moe.quantize_experts_for_training(wgu.astype(jnp.int32), wd)
+  with pytest.raises(TypeError, match="w_down must be an array; got list"):
+    moe.quantize_experts_for_training(wgu, [[1.0]])
+  with pytest.raises(ValueError, match=r"E, D = \(2, 128\) from w_down"):
+    moe.quantize_experts_for_training(jnp.concatenate([wgu, wgu]), wd)
+  with pytest.raises(TypeError, match=r"got tuple of \(tuple, tuple\)"):
+    layer(precision="fp8", fp8_weights=moe.quantize_experts(wgu, wd))
 
 
 # ----------------------------------------------------------------------------- routers

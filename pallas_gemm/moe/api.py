@@ -94,8 +94,14 @@ def _cached_pair(fp8_weights, e: int, d: int, w: int, f: int, dtype):
   if (not isinstance(fp8_weights, (tuple, list)) or len(fp8_weights) != 2
       or not all(isinstance(q, fp8.Quantized) and q.values_t is not None
                  for q in fp8_weights)):
+    got = type(fp8_weights).__name__
+    if isinstance(fp8_weights, (tuple, list)):
+      got += " of (" + ", ".join(
+          "Quantized without transposed values" if isinstance(q, fp8.Quantized)
+          else type(q).__name__ for q in fp8_weights) + ")"
     raise TypeError("fp8_weights must be the pair quantize_experts_for_training(w_gate_up,"
-                    f" w_down) returns; got {type(fp8_weights).__name__}")
+                    f" w_down) returns (quantize_experts' pairs are the inference form's"
+                    f" weights); got {got}")
   for name, q, (k, n) in (("fp8_weights[0]", fp8_weights[0], (d, w)),
                           ("fp8_weights[1]", fp8_weights[1], (f, d))):
     want = ((e, k, n), (e, k // fp8.BLOCK, n // fp8.BLOCK), (e, n, k))

@@ -4,6 +4,8 @@
     gate_up8, down8 = quantize_experts(w_gate_up, w_down)   # once, e.g. after loading
     out = moe_mlp(x, weights, ids, gate_up8, down8)         # fp8 GEMMs, x's dtype out
     out = moe_mlp(x, weights, ids, w_gate_up, w_down, precision="fp8")   # differentiable
+    cached = quantize_experts_for_training(w_gate_up, w_down)   # once per optimizer step
+    out = moe_mlp(x, weights, ids, w_gate_up, w_down, precision="fp8", fp8_weights=cached)
 
 DeepSeek-V3's recipe for the blocks: weights in 128x128 blocks per expert, K-major; the
 activations that enter each GEMM (the gathered rows of x, and act(gate) * up) in 1x128
@@ -28,7 +30,10 @@ treats quantization as the identity in its gradients (straight through):
 - weight gradients: in the weights' dtype on the bf16 weight-gradient kernel, as
   `fp8_dot_general(wgrad="input")` (there is no grouped fp8 weight-gradient kernel; the
   dense layer's fastest step, `wgrad="fp8-block"`, runs them in fp8).
-D and F must be multiples of 128, the scale blocks along every contraction.
+D and F must be multiples of 128, the scale blocks along every contraction. With
+`fp8_weights` (`layer_fp8_cached`) the weights come quantized before the call, the same
+numbers as above plus the forward's transposed values: nothing is quantized or transposed
+per call, and the gradients still go to the bf16 weights.
 """
 
 from __future__ import annotations
@@ -95,13 +100,16 @@ class Quantized:
     1x128 block scales (T, D/128); dtype, which the layer's intermediates take (x's);
   - a weight w (E, K, N) of the training form (`_prepare8`), K the forward's
     contraction: e4m3 values as stored, (E, K, N), with 128x128 block scales (E, K/128,
-    N/128), quantized once per layer call: K-major for the input gradient, which
-    contracts N; dtype, its gradient's. The backward reads these instead of the weight:
-    half its bytes kept."""
+    N/128), quantized once per layer call (or once per optimizer step:
+    `quantize_experts_for_training`): K-major for the input gradient, which contracts N;
+    dtype, its gradient's. The backward reads these instead of the weight: half its
+    bytes kept. values_t: the values transposed, (E, N, K), K-major for the forward,
+    where they were made once with the values (`quantize_experts_for_training`); None:
+    `pair(transposed=True)` transposes them in the call."""
   values: jax.Array
   scales: jax.Array
   dtype: Any
-  values_t: jax.Array | None = None  # a weight's values transposed, made once (or None)
+  values_t: jax.Array | None = None
 
   def pair(self, transposed: bool = False):
     """(values, scales); transposed (a weight), the same fp8 numbers and block scales
@@ -266,12 +274,22 @@ def quantize_experts_for_training(w_gate_up, w_down):
   for `moe_mlp(..., precision="fp8", fp8_weights=(gate_up, down))`. Not differentiable:
   make them from the weights of the current optimizer step, outside the gradient."""
   for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
-    if not hasattr(w, "ndim") or w.ndim not in (3, 4 if name == "w_gate_up" else 3):
-      raise ValueError(f"{name} must be a 3-D (E, ...) array (w_gate_up also (E, D, 2, F));"
-                       f" got {getattr(w, 'shape', w)!r}")
+    if not hasattr(w, "ndim") or not hasattr(w, "dtype"):
+      raise TypeError(f"{name} must be an array; got {type(w).__name__}")
+    if np.dtype(w.dtype) not in (np.dtype(np.float32), np.dtype(jnp.bfloat16),
+                                 np.dtype(np.float16)):
+      raise TypeError(f"{name}.dtype must be float32, bfloat16 or float16; got"
+                      f" {np.dtype(w.dtype)}")
+    if w.ndim not in (3, 4 if name == "w_gate_up" else 3):
+      raise ValueError(f"{name} must be 3-D, (E, D, 2F) / (E, F, D) (w_gate_up also"
+                       f" (E, D, 2, F)); got shape {tuple(w.shape)}")
     if w.shape[1] % BLOCK or w.shape[-1] % BLOCK:
       raise ValueError(f"{name}.shape={tuple(w.shape)}: D and F must be multiples of"
                        f" {BLOCK}, the fp8 scale block")
+  e, f, d = w_down.shape
+  if tuple(w_gate_up.shape[:2]) != (e, d):
+    raise ValueError(f"w_gate_up must be (E, D, ...) with E, D = {(e, d)} from w_down"
+                     f" (E, F, D) = {tuple(w_down.shape)}; got shape {tuple(w_gate_up.shape)}")
   if w_gate_up.ndim == 4:
     w_gate_up = jnp.reshape(w_gate_up, (*w_gate_up.shape[:2], -1))
 

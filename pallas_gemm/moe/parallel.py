@@ -318,8 +318,8 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
   through the steps on its own: no chunk's values depend on another's, so XLA may run one
   chunk's exchanges while another's GEMMs run. The weight gradients are the sum of the
   chunks'. form: the one-device layer each device runs on the rows it received
-  (`layer.LAYER`, the fp8 training form `fp8.TRAIN`, or the fp8 inference form
-  `fp8.INFER`, whose rows travel quantized)."""
+  (`layer.LAYER`, the fp8 training forms `fp8.TRAIN` and `fp8.TRAIN_CACHED`, or the fp8
+  inference form `fp8.INFER`, whose rows travel quantized)."""
   t = x.shape[0]
   chunks = max(1, min(chunks, t))
   if chunks > 1:
@@ -373,7 +373,8 @@ def local(plan: layer.Plan, x, topk_weights, topk_ids, w_gate_up, w_down, *, axi
 
 
 def _experts(w_down) -> int:
-  """E of w_down, an array or a `quantize_experts` pair (values, scales)."""
+  """E of w_down: an array, a `quantize_experts` pair (values, scales) or an `fp8.Master`
+  (the weight its first leaf)."""
   return jax.tree.leaves(w_down)[0].shape[0]
 
 
@@ -454,7 +455,8 @@ def _mesh_with(names: tuple[str, ...], arrays):
 def _sharded(plan, x, weights, ids, w_gate_up, w_down, *, axis, model_axis, exchange,
              chunks, form):
   """One device's layer inside the manual axes: w_gate_up (E_l, D, G, F_l), G = 2 for
-  [gate | up] and 1 otherwise (or, fp8 inference, the pairs of E_l experts).
+  [gate | up] and 1 otherwise (or the E_l experts' fp8 inference pairs, or their
+  `fp8.Master`s: (E_l, D, W) with its fp8 copies).
   Expert-parallel over `axis` (if any); over `model_axis` (if any) each device holds F_l
   of F and all of the device group's tokens: its partial sums, in the result's dtype,
   are added over the axis (one all-reduce of (T_l, D), as a row-parallel linear layer's;
