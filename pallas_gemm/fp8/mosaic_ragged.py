@@ -171,8 +171,9 @@ def ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, out_dtype=jnp.
   if config is None:
     config = default_config(m, g, out_dtype)
   if config.wg_split != "m" or config.cluster_size != 1 or 128 % config.block_n:
-    # Wider column tiles (128 x 192: a tile across two weight blocks) stopped the kernel
-    # with CUDA_ERROR_MISALIGNED_ADDRESS on the H200, where the dense kernel runs them.
+    # Wider column tiles (128 x 192: a tile across two weight blocks) are not offered: on
+    # the H200 they have both run (bit for bit the 128-wide tiles' results) and stopped
+    # with CUDA_ERROR_MISALIGNED_ADDRESS, and the failing case is not isolated.
     raise ValueError(f"config: the grouped kernel takes tiles split among warpgroups along"
                      f" m (wg_split='m'), no clusters, and block_n dividing 128 (a column"
                      f" tile inside one 128x128 weight block); got {config}")
