@@ -268,7 +268,8 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   tokens = math.prod(lead)
   plan = layer.Plan(activation=activation, precision=None if fp8_training else precision,
                     out_dtype=out_dtype, backend=backend, config=config)
-  form = fp8.INFER if quantized else fp8.TRAIN if fp8_training else layer.LAYER
+  form = (fp8.INFER if quantized else layer.LAYER if not fp8_training
+          else fp8.TRAIN if fp8_weights is None else fp8.TRAIN_CACHED)
   x2 = jnp.reshape(x, (tokens, d))
   weights2 = jnp.reshape(topk_weights, (tokens, k))
   ids2 = jnp.reshape(topk_ids, (tokens, k))
@@ -298,7 +299,6 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
     elif fp8_weights is not None:  # each weight with its copies, E split alike
       w_gate_up, w_down = (fp8.Master(jnp.reshape(w_gate_up, (e, d, -1)), fp8_weights[0]),
                            fp8.Master(w_down, fp8_weights[1]))
-      form = fp8.TRAIN_CACHED
     elif not pair_axis:
       if model is not None and gated and (
           parallel.splits_last_dim(w_gate_up)
@@ -329,7 +329,6 @@ def moe_mlp(x, topk_weights, topk_ids, w_gate_up, w_down, *, activation: str = "
   if fp8_weights is not None:  # the GEMMs read the copies; the gradients go to the weights
     gate_up8, down8 = jax.tree.map(lambda a: sharding.whole(a)[0], fp8_weights)
     w_gate_up, w_down = fp8.Master(w_gate_up, gate_up8), fp8.Master(w_down, down8)
-    form = fp8.TRAIN_CACHED
   weights2 = layer.routed(weights2, ids2, e)
   d_ = layer.dispatch(ids2, e)
   # Inside a user's jax.shard_map (tokens split over an axis the weights are whole on):

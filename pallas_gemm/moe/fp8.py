@@ -212,13 +212,17 @@ def _infer(plan: layer.Plan, x, topk_weights, w_gate_up, w_down, d: layer.Dispat
 INFER = layer.Form(_infer, None, None, send=send8, receive=receive8)
 
 
+def _quantized_master(w, with_transposed: bool = False) -> Quantized:
+  """A training-form weight quantized as stored (e4m3, 128x128 blocks), with its values
+  transposed for the forward too where asked."""
+  values, scales = _quantize_weight(w, jnp.float8_e4m3fn)
+  return Quantized(values, scales, np.dtype(w.dtype),
+                   jnp.swapaxes(values, 1, 2) if with_transposed else None)
+
+
 def _prepare8(w_gate_up, w_down):
   """The training form's weights, each quantized once as stored (`Quantized`)."""
-  def of(w):
-    values, scales = _quantize_weight(w, jnp.float8_e4m3fn)
-    return Quantized(values, scales, np.dtype(w.dtype))
-
-  return of(w_gate_up), of(w_down)
+  return _quantized_master(w_gate_up), _quantized_master(w_down)
 
 
 def _product(plan: layer.Plan, group_sizes, dtype):
@@ -293,12 +297,8 @@ def quantize_experts_for_training(w_gate_up, w_down):
   if w_gate_up.ndim == 4:
     w_gate_up = jnp.reshape(w_gate_up, (*w_gate_up.shape[:2], -1))
 
-  def of(w):
-    w = jax.lax.stop_gradient(w)
-    values, scales = _quantize_weight(w, jnp.float8_e4m3fn)
-    return Quantized(values, scales, np.dtype(w.dtype), jnp.swapaxes(values, 1, 2))
-
-  return of(w_gate_up), of(w_down)
+  return tuple(_quantized_master(jax.lax.stop_gradient(w), with_transposed=True)
+               for w in (w_gate_up, w_down))
 
 
 @dataclasses.dataclass(frozen=True)
