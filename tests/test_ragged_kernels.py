@@ -238,6 +238,12 @@ def test_forward_rejects_bad_operands():
   with pytest.raises(ValueError, match="group_sizes"):
     mosaic_forward.forward(lhs, jnp.zeros((2, 16, 8), jnp.bfloat16), jnp.zeros(1, jnp.int32),
                            interpret=True)
+  # 64-byte epilogue rows (32 bfloat16 columns): single-row TMA stores would start on
+  # addresses that are not 128-byte aligned.
+  with pytest.raises(ValueError, match=r"epi_block_n=32 makes 64-byte rows.*multiple of 64"):
+    mosaic_forward.forward(lhs, jnp.zeros((2, 16, 64), jnp.bfloat16), jnp.full(2, 4, jnp.int32),
+                           config=Config(block_m=128, block_n=64, wg_split="m", epi_block_n=32),
+                           interpret=True)
 
 
 # ----------------------------------------------------------------------------

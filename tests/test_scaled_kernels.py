@@ -539,18 +539,21 @@ def test_wide_scales_and_nan_on_the_gpu(rng):
          interpret=False)
 
 
-@pytest.mark.parametrize("m, g, block_m", [(1024, 128, 64), (65536, 128, 128)],
-                         ids=["decode", "prefill"])
-def test_ragged_kernel_lowers_for_cuda(m, g, block_m):
+@pytest.mark.parametrize("m, n, g, tile", [(1024, 2048, 128, (64, 128)),
+                                            (65536, 2048, 128, (128, 192)),
+                                            (65536, 200, 128, (128, 128))],
+                         ids=["decode", "prefill", "prefill-narrow"])
+def test_ragged_kernel_lowers_for_cuda(m, n, g, tile):
   # The grouped kernel's default tiles: 64 rows on one warpgroup where groups average
-  # under 64 rows (a decode step), else 128 x 128 on two.
+  # under 64 rows (a decode step), else 128 x 192 on two, or 128 x 128 where 192-wide
+  # tiles would pad N by over 5% (N = 200).
   from pallas_gemm.fp8 import mosaic_ragged  # noqa: PLC0415
-  k, n = 768, 2048
-  cfg = mosaic_ragged.default_config(m, g, jnp.bfloat16)
-  assert cfg.block_m == block_m and cfg.num_compute_wgs == block_m // 64
+  k = 768
+  cfg = mosaic_ragged.default_config(m, n, g, jnp.bfloat16)
+  assert (cfg.block_m, cfg.block_n) == tile and cfg.num_compute_wgs == tile[0] // 64
   args = (jax.ShapeDtypeStruct((m, k), E4M3), jax.ShapeDtypeStruct((g, n, k), E4M3),
           jax.ShapeDtypeStruct((g,), jnp.int32), jax.ShapeDtypeStruct((m, k // 128), jnp.float32),
-          jax.ShapeDtypeStruct((g, n // 128, k // 128), jnp.float32))
+          jax.ShapeDtypeStruct((g, -(-n // 128), k // 128), jnp.float32))
   fn = lambda *a: mosaic_ragged.ragged_gemm(*a, config=cfg.replace(num_sms=132))  # noqa: E731
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text

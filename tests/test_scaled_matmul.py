@@ -20,6 +20,7 @@ from conftest import ON_GPU, jax_config, random
 from pallas_gemm.testing import reference
 from pallas_gemm.fp8 import api, checks, scales
 from pallas_gemm.fp8 import xla as sm_xla
+from pallas_gemm.fp8.config import Config
 
 sm = pallas_gemm  # the public names: sm.scaled_matmul, sm.quantize, ...
 
@@ -560,13 +561,20 @@ _RAGGED_CASES = [(300, 256, 200, (50, 0, 130, 97)),
                  (40, 128, 64, (3, 0, 30))]  # one K step, N under one column tile
 
 
-@pytest.mark.parametrize("backend", ["xla", "mosaic"])
+# The grouped kernel's column tiles: its defaults, and 128 x 192 (a tile across two
+# 128-column weight blocks, cut into 64-wide pieces for their scales).
+_WIDE = Config(block_m=128, block_n=192, stages=4)
+
+
+@pytest.mark.parametrize("backend, config", [("xla", None), ("mosaic", None),
+                                             ("mosaic", _WIDE)], ids=["xla", "mosaic", "192"])
 @pytest.mark.parametrize("m, k, n, sizes", _RAGGED_CASES)
-def test_scaled_ragged_dot(rng, backend, m, k, n, sizes):
+def test_scaled_ragged_dot(rng, backend, config, m, k, n, sizes):
   _skip_backend(backend)
   x8, w8, sizes, sx, sw = _ragged_operands(rng, m, k, n, sizes)
   for out_dtype in (np.float32, jnp.bfloat16)[:1 if backend == "mosaic" and not ON_GPU else 2]:
-    out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, out_dtype, backend=backend)
+    out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, out_dtype, backend=backend,
+                               config=config)
     _check_ragged(out, x8, w8, sizes, sx, sw, np.dtype(out_dtype))
 
 
@@ -584,14 +592,15 @@ def test_scaled_ragged_dot_wide_scales_e5m2_and_nan(rng, backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, _WIDE], ids=["default", "192"])
 @pytest.mark.parametrize("kind", ["uniform", "pareto", "zeros"])
-def test_scaled_ragged_dot_at_size(rng, kind):
+def test_scaled_ragged_dot_at_size(rng, kind, config):
   # MoE-sized: 8 experts, a skewed router (pareto), half the experts empty (zeros).
   from pallas_gemm.testing import grouped_shapes as shapes  # noqa: PLC0415
   m, k, n, g = 4096, 2048, 1408, 8
   sizes = shapes.group_sizes(kind, g, m, rng)
   x8, w8, sizes, sx, sw = _ragged_operands(rng, m, k, n, sizes)
-  out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, jnp.bfloat16)
+  out = sm.scaled_ragged_dot(x8, w8, jnp.asarray(sizes), sx, sw, jnp.bfloat16, config=config)
   _check_ragged(out, x8, w8, sizes, sx, sw, np.dtype(jnp.bfloat16))
 
 
@@ -634,10 +643,12 @@ def test_scaled_ragged_dot_bad_input(rng):
   with pytest.raises(TypeError, match="preferred_element_type"):
     f(x8, w8, gs, sx, sw, jnp.int8)
   if checks.mosaic_unavailable_reason() is None:
-    from pallas_gemm.fp8.config import Config  # noqa: PLC0415
-    with pytest.raises(ValueError, match="block_n dividing 128"):
-      f(x8, w8, gs, sx, sw, config=Config(block_m=128, block_n=192, stages=2),
+    with pytest.raises(ValueError, match="block_n dividing 128 or a multiple of 64"):
+      f(x8, w8, gs, sx, sw, config=Config(block_m=128, block_n=160, stages=2, epi_block_n=16),
         backend="mosaic")
+    with pytest.raises(ValueError, match=r"epi_block_n=32 makes 64-byte rows of a bfloat16"):
+      f(x8, w8, gs, sx, sw, jnp.bfloat16, config=Config(block_m=128, block_n=128, stages=2,
+                                                        epi_block_n=32), backend="mosaic")
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -170,7 +170,7 @@ def check(config: Config, out_dtype, *, k: int | None = None, promoted: bool,
         " lower stages, block_m/block_n or epi_block_m/epi_block_n")
 
 
-def _pads_within(n: int, block_n: int) -> bool:
+def pads_within(n: int, block_n: int) -> bool:
   """Whether block_n-wide tiles compute at most 5% more columns than 128-wide ones."""
   return round_up(n, block_n) <= 1.05 * round_up(n, 128)
 
@@ -218,9 +218,9 @@ def default_config(m: int, n: int, k: int, *, out_dtype, promoted: bool,
   if m <= 64:
     cfg = Config(block_m=64, block_n=256, wg_split="n", stages=5 if promoted else 6)
   elif promoted and not column_scales and (step_scales or m * n >= 6144 * 6144) and (
-      _pads_within(n, 192)):
+      pads_within(n, 192)):
     cfg = Config(block_m=128, block_n=192, wg_split="m", stages=4)
-  elif (promoted and not step_scales and not column_scales and _pads_within(n, 176)
+  elif (promoted and not step_scales and not column_scales and pads_within(n, 176)
         and (m % 8 == 0 or jnp.dtype(out_dtype).itemsize < 4)):
     cfg = Config(block_m=128, block_n=176, wg_split="m", stages=4, epi_block_n=16)
   elif promoted:

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.fp8 import mosaic_gemm as fp8_mosaic
-from pallas_gemm.fp8.config import BLOCK_K, Config, check, streams_weights
+from pallas_gemm.fp8.config import BLOCK_K, Config, check, pads_within, streams_weights
 from pallas_gemm.mgpu import launch, ring, rows, scaled_k
 from pallas_gemm.mgpu.layout import (pad_for_tma, pad_to, round_up, row_transforms,
                                      swizzle_transforms, tma_tile)
@@ -44,18 +44,25 @@ _PLAN = fp8_mosaic.Plan(lhs_step=True, rhs_step="block", epi_scalar=False, epi_r
                         epi_cols=False, promoted=True, rhs_shared=False)
 
 
-def default_config(m: int, g: int, out_dtype) -> Config:
-  """128 x 128 tiles (two 64-row warpgroup tiles: 64 + 64 accumulator registers), 5
-  stages. A group's last row tile is partly wasted work, so the narrower tile of the two
-  the dense kernel runs; its two 64x64 epilogue sub-tiles per warpgroup also keep every
-  item's stores a multiple of the two epilogue slots (`rows.store_subtiles`).
-  Decode-like calls (fewer than 64 rows a group on average: the kernel streams the
+def default_config(m: int, n: int, g: int, out_dtype) -> Config:
+  """128 x 192 tiles (two 64-row warpgroup tiles: 96 + 96 accumulator registers, the
+  f32 sum and the block accumulator; each warpgroup's 192 columns in three 64-wide pieces
+  for the 128x128 weight blocks' scales), 4 stages: more MMA per promotion and per byte
+  of shared memory than 128 x 128 (5 stages). On the H200 (CUPTI, routed group sizes,
+  results bit for bit the same): 1.29x / 1.20x the 128 x 128 tiles at the Mixtral-like
+  gate-up / down GEMMs, 1.12x / 1.05x at the Qwen3-like ones. Where 192-wide tiles would
+  compute over 5% more columns than 128-wide ones (N = 200), 128 x 128.
+  A group's last row tile is partly wasted work, so 128 rows, not the dense kernel's
+  256. Decode-like calls (fewer than 64 rows a group on average: the kernel streams the
   experts' weights) take 64 x 128 tiles on one consumer warpgroup and an 8-deep ring: on
   the H200 at 1024 rows over 128 / 256 experts, 1.11-1.14x the 128 x 128 tiles (whose
-  128-row lhs tiles are mostly other groups' rows), the same results bit for bit."""
-  epi_n = 32 if jnp.dtype(out_dtype).itemsize == 4 else 64
+  128-row lhs tiles are mostly other groups' rows), the same results bit for bit.
+  Epilogue sub-tiles have 128-byte rows (`rows.check_row_stores`)."""
+  epi_n = rows.ROW_BYTES // max(jnp.dtype(out_dtype).itemsize, 2)
   if streams_weights(m, g):
     return Config(block_m=64, block_n=128, stages=8, num_compute_wgs=1, epi_block_n=epi_n)
+  if pads_within(n, 192):
+    return Config(block_m=128, block_n=192, stages=4, epi_block_n=epi_n)
   return Config(block_m=128, block_n=128, stages=5, epi_block_n=epi_n)
 
 
@@ -169,15 +176,16 @@ def ragged_gemm(lhs, rhs, group_sizes, lhs_scales, rhs_scales, *, out_dtype=jnp.
   g, n, _ = rhs.shape
   out_dtype = jnp.dtype(out_dtype)
   if config is None:
-    config = default_config(m, g, out_dtype)
-  if config.wg_split != "m" or config.cluster_size != 1 or 128 % config.block_n:
-    # Wider column tiles (128 x 192: a tile across two weight blocks) are not offered: on
-    # the H200 they have both run (bit for bit the 128-wide tiles' results) and stopped
-    # with CUDA_ERROR_MISALIGNED_ADDRESS, and the failing case is not isolated.
+    config = default_config(m, n, g, out_dtype)
+  if config.wg_split != "m" or config.cluster_size != 1 or (128 % config.block_n
+                                                             and config.block_n % 64):
+    # A column tile lies in one 128-column weight block (block_n dividing 128) or is cut
+    # into 64-wide pieces that each do (`scaled_k.block_pieces`: 128 x 192 tiles).
     raise ValueError(f"config: the grouped kernel takes tiles split among warpgroups along"
-                     f" m (wg_split='m'), no clusters, and block_n dividing 128 (a column"
-                     f" tile inside one 128x128 weight block); got {config}")
+                     f" m (wg_split='m'), no clusters, and block_n dividing 128 or a"
+                     f" multiple of 64; got {config}")
   check(config, out_dtype, k=k, promoted=True, row_scales=True)
+  rows.check_row_stores(config.epi_block_n, out_dtype, "scaled_ragged_dot")
   if m == 0 or n == 0 or k == 0 or g == 0:
     return jnp.zeros((m, n), out_dtype)
   bm, bn = config.block_m, config.block_n

@@ -57,8 +57,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_gemm.core import epilogue
 from pallas_gemm.mgpu import launch, ring
-from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, local_rows, row_items,
-                                   store_rows, store_subtiles)
+from pallas_gemm.mgpu.rows import (GROUP, HI, LO, ROW8, ROW_ALIGN, check_row_stores,
+                                   local_rows, row_items, store_rows, store_subtiles)
 from pallas_gemm.mgpu.layout import (pad_for_tma, round_up, row_transforms, swizzle_transforms,
                                      tma_tile)
 from pallas_gemm.grouped.config import Config, check_smem, default_config
@@ -306,6 +306,7 @@ def _launch(lhs, rhs, group_sizes, group_offset, *, m, k, n, out_dtype, config, 
   dtype = jnp.dtype(lhs.dtype)
   bm, bn, bk = config.block_m, config.block_n, config.block_k
   config.check_tiles(bm)
+  check_row_stores(config.epi_block_n, out_dtype, "ragged_dot")
   b_cols = bn if gate is None else 2 * bn  # gated: two rhs tiles per step
   check_smem(config, a_tile=(bm, bk), b_tile=(bk, b_cols), dtype=dtype, out_dtype=out_dtype,
              k_steps=-(-k // bk))

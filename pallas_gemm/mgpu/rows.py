@@ -66,9 +66,28 @@ def row_items(starts, ends, m: int, block_m: int):
   return (jnp.stack([group, row0 // ROW_ALIGN, lo, hi]).astype(jnp.int32), last[-1:])
 
 
+# The bytes a row of an epilogue slot takes for `store_rows`: a TMA's shared-memory
+# source must be 128-byte aligned, and store_rows starts its boxes at any row of the
+# slot. Rows of 64 bytes (32 bfloat16 columns) start boxes on 64-byte addresses: on the
+# H200 those kernels stopped with CUDA_ERROR_MISALIGNED_ADDRESS.
+ROW_BYTES = 128
+
+
+def check_row_stores(epi_block_n: int, out_dtype, kernel: str) -> None:
+  """Raises ValueError unless an epilogue slot's rows are whole multiples of ROW_BYTES."""
+  row = epi_block_n * jnp.dtype(out_dtype).itemsize
+  if row % ROW_BYTES:
+    raise ValueError(
+        f"{kernel}: config.epi_block_n={epi_block_n} makes {row}-byte rows of a"
+        f" {jnp.dtype(out_dtype).name} output; the grouped kernels store single rows by TMA"
+        f" and need rows of a multiple of {ROW_BYTES} bytes (epi_block_n a multiple of"
+        f" {ROW_BYTES // jnp.dtype(out_dtype).itemsize})")
+
+
 def store_rows(out_smem, out_gmem, *, row0, col0, lo, hi):
   """TMA-stores the rows [lo, hi) ∩ [row0, row0 + rows) of the (rows, cols) slot out_smem
-  to out_gmem[row, col0:col0 + cols] as power-of-two boxes, one bulk group in all."""
+  to out_gmem[row, col0:col0 + cols] as power-of-two boxes, one bulk group in all. The
+  slot's rows take a multiple of ROW_BYTES (`check_row_stores`)."""
   rows, cols = out_smem.shape
   start = jnp.maximum(lo, row0)
   size = jnp.maximum(jnp.minimum(hi, row0 + rows) - start, 0)
