@@ -252,6 +252,18 @@ def test_quantize_experts_is_quantize_of_the_transposed_weights(rng, width):
     np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
 
 
+def test_fp8_inference_fuses_the_gate_up_to_its_widest_f(as_on_a_gpu):
+  # The fused first GEMM + activation + quantize where F <= FUSED_GATE_MAX_F; three
+  # passes (the first GEMM on wider tiles) above it.
+  from pallas_gemm.moe import fp8 as moe_fp8  # noqa: PLC0415
+  plan = moe.layer.Plan(activation="swiglu", precision=None, out_dtype=BF16, backend="auto")
+  rows8 = jnp.zeros((64, 128), jnp.float8_e4m3fn)
+  for f, fused in ((128, True), (moe_fp8.FUSED_GATE_MAX_F, True),
+                   (moe_fp8.FUSED_GATE_MAX_F + 128, False)):
+    gu8 = jax.ShapeDtypeStruct((2, 2 * f, 128), jnp.float8_e4m3fn)
+    assert moe_fp8._fused_gate(plan, rows8, gu8, jnp.float8_e4m3fn) == fused, f
+
+
 def test_fp8_inference_has_no_gradient(rng):
   x, weights, ids, wgu, wd = _problem(rng, 8, 128, 128, 2, 1)
   experts = moe.quantize_experts(wgu, wd)

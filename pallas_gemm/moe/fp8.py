@@ -11,9 +11,10 @@ DeepSeek-V3's recipe for the blocks: weights in 128x128 blocks per expert, K-maj
 activations that enter each GEMM (the gathered rows of x, and act(gate) * up) in 1x128
 blocks along the contraction, with power-of-two scales (`pallas_gemm.quantize`). The
 dispatch and the combine are the bf16 layer's (`layer.py`). The inference form runs its
-first GEMM, the activation and the quantize of a as one Hopper kernel where it can
-(`fp8.gated`; `Plan.fuse_gate=False` keeps the three passes); it is forward only: the
-values of a quantized weight have no gradient, and asking for one is an error.
+first GEMM, the activation and the quantize of a as one Hopper kernel where it can and F
+is at most FUSED_GATE_MAX_F (`fp8.gated`; `Plan.fuse_gate=False` keeps the three
+passes); it is forward only: the values of a quantized weight have no gradient, and
+asking for one is an error.
 
 The training form (`layer_fp8_train`) quantizes with current scaling in every call, and
 treats quantization as the identity in its gradients (straight through):
@@ -168,15 +169,24 @@ def layer_fp8(plan: layer.Plan, x, topk_weights, gu8, gu_scales, dn8, dn_scales,
   return layer.combine(y, d.inverse, topk_weights, plan.out_dtype)
 
 
+# The widest F (d_ff) whose first GEMM runs fused with the activation and quantize. The
+# fused kernel computes a's 128-column blocks with 128 x 128 tiles; the three passes run
+# the first GEMM on `scaled_ragged_dot`'s 128 x 192 tiles, which gain more than the
+# passes cost once the GEMM is large. On the H200 (`python -m benchmarks --moe`, layer
+# forward), three passes over fused: 1.065x at F = 14336 (Mixtral-like), 1.02x +-0.05 at
+# 2048 (DeepSeek-V3-like), 0.97x at 768 (Qwen3-like).
+FUSED_GATE_MAX_F = 4096
+
+
 def _fused_gate(plan: layer.Plan, rows8, gu8, dtype) -> bool:
   """Whether the first GEMM, the activation and the quantize of its output run as one
-  kernel (`fp8.gated_quantized`): a gated activation, a Hopper GPU (the kernel's
-  interpreter on a CPU takes seconds a call) and a backend other than "xla", the kernel
-  able to run on these operands, not under Auto mesh axes (XLA partitions the layer
-  there), and the fused form not turned off (Plan.fuse_gate)."""
+  kernel (`fp8.gated_quantized`): a gated activation, F at most FUSED_GATE_MAX_F, a
+  Hopper GPU (the kernel's interpreter on a CPU takes seconds a call) and a backend
+  other than "xla", the kernel able to run on these operands, not under Auto mesh axes
+  (XLA partitions the layer there), and the fused form not turned off (Plan.fuse_gate)."""
   _, is_gated = layer.ACTIVATIONS[plan.activation]
   if (not (is_gated and plan.fuse_gate) or plan.backend == "xla" or not hw.on_gpu()
-      or sharding.auto_axes()):
+      or sharding.auto_axes() or gu8.shape[1] // 2 > FUSED_GATE_MAX_F):
     return False
   return fp8_ops.gated_kernel_reason(rows8, gu8, dtype) is None
 
