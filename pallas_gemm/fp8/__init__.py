@@ -26,7 +26,7 @@ from pallas_gemm.fp8.gated import gated_kernel_reason, gated_quantized
 from pallas_gemm.fp8.layer import fp8_dot_general
 from pallas_gemm.fp8.ragged import scaled_ragged_dot
 from pallas_gemm.fp8.quantize import quantize
-from pallas_gemm.fp8.scales import dequantize
+from pallas_gemm.fp8.scales import INPUT_DTYPES, dequantize  # INPUT_DTYPES: what quantize takes
 
-__all__ = ["dequantize", "fp8_dot_general", "gated_kernel_reason", "gated_quantized", "quantize",
-           "scaled_matmul", "scaled_ragged_dot"]
+__all__ = ["INPUT_DTYPES", "dequantize", "fp8_dot_general", "gated_kernel_reason",
+           "gated_quantized", "quantize", "scaled_matmul", "scaled_ragged_dot"]

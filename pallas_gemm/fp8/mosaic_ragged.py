@@ -58,7 +58,7 @@ def default_config(m: int, n: int, g: int, out_dtype) -> Config:
   the H200 at 1024 rows over 128 / 256 experts, 1.11-1.14x the 128 x 128 tiles (whose
   128-row lhs tiles are mostly other groups' rows), the same results bit for bit.
   Epilogue sub-tiles have 128-byte rows (`rows.check_row_stores`)."""
-  epi_n = rows.ROW_BYTES // max(jnp.dtype(out_dtype).itemsize, 2)
+  epi_n = rows.row_columns(out_dtype)
   if streams_weights(m, g):
     return Config(block_m=64, block_n=128, stages=8, num_compute_wgs=1, epi_block_n=epi_n)
   if pads_within(n, 192):

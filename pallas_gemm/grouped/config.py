@@ -23,6 +23,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 from pallas_gemm.mgpu.hw import RESERVED_SMEM_BYTES, SMEM_BYTES_PER_BLOCK
+from pallas_gemm.mgpu.rows import row_columns
 from pallas_gemm.mgpu.tiles import (check_positive_ints, check_warpgroups, config_error,
                                     deepest_ring)
 
@@ -192,7 +193,8 @@ def default_config(m: int, n: int, k: int, g: int, dtype=jnp.bfloat16, *,
       cfg = Config(block_m=128, block_n=block_n, block_k=64, stages=4, num_compute_wgs=2,
                    wg_split="n" if block_n == 256 else "m")
     a_tile, b_tile = (cfg.block_m, cfg.block_k), (cfg.block_k, cfg.block_n)
-  # Epilogue rows of 128 bytes (the widest swizzle): 32 columns of an f32 output.
-  cfg = cfg.replace(epi_block_n=128 // out_dtype.itemsize if out_dtype.itemsize > 2 else 64)
+  # Epilogue rows of 128 bytes (the widest swizzle, and `rows.check_row_stores`' unit):
+  # 32 columns of an f32 output.
+  cfg = cfg.replace(epi_block_n=row_columns(out_dtype))
   return deepest_ring(cfg, lambda c: smem_bytes(c, a_tile=a_tile, b_tile=b_tile, dtype=dtype,
                                                  out_dtype=out_dtype))

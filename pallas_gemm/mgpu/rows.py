@@ -73,6 +73,11 @@ def row_items(starts, ends, m: int, block_m: int):
 ROW_BYTES = 128
 
 
+def row_columns(out_dtype) -> int:
+  """Epilogue columns of out_dtype (16-bit or wider) that make one ROW_BYTES row."""
+  return ROW_BYTES // max(jnp.dtype(out_dtype).itemsize, 2)
+
+
 def check_row_stores(epi_block_n: int, out_dtype, kernel: str) -> None:
   """Raises ValueError unless an epilogue slot's rows are whole multiples of ROW_BYTES."""
   row = epi_block_n * jnp.dtype(out_dtype).itemsize

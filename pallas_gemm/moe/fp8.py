@@ -290,8 +290,7 @@ def quantize_experts_for_training(w_gate_up, w_down):
   for name, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
     if not hasattr(w, "ndim") or not hasattr(w, "dtype"):
       raise TypeError(f"{name} must be an array; got {type(w).__name__}")
-    if np.dtype(w.dtype) not in (np.dtype(np.float32), np.dtype(jnp.bfloat16),
-                                 np.dtype(np.float16)):
+    if np.dtype(w.dtype) not in fp8_ops.INPUT_DTYPES:
       raise TypeError(f"{name}.dtype must be float32, bfloat16 or float16; got"
                       f" {np.dtype(w.dtype)}")
     if w.ndim not in (3, 4 if name == "w_gate_up" else 3):
